@@ -1,0 +1,1 @@
+"""Single-device Pallas kernels with pure-jnp references (no mesh knowledge)."""
