@@ -1,0 +1,38 @@
+"""Experiment configuration: typed frozen dataclasses, YAML presets, dotted overrides."""
+
+from dora_jax.config.loading import dump_yaml, from_dict, load_config, to_dict
+from dora_jax.config.schema import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    ExperimentConfig,
+    LoggingConfig,
+    MeshConfig,
+    ModelConfig,
+    OrchestratorConfig,
+    RolloutConfig,
+    RolloutMeshConfig,
+    RopeScalingConfig,
+    TrainConfig,
+    TrainerMeshConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "ExperimentConfig",
+    "LoggingConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OrchestratorConfig",
+    "RolloutConfig",
+    "RolloutMeshConfig",
+    "RopeScalingConfig",
+    "TrainConfig",
+    "TrainerMeshConfig",
+    "dump_yaml",
+    "from_dict",
+    "load_config",
+    "to_dict",
+]

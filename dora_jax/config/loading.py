@@ -1,0 +1,236 @@
+"""Build an :class:`ExperimentConfig` from YAML presets and dotted command-line overrides.
+
+Checks are strict: an unknown key, a value of the wrong type, or a value that a section's
+``__post_init__`` rejects raises :class:`ConfigError` whose message starts with the full dotted
+path of the field and says what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from dora_jax.config.schema import ConfigError, ExperimentConfig
+
+T = typing.TypeVar("T")
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Convert a YAML value to the annotated type, or raise ConfigError naming ``path``."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(e)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+        return from_dict(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected a boolean (true/false), got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(path, f"expected a float, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(path, f"expected a float, got {value!r}")
+    if tp is str:
+        if not isinstance(value, str):
+            hint = " (quote it: YAML reads an unquoted 4:8 as a number)" if value else ""
+            raise ConfigError(path, f"expected a string, got {value!r}{hint}")
+        return value
+    raise TypeError(f"{path}: unsupported config annotation {tp!r}")  # a bug in the schema
+
+
+def _unknown_key(cls: type, key: str, path: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(str(key), names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
+    return ConfigError(_join(path, str(key)), f"unknown key{hint}")
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping; missing keys take their defaults."""
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            raise _unknown_key(cls, key, path)
+        kwargs[key] = _coerce(value, hints[key], _join(path, key))
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.under(path) if path else e from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists), suitable for YAML or JSON."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"train.lr=1e-6"`` -> ``(["train", "lr"], 1e-6)``; the value is parsed as YAML (string
+    fields keep the raw text, see :func:`apply_overrides`)."""
+    if "=" not in text:
+        raise ConfigError("", f"override {text!r} must look like key.path=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError("", f"override {text!r} has an empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"cannot parse value {raw!r}: {e}") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> dict[str, Any]:
+    """Set each dotted override into a copy of ``data``; unknown paths fail early."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node, node_cls, path = out, cls, ""
+        for i, part in enumerate(parts):
+            if node_cls is None or not dataclasses.is_dataclass(node_cls):
+                raise ConfigError(path, f"is not a section; cannot set {'.'.join(parts[i:])!r}")
+            if part not in {f.name for f in dataclasses.fields(node_cls)}:
+                raise _unknown_key(node_cls, part, path)
+            path = _join(path, part)
+            if i == len(parts) - 1:
+                hint = typing.get_type_hints(node_cls)[part]
+                raw = text.split("=", 1)[1].strip()
+                if _is_str_field(hint) and not (raw == "null" and _is_optional(hint)):
+                    value = raw  # YAML 1.1 would read "4:8" as the base-60 integer 248
+                node[part] = value
+                break
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+            node_cls = _dataclass_in(typing.get_type_hints(node_cls)[part])
+    return out
+
+
+def _is_str_field(tp: Any) -> bool:
+    return tp is str or str in typing.get_args(tp)
+
+
+def _is_optional(tp: Any) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("", f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("", f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> ExperimentConfig:
+    """The experiment config: defaults, then the YAML file at ``path``, then ``overrides``."""
+    data = load_yaml(path) if path is not None else {}
+    data = apply_overrides(data, list(overrides), ExperimentConfig)
+    try:
+        return from_dict(ExperimentConfig, data)
+    except ConfigError as e:
+        if path is not None:
+            raise ConfigError(e.path, f"{e.reason} (in {path})") from None
+        raise
+
+
+def dump_yaml(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,364 @@
+"""Typed, frozen configuration of one experiment.
+
+Every section is a frozen dataclass whose ``__post_init__`` checks its own invariants and raises
+:class:`ConfigError` naming the field. :mod:`dora_jax.config.loading` builds these from YAML and
+dotted command-line overrides and prefixes every error with the full field path
+(``train.lr: expected a float, got 'abc'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type, or invalid.
+
+    ``path`` is the dotted field path (e.g. ``model.num_kv_heads``); the message starts with it.
+    """
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        self.reason = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with ``prefix`` prepended to its path."""
+        return ConfigError(f"{prefix}.{self.path}" if self.path else prefix, self.reason)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """Llama-3 style frequency-dependent RoPE scaling (HF ``rope_type: llama3``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        _check(self.factor >= 1.0, "factor", f"must be >= 1, got {self.factor}")
+        _check(
+            self.high_freq_factor > self.low_freq_factor > 0,
+            "high_freq_factor",
+            "must be > low_freq_factor > 0, got "
+            f"{self.high_freq_factor} and {self.low_freq_factor}",
+        )
+        _check(
+            self.original_max_position_embeddings > 0,
+            "original_max_position_embeddings",
+            "must be > 0",
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Qwen2- or Llama-family decoder. Defaults: a tiny Qwen2 for the built-in CPU task."""
+
+    family: Literal["qwen2", "llama"] = "qwen2"
+    vocab_size: int = 64
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    attention_bias: bool | None = None  # None: the family's default (qwen2 True, llama False)
+    mlp_bias: bool = False
+    max_position_embeddings: int = 4096
+    param_dtype: Dtype = "float32"
+    compute_dtype: Dtype = "float32"
+    remat: Literal["none", "full", "dots"] = "none"
+    hf_path: str | None = None  # a Hugging Face checkpoint directory to start from
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+            _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _check(self.num_kv_heads > 0, "num_kv_heads", f"must be > 0, got {self.num_kv_heads}")
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}",
+        )
+        if self.head_dim is None:
+            _check(
+                self.hidden_size % self.num_heads == 0,
+                "head_dim",
+                f"is unset, so hidden_size ({self.hidden_size}) must divide by num_heads "
+                f"({self.num_heads}); set head_dim explicitly",
+            )
+        hd = self.resolved_head_dim
+        _check(hd > 0 and hd % 2 == 0, "head_dim", f"must be a positive even number, got {hd}")
+        _check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        _check(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        _check(
+            self.max_position_embeddings > 0,
+            "max_position_embeddings",
+            f"must be > 0, got {self.max_position_embeddings}",
+        )
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        if self.attention_bias is not None:
+            return self.attention_bias
+        return self.family == "qwen2"
+
+
+@dataclass(frozen=True)
+class TrainerMeshConfig:
+    """The trainer submesh: ``devices`` is a slice ``"start:stop"`` of the global device list."""
+
+    devices: str = "0:4"
+    data: int = 2  # data-parallel axis size
+    model: int = 2  # tensor-parallel axis size
+    fsdp: bool = False  # also shard the embed dimension of params over the data axis
+
+    def __post_init__(self):
+        _check(self.data > 0, "data", f"must be > 0, got {self.data}")
+        _check(self.model > 0, "model", f"must be > 0, got {self.model}")
+
+
+@dataclass(frozen=True)
+class RolloutMeshConfig:
+    """Rollout groups cut from the device slice ``devices``, each ``tp`` devices wide.
+
+    If the slice holds ``groups * tp`` devices, groups get disjoint devices (disaggregated). If it
+    holds exactly ``tp`` devices, all groups share them (colocated: several engines per device).
+    """
+
+    devices: str = "4:8"
+    groups: int = 4
+    tp: int = 1
+
+    def __post_init__(self):
+        _check(self.groups > 0, "groups", f"must be > 0, got {self.groups}")
+        _check(self.tp > 0, "tp", f"must be > 0, got {self.tp}")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    trainer: TrainerMeshConfig = field(default_factory=TrainerMeshConfig)
+    rollout: RolloutMeshConfig = field(default_factory=RolloutMeshConfig)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """One engine per rollout group."""
+
+    max_slots: int = 16  # concurrent requests per engine
+    page_size: int = 16
+    num_pages: int = 256  # KV pages per engine (page 0 is reserved as padding)
+    max_prompt_len: int = 64
+    max_new_tokens: int = 128
+    prefill_chunk: int = 64
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    attention_impl: Literal["reference", "pallas"] = "reference"
+
+    def __post_init__(self):
+        for name in ("max_slots", "page_size", "num_pages", "max_prompt_len", "max_new_tokens"):
+            _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _check(self.num_pages >= 2, "num_pages", "must be >= 2 (page 0 is reserved)")
+        _check(self.prefill_chunk > 0, "prefill_chunk", f"must be > 0, got {self.prefill_chunk}")
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """GRPO optimisation on the trainer submesh."""
+
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    total_steps: int = 100
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    microbatches: int = 1
+    fp32_master_weights: bool = False
+    logprob_chunk: int = 4096  # vocabulary chunk for per-token log-probabilities
+    group_size: int = 8  # G: samples per prompt
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    normalize_std: bool = True  # False: Dr. GRPO (no division by the group std)
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    tis_cap: float | None = None  # truncated importance weight cap for engine/trainer mismatch
+    kl_beta: float = 0.0
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    length_buckets: tuple[int, ...] = (64, 128, 256, 512)
+    adv_eps: float = 1e-6  # added to the group std before dividing (grpo with normalize_std)
+    # seq_mean_token_sum_norm divides each sequence's token sum by this constant; None: the
+    # largest length bucket (a constant, so the loss scale does not jump with the bucket)
+    loss_norm_len: int | None = None
+    # rows of a packed train batch (several trajectories share a row); 0: one trajectory per row
+    pack_rows: int = 0
+    staleness_bins: int = 8  # staleness histogram bins 0..bins-1; the last also counts larger
+
+    def __post_init__(self):
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(self.total_steps > 0, "total_steps", f"must be > 0, got {self.total_steps}")
+        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(self.max_grad_norm > 0, "max_grad_norm", f"must be > 0, got {self.max_grad_norm}")
+        _check(self.microbatches > 0, "microbatches", f"must be > 0, got {self.microbatches}")
+        _check(self.logprob_chunk > 0, "logprob_chunk", f"must be > 0, got {self.logprob_chunk}")
+        _check(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
+        _check(self.clip_eps_low >= 0, "clip_eps_low", f"must be >= 0, got {self.clip_eps_low}")
+        _check(self.clip_eps_high >= 0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
+        _check(
+            self.tis_cap is None or self.tis_cap >= 1.0,
+            "tis_cap",
+            f"must be >= 1 or null, got {self.tis_cap}",
+        )
+        _check(self.kl_beta >= 0, "kl_beta", f"must be >= 0, got {self.kl_beta}")
+        _check(len(self.length_buckets) > 0, "length_buckets", "must not be empty")
+        _check(
+            all(b > 0 for b in self.length_buckets)
+            and list(self.length_buckets) == sorted(set(self.length_buckets)),
+            "length_buckets",
+            f"must be positive and strictly increasing, got {list(self.length_buckets)}",
+        )
+        _check(self.adv_eps > 0, "adv_eps", f"must be > 0, got {self.adv_eps}")
+        _check(
+            self.loss_norm_len is None or self.loss_norm_len > 0,
+            "loss_norm_len",
+            f"must be > 0 or null, got {self.loss_norm_len}",
+        )
+        _check(self.pack_rows >= 0, "pack_rows", f"must be >= 0, got {self.pack_rows}")
+        _check(self.staleness_bins > 0, "staleness_bins", f"must be > 0, got {self.staleness_bins}")
+
+    @property
+    def resolved_loss_norm_len(self) -> int:
+        """The seq_mean_token_sum_norm normaliser: ``loss_norm_len`` or the largest bucket."""
+        return self.loss_norm_len if self.loss_norm_len is not None else self.length_buckets[-1]
+
+
+Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """The control plane: mode, staleness window K, batch sizes and planner triggers."""
+
+    mode: Mode = "dora"
+    staleness_k: int = 2
+    train_batch_prompts: int = 4  # TBS: prompt groups consumed per train step
+    rollout_batch_prompts: int = 8  # RBS: prompt groups in flight
+    plan_period_ticks: int = 32
+    kv_pressure_threshold: float = 0.9
+
+    def __post_init__(self):
+        _check(self.staleness_k >= 0, "staleness_k", f"must be >= 0, got {self.staleness_k}")
+        _check(
+            self.train_batch_prompts > 0,
+            "train_batch_prompts",
+            f"must be > 0, got {self.train_batch_prompts}",
+        )
+        _check(
+            self.rollout_batch_prompts >= self.train_batch_prompts,
+            "rollout_batch_prompts",
+            f"must be >= train_batch_prompts ({self.train_batch_prompts}), "
+            f"got {self.rollout_batch_prompts}",
+        )
+        _check(
+            self.plan_period_ticks > 0,
+            "plan_period_ticks",
+            f"must be > 0, got {self.plan_period_ticks}",
+        )
+        _check(
+            0 < self.kv_pressure_threshold <= 1,
+            "kv_pressure_threshold",
+            f"must be in (0, 1], got {self.kv_pressure_threshold}",
+        )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts: the built-in synthetic task, or a JSONL file (``path``) of prompts with answers."""
+
+    task: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: str | None = None
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    reward: Literal["exact", "boxed_math"] = "exact"
+    tokenizer: Literal["char", "hf"] = "char"
+
+    def __post_init__(self):
+        _check(
+            self.task != "jsonl" or bool(self.path),
+            "path",
+            "must be set when task is 'jsonl'",
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 0  # 0: only at the end and on SIGINT/SIGTERM
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
+        _check(self.keep > 0, "keep", f"must be > 0, got {self.keep}")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    progress: bool = True
+    tensorboard: bool = True
+    every_steps: int = 1
+
+    def __post_init__(self):
+        _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The whole experiment; written, resolved, next to every run."""
+
+    seed: int = 0
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        kv, tp = self.model.num_kv_heads, self.mesh.rollout.tp
+        _check(
+            kv % tp == 0,
+            "mesh.rollout.tp",
+            f"must divide model.num_kv_heads ({kv}) so KV pages shard over kv heads, got {tp}",
+        )
+
+
+def replace(cfg, **changes):
+    """``dataclasses.replace`` that re-runs validation (frozen dataclasses re-check on init)."""
+    return dataclasses.replace(cfg, **changes)

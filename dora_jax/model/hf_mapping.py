@@ -1,0 +1,258 @@
+"""Hugging Face <-> dora_jax: the weight-name table and the config translation.
+
+One declarative table (:data:`WEIGHT_RULES`) says, for each of our parameters, which HF tensor
+holds it, the HF shape, and the two array transforms. Adding a model family means adding rows
+(or a predicate) here, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dora_jax.config import ModelConfig, RopeScalingConfig
+
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+# HF tensors that carry no parameters of ours and are skipped on load.
+IGNORED_HF_TENSORS = (r".*rotary_emb\.inv_freq$",)
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint's architecture or options are outside what the decoder implements."""
+
+
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    ours: str  # path in our params tree, "/"-separated; "layers/..." leaves are stacked on L
+    hf: str  # HF tensor name; "{i}" is the layer index
+    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    to_ours: Transform
+    to_hf: Transform
+    when: Callable[[ModelConfig], bool] = lambda cfg: True
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+def _dims(c: ModelConfig) -> tuple[int, int, int, int, int, int]:
+    return (
+        c.vocab_size,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.resolved_head_dim,
+    )
+
+
+def _same(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    return w
+
+
+def _t(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(w.T)
+
+
+def _proj_in(heads: Callable[[ModelConfig], int]) -> tuple[Transform, Transform]:
+    """HF ``[heads*H, D]`` <-> ours ``[D, heads, H]``."""
+
+    def to_ours(w, c):
+        return np.ascontiguousarray(w.T).reshape(c.hidden_size, heads(c), c.resolved_head_dim)
+
+    def to_hf(w, c):
+        return np.ascontiguousarray(w.reshape(c.hidden_size, -1).T)
+
+    return to_ours, to_hf
+
+
+def _bias(heads: Callable[[ModelConfig], int]) -> tuple[Transform, Transform]:
+    return (
+        lambda w, c: w.reshape(heads(c), c.resolved_head_dim),
+        lambda w, c: w.reshape(-1),
+    )
+
+
+def _o_to_ours(w, c):  # HF [D, N*H] -> ours [N, H, D]
+    return np.ascontiguousarray(w.T).reshape(c.num_heads, c.resolved_head_dim, c.hidden_size)
+
+
+def _o_to_hf(w, c):
+    return np.ascontiguousarray(w.reshape(-1, c.hidden_size).T)
+
+
+def _q(c):
+    return c.num_heads
+
+
+def _kv(c):
+    return c.num_kv_heads
+
+
+def _qkv_bias(c):
+    return c.qkv_bias
+
+
+_P = "model.layers.{i}."
+
+WEIGHT_RULES: tuple[WeightRule, ...] = (
+    WeightRule("embed", "model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size),
+               _same, _same),
+    WeightRule("layers/attn_norm", _P + "input_layernorm.weight", lambda c: (c.hidden_size,),
+               _same, _same),
+    WeightRule("layers/wq", _P + "self_attn.q_proj.weight",
+               lambda c: (c.num_heads * c.resolved_head_dim, c.hidden_size), *_proj_in(_q)),
+    WeightRule("layers/wk", _P + "self_attn.k_proj.weight",
+               lambda c: (c.num_kv_heads * c.resolved_head_dim, c.hidden_size), *_proj_in(_kv)),
+    WeightRule("layers/wv", _P + "self_attn.v_proj.weight",
+               lambda c: (c.num_kv_heads * c.resolved_head_dim, c.hidden_size), *_proj_in(_kv)),
+    WeightRule("layers/bq", _P + "self_attn.q_proj.bias",
+               lambda c: (c.num_heads * c.resolved_head_dim,), *_bias(_q), when=_qkv_bias),
+    WeightRule("layers/bk", _P + "self_attn.k_proj.bias",
+               lambda c: (c.num_kv_heads * c.resolved_head_dim,), *_bias(_kv), when=_qkv_bias),
+    WeightRule("layers/bv", _P + "self_attn.v_proj.bias",
+               lambda c: (c.num_kv_heads * c.resolved_head_dim,), *_bias(_kv), when=_qkv_bias),
+    WeightRule("layers/wo", _P + "self_attn.o_proj.weight",
+               lambda c: (c.hidden_size, c.num_heads * c.resolved_head_dim), _o_to_ours, _o_to_hf),
+    WeightRule("layers/mlp_norm", _P + "post_attention_layernorm.weight",
+               lambda c: (c.hidden_size,), _same, _same),
+    WeightRule("layers/w_gate", _P + "mlp.gate_proj.weight",
+               lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+    WeightRule("layers/w_up", _P + "mlp.up_proj.weight",
+               lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+    WeightRule("layers/w_down", _P + "mlp.down_proj.weight",
+               lambda c: (c.hidden_size, c.intermediate_size), _t, _t),
+    WeightRule("final_norm", "model.norm.weight", lambda c: (c.hidden_size,), _same, _same),
+    WeightRule("lm_head", "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _t, _t,
+               when=lambda c: not c.tie_word_embeddings),
+)  # fmt: skip
+
+
+def active_rules(cfg: ModelConfig) -> list[WeightRule]:
+    return [r for r in WEIGHT_RULES if r.when(cfg)]
+
+
+def expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[WeightRule, int | None]]:
+    """Every HF tensor name the checkpoint must hold -> (rule, layer index or None)."""
+    out: dict[str, tuple[WeightRule, int | None]] = {}
+    for rule in active_rules(cfg):
+        if rule.per_layer:
+            for i in range(cfg.num_layers):
+                out[rule.hf.format(i=i)] = (rule, i)
+        else:
+            out[rule.hf] = (rule, None)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) from either the transformers-5 ``rope_parameters`` or the
+    older ``rope_theta`` + ``rope_scaling`` keys."""
+    rp = hf.get("rope_parameters") or {}
+    theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = dict(hf.get("rope_scaling") or rp)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "llama3":
+        raise UnsupportedModelError(f"config.json: rope type {kind!r} is not supported "
+                                    "(supported: default, llama3)")  # fmt: skip
+    return float(theta), scaling
+
+
+def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """Translate a HF ``config.json`` dict; unsupported options raise naming the option."""
+    archs = hf.get("architectures") or []
+    family = SUPPORTED_ARCHITECTURES.get(archs[0]) if archs else None
+    if family is None:
+        family = {"qwen2": "qwen2", "llama": "llama"}.get(hf.get("model_type", ""))
+    if family is None:
+        raise UnsupportedModelError(
+            f"config.json: architecture {archs or hf.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"config.json: hidden_act {hf['hidden_act']!r} is not "
+                                    "supported (only silu)")  # fmt: skip
+    if hf.get("use_sliding_window"):
+        raise UnsupportedModelError("config.json: use_sliding_window=true is not supported")
+    if hf.get("mlp_bias"):
+        raise UnsupportedModelError("config.json: mlp_bias=true is not supported")
+    theta, scaling = _rope_params(hf)
+    heads = hf["num_attention_heads"]
+    kw: dict[str, Any] = dict(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim"),
+        rope_theta=theta,
+        rope_scaling=None
+        if scaling is None
+        else RopeScalingConfig(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        ),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family == "qwen2")),
+        attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+    )
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def model_config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+    """A ``config.json`` dict that transformers loads as the matching architecture."""
+    arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[cfg.family]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": cfg.rope_theta,
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
+    out: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if cfg.family == "llama":
+        out["attention_bias"] = cfg.qkv_bias
+        out["mlp_bias"] = False
+    else:
+        out["use_sliding_window"] = False
+    return out

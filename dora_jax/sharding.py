@@ -1,0 +1,127 @@
+"""Logical axis names -> mesh axes, one rule set per role (trainer, rollout group).
+
+Model code names axes logically (``("batch", "seq", "embed")``); only this module knows how a role
+lays them on its mesh. A dimension whose size does not divide by its mesh axes is replicated
+instead (so a tiny test model still runs on a wide mesh); :func:`spec_for` reports that choice
+through ``dropped`` for callers that want to log it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dora_jax.config import TrainerMeshConfig
+
+Rules = Mapping[str, str | tuple[str, ...] | None]
+LogicalAxes = tuple[str | None, ...]
+
+
+def trainer_rules(cfg: TrainerMeshConfig) -> dict[str, str | None]:
+    """Trainer mesh ``("data", "model")``: batch over data, heads/ffn/vocab over model (TP);
+    with ``fsdp`` the params' embed dimension is also sharded over data."""
+    return {
+        "batch": "data",
+        "seq": None,
+        "embed": "data" if cfg.fsdp else None,
+        "vocab": "model",
+        "q_heads": "model",
+        "kv_heads": "model",
+        "head_dim": None,
+        "mlp": "model",
+        "layers": None,
+        "norm": None,
+    }
+
+
+def rollout_rules() -> dict[str, str | None]:
+    """Rollout group mesh ``("data", "model")`` with data = 1: tensor parallel over ``model``.
+    KV pages shard over kv heads, so every group must use the same layout for peer moves."""
+    return {
+        "batch": None,
+        "seq": None,
+        "embed": None,
+        "vocab": "model",
+        "q_heads": "model",
+        "kv_heads": "model",
+        "head_dim": None,
+        "mlp": "model",
+        "layers": None,
+        "norm": None,
+        "pages": None,
+        "page_slot": None,
+    }
+
+
+def spec_for(
+    axes: LogicalAxes,
+    rules: Rules,
+    mesh: Mesh,
+    shape: Sequence[int] | None = None,
+    dropped: list[str] | None = None,
+) -> PartitionSpec:
+    """PartitionSpec for one array. Unknown logical names raise; a mesh axis is used at most once
+    per array; a dimension not divisible by its mesh axes is replicated (listed in ``dropped``)."""
+    used: set[str] = set()
+    out: list[Any] = []
+    for i, name in enumerate(axes):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule (rules: {sorted(rules)})")
+        target = rules[name]
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        mesh_axes = tuple(a for a in mesh_axes if a not in used)
+        size = 1
+        for a in mesh_axes:
+            size *= mesh.shape[a]
+        if shape is not None and mesh_axes and shape[i] % size != 0:
+            if dropped is not None:
+                dropped.append(f"{name}({shape[i]} % {size})")
+            mesh_axes = ()
+        used.update(mesh_axes)
+        if not mesh_axes or size == 1:
+            out.append(None)
+        else:
+            out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*out)
+
+
+def tree_shardings(axes_tree: Any, shapes_tree: Any, rules: Rules, mesh: Mesh) -> Any:
+    """NamedShardings for a pytree of logical-axes tuples and a matching tree of shaped leaves."""
+
+    def one(axes: LogicalAxes, leaf: Any) -> NamedSharding:
+        return NamedSharding(mesh, spec_for(axes, rules, mesh, leaf.shape))
+
+    return jax.tree.map(one, axes_tree, shapes_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "dora_jax_sharding_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Within this block (at trace time), :func:`constrain` pins activations to ``mesh``."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+    """Sharding constraint by logical names; a no-op outside :func:`use_rules`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = spec_for(axes, rules, mesh, x.shape)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

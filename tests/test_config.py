@@ -1,0 +1,102 @@
+"""Config system: presets, dotted overrides, and errors that name the full field path."""
+
+from pathlib import Path
+
+import pytest
+
+from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(
+        None, ["train.lr=1e-6", "orchestrator.mode=sync", "model.rope_scaling.factor=4"]
+    )
+    assert cfg.train.lr == 1e-6
+    assert cfg.orchestrator.mode == "sync"
+    assert cfg.model.rope_scaling is not None and cfg.model.rope_scaling.factor == 4.0
+    assert cfg.model.rope_scaling.low_freq_factor == 1.0  # untouched fields keep defaults
+    assert load_config().model == ExperimentConfig().model
+
+
+def test_string_fields_keep_raw_override_text(tmp_path):
+    cfg = load_config(None, ["mesh.rollout.devices=4:8", "model.hf_path=null"])
+    assert cfg.mesh.rollout.devices == "4:8" and cfg.model.hf_path is None
+    p = tmp_path / "c.yaml"
+    p.write_text("mesh:\n  rollout:\n    devices: 4:8\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^mesh\.rollout\.devices: expected a string, got 248 "
+        r"\(quote it",
+    ):
+        load_config(p)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["train.length_buckets=[32, 64]", "model.family=llama"])
+    dump_yaml(cfg, tmp_path / "c.yaml")
+    again = load_config(tmp_path / "c.yaml")
+    assert again == cfg
+    assert to_dict(again)["train"]["length_buckets"] == [32, 64]
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_loads(preset):
+    cfg = load_config(preset)
+    assert isinstance(cfg, ExperimentConfig)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lrr=1", r"^train\.lrr: unknown key; did you mean 'lr'\?"),
+        ("trian.lr=1", r"^trian: unknown key; did you mean 'train'\?"),
+        ("train.lr=abc", r"^train\.lr: expected a float, got 'abc'"),
+        ("train.microbatches=1.5", r"^train\.microbatches: expected an integer, got 1\.5"),
+        ("logging.progress=yes please", r"^logging\.progress: expected a boolean"),
+        ("model.family=gpt2", r"^model\.family: expected one of 'qwen2', 'llama', got 'gpt2'"),
+        ("model.num_kv_heads=3", r"^model\.num_kv_heads: must divide num_heads \(4\), got 3"),
+        ("train.lr=-1", r"^train\.lr: must be > 0, got -1\.0"),
+        ("rollout.top_p=0", r"^rollout\.top_p: must be in \(0, 1\]"),
+        ("model.rope_scaling.factor=0.5", r"^model\.rope_scaling\.factor: must be >= 1"),
+        ("train.length_buckets=[64, 32]", r"^train\.length_buckets: must be positive and strictly"),
+        ("train.length_buckets=[64, x]", r"^train\.length_buckets\[1\]: expected an integer"),
+        ("mesh.rollout.tp=4", r"^mesh\.rollout\.tp: must divide model\.num_kv_heads \(2\)"),
+        ("train.lr.x=1", r"^train\.lr: is not a section"),
+        ("train.lr", r"must look like key\.path=value"),
+        (
+            "orchestrator.rollout_batch_prompts=1",
+            r"^orchestrator\.rollout_batch_prompts: must be >= train_batch_prompts",
+        ),
+        ("data.task=jsonl", r"^data\.path: must be set when task is 'jsonl'"),
+    ],
+)
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_bad_yaml_file_names_the_file_and_field(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  lr: 1e-5\n  warmup: 3\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.warmup: unknown key; did you mean "
+        r"'warmup_steps'\? \(in .*bad\.yaml\)",
+    ):
+        load_config(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    p.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping at the top level"):
+        load_config(p)
+    p.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(p)
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(AttributeError):
+        cfg.train.lr = 3.0  # type: ignore[misc]
