@@ -173,6 +173,10 @@ class RolloutConfig:
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     attention_impl: Literal["reference", "pallas"] = "reference"
+    # True: every decode/prefill step uses one batch shape (max_slots rows), so a request's
+    # tokens and logprobs do not depend on which other requests share its steps: migration and
+    # parking continue bit-identically. False: power-of-4 batch buckets (less padding compute).
+    batch_invariant: bool = True
 
     def __post_init__(self):
         for name in ("max_slots", "page_size", "num_pages", "max_prompt_len", "max_new_tokens"):

@@ -1,0 +1,133 @@
+"""The engine's attention steps over the paged KV cache, for one layer.
+
+The kernels in :mod:`dora_jax.kernels` are single-device; here they are wrapped in
+``jax.shard_map`` over the group mesh's ``model`` axis (q heads and kv heads split the same way,
+so every shard holds whole GQA groups). Axis letters: B batch, C prefill chunk, N q heads,
+K kv heads, H head dim, P pages, Z page size, S = pages_per_seq * Z.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from dora_jax.kernels.kv_cache_ops import append_kv, append_kv_chunk
+from dora_jax.kernels.paged_attention import paged_decode_attention
+from dora_jax.model.layers import NEG_INF
+
+HEADS = P(None, "model", None)  # [B, N|K, H]
+CHUNK_HEADS = P(None, None, "model", None)  # [B, C, N|K, H]
+PAGES = P("model", None, None, None)  # [K, P, Z, H]
+REPLICATED = P()
+
+
+def decode_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    active: jax.Array,
+    *,
+    mesh: Mesh,
+    impl: str,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write this step's K/V at position ``lengths - 1`` and attend over ``lengths`` tokens.
+
+    ``q [B,1,N,H]``, ``k, v [B,1,K,H]``; ``lengths`` counts the new token. Inactive rows write
+    nothing and attend over nothing. Returns ``(out [B,1,N,H], k_pages, v_pages)``.
+    """
+    Z = k_pages.shape[2]
+    pos = jnp.maximum(lengths - 1, 0)
+    slot_page = jnp.take_along_axis(block_tables, (pos // Z)[:, None], axis=1)[:, 0]
+    slot_offset = (pos % Z).astype(jnp.int32)
+    lengths = jnp.where(active, lengths, 0).astype(jnp.int32)
+
+    def local(q, k, v, kp, vp, bt, ln, sp, so, act):
+        kp, vp = append_kv(kp, vp, k, v, sp, so, act, impl=impl, interpret=interpret)
+        out = paged_decode_attention(q, kp, vp, bt, ln, impl=impl, interpret=interpret)
+        return out, kp, vp
+
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(HEADS, HEADS, HEADS, PAGES, PAGES) + (REPLICATED,) * 5,
+        out_specs=(HEADS, PAGES, PAGES),
+        check_vma=False,
+    )
+    out, k_pages, v_pages = fn(
+        q[:, 0],
+        k[:, 0],
+        v[:, 0],
+        k_pages,
+        v_pages,
+        block_tables,
+        lengths,
+        slot_page,
+        slot_offset,
+        active,
+    )
+    return out[:, None], k_pages, v_pages
+
+
+def prefill_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    start: jax.Array,
+    num_valid: jax.Array,
+    *,
+    mesh: Mesh,
+    impl: str,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write a prompt chunk's K/V (positions ``start .. start+num_valid-1``) and attend each chunk
+    token causally over everything the sequence has in the cache so far.
+
+    ``q [B,C,N,H]``, ``k, v [B,C,K,H]``. Rows with ``num_valid = 0`` write nothing. Query rows past
+    ``num_valid`` produce finite values that callers ignore. Returns ``(out, k_pages, v_pages)``.
+    """
+
+    def local(q, k, v, kp, vp, bt, st, nv):
+        kp, vp = append_kv_chunk(kp, vp, k, v, bt, st, nv, impl=impl, interpret=interpret)
+        return _paged_chunk_attention(q, kp, vp, bt, st, nv), kp, vp
+
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(CHUNK_HEADS, CHUNK_HEADS, CHUNK_HEADS, PAGES, PAGES) + (REPLICATED,) * 3,
+        out_specs=(CHUNK_HEADS, PAGES, PAGES),
+        check_vma=False,
+    )
+    return fn(q, k, v, k_pages, v_pages, block_tables, start, num_valid)
+
+
+@partial(jax.named_call, name="paged_chunk_attention")
+def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid):
+    """Dense attention of a chunk over its sequence's gathered pages (pure jnp, single device)."""
+    B, C, N, H = q.shape
+    K, _, Z, _ = k_pages.shape
+    S = block_tables.shape[1] * Z
+    # [K, B, pages_per_seq, Z, H] -> [B, S, K, H]
+    ks = k_pages[:, block_tables].reshape(K, B, S, H).transpose(1, 2, 0, 3)
+    vs = v_pages[:, block_tables].reshape(K, B, S, H).transpose(1, 2, 0, 3)
+    q_pos = start[:, None] + jnp.arange(C)[None, :]  # [B, C]
+    kv_pos = jnp.arange(S)
+    end = (start + num_valid)[:, None, None]
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < end)
+    qg = q.reshape(B, C, K, N // K, H)
+    scores = jnp.einsum("BCKGH,BSKH->BKGCS", qg, ks, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * H**-0.5, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vs.dtype)
+    out = jnp.einsum("BKGCS,BSKH->BCKGH", probs, vs)
+    return out.reshape(B, C, N, H)

@@ -1,0 +1,469 @@
+"""The host-side rollout engine of one group: continuous batching over fixed slots, one version.
+
+Method names mirror JetStream's Engine API (``load_params``, ``prefill``, ``generate``,
+``free_resource``, ``max_concurrent_decodes``; see docs/jetstream.md), extended with what DORA
+needs: a policy version, behavior logprobs, and moving requests out and in with their KV pages
+(``export_requests`` / ``import_requests``, ``park`` to host memory, ``interrupt``).
+
+One :meth:`step` gives every request in a slot exactly one new token: admitted requests get their
+first token from prefill, running ones from one decode step. A request that cannot get a page
+while decoding is parked in host memory (its KV kept, no re-prefill) and resumed first when pages
+free up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dora_jax import sharding as sh
+from dora_jax.config import ModelConfig, RolloutConfig
+from dora_jax.kernels.kv_cache_ops import pack_pages, unpack_pages
+from dora_jax.model.params import Params, abstract_params, param_axes
+from dora_jax.rollout.page_allocator import PageAllocator
+from dora_jax.rollout.requests import ExportedRequests, FinishedRequest, Request
+from dora_jax.rollout.sampling import SamplingParams
+from dora_jax.rollout.steps import KVCache, StepStatic, decode_step, init_cache, prefill_step
+
+BUFFER_SPEC = P(None, None, "model", None, None, None)  # pack buffer [2, L, K, n, Z, H]
+
+
+class EngineError(RuntimeError):
+    """A request or operation the engine refuses (wrong version, too long, no capacity)."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    version: int | None
+    active: int
+    pending: int
+    parked: int
+    free_slots: int
+    pages_used: int
+    pages_total: int
+
+
+@dataclass
+class StepReport:
+    finished: list[FinishedRequest]
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+def _buckets(limit: int) -> list[int]:
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 4
+    return out + [limit]
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+_decode_jit = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,))
+_prefill_jit = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,))
+
+
+@partial(jax.jit, static_argnames=("impl", "interpret"))
+def _pack(cache: KVCache, page_ids, impl, interpret):
+    return pack_pages(cache.k, cache.v, page_ids, impl=impl, interpret=interpret)
+
+
+@partial(jax.jit, static_argnames=("impl", "interpret"), donate_argnums=(0,))
+def _unpack(cache: KVCache, buffer, page_ids, impl, interpret):
+    k, v = unpack_pages(cache.k, cache.v, buffer, page_ids, impl=impl, interpret=interpret)
+    return KVCache(k=k, v=v)
+
+
+class Engine:
+    """One rollout group's engine on ``mesh`` (axes ``("data", "model")``, data = 1)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rcfg: RolloutConfig,
+        mesh: Mesh,
+        eos_id: int,
+        *,
+        interpret: bool | None = None,
+        return_logits: bool = False,
+    ):
+        self.cfg, self.rcfg, self.mesh, self.eos_id = cfg, rcfg, mesh, eos_id
+        self.impl = rcfg.attention_impl
+        if interpret is None:
+            interpret = jax.devices()[0].platform == "cpu"
+        self.interpret = interpret
+        self.sampling = SamplingParams(rcfg.temperature, rcfg.top_k, rcfg.top_p)
+        self._st = StepStatic(
+            cfg=cfg,
+            sampling=self.sampling,
+            mesh=mesh,
+            impl=self.impl,
+            interpret=interpret,
+            return_logits=return_logits,
+        )
+        Z = rcfg.page_size
+        self.pages_per_seq = -(-(rcfg.max_prompt_len + rcfg.max_new_tokens) // Z)
+        if self.pages_per_seq > rcfg.num_pages - 1:
+            raise EngineError(
+                f"rollout.num_pages={rcfg.num_pages} cannot hold one request of "
+                f"max_prompt_len + max_new_tokens = {rcfg.max_prompt_len + rcfg.max_new_tokens} "
+                f"tokens ({self.pages_per_seq} pages of {Z}, plus the reserved page 0)"
+            )
+        self.alloc = PageAllocator(rcfg.num_pages, Z)
+        self.cache = init_cache(cfg, rcfg, mesh)
+        self.slots: list[Request | None] = [None] * rcfg.max_slots
+        self.pending: deque[Request] = deque()
+        self.parked: deque[ExportedRequests] = deque()
+        # Batch-invariant decoding uses one batch shape, so a row's numerics never depend on
+        # how many other requests share the step (bit-identical continuation after migration).
+        self.buckets = [rcfg.max_slots] if rcfg.batch_invariant else _buckets(rcfg.max_slots)
+        self.params: Params | None = None
+        self.version: int | None = None
+        self.last_logits: dict[Hashable, np.ndarray] = {}  # per request, last decode (tests)
+        self._rep = NamedSharding(mesh, P())
+        self._param_shardings = sh.tree_shardings(
+            param_axes(cfg), abstract_params(cfg), sh.rollout_rules(), mesh
+        )
+
+    # -- JetStream-style API -------------------------------------------------------------------
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.rcfg.max_slots
+
+    def load_params(self, params: Params, version: int) -> None:
+        """Serve ``version`` with ``params`` (copied into this group's shardings). Refused while
+        the engine holds requests of another version: drain, migrate or interrupt them first."""
+        if self.version is not None and version != self.version and self.num_requests:
+            raise EngineError(
+                f"cannot load version {version}: the engine holds {self.num_requests} "
+                f"request(s) of version {self.version}"
+            )
+        self.params = jax.device_put(params, self._param_shardings)
+        self.version = version
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue requests for admission (prefill when a slot and pages are free)."""
+        for r in requests:
+            self._check_admissible(r)
+            self.pending.append(r)
+
+    def prefill(self, requests: Sequence[Request]) -> list[FinishedRequest]:
+        """Prefill ``requests`` into free slots now (chunked), sampling each first token."""
+        return self._prefill(list(requests), StepReport([]))
+
+    def generate(self) -> list[FinishedRequest]:
+        """One decode step for every running request."""
+        return self._decode(StepReport([]))
+
+    def free_resource(self, slot: int) -> None:
+        r = self.slots[slot]
+        if r is None:
+            raise EngineError(f"slot {slot} is already free")
+        self.alloc.free(r.id)
+        self.slots[slot] = None
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> StepReport:
+        """Resume parked requests, admit pending ones (prefill), decode running ones."""
+        report = StepReport([])
+        running = [r for r in self.slots if r is not None]
+        self._resume_parked()
+        admitted: list[Request] = []
+        free_slots = sum(r is None for r in self.slots)
+        budget = self.alloc.pages_free
+        # Parked requests go first: no admission while any wait for pages (no starvation).
+        while self.pending and not self.parked and len(admitted) < free_slots:
+            need = self.alloc.pages_for(self._prefill_len(self.pending[0]) + 1)
+            if need > budget:
+                break
+            budget -= need
+            admitted.append(self.pending.popleft())
+        if admitted:
+            self._prefill(admitted, report)
+        if running:
+            self._decode(report, only={r.id for r in running})
+        return report
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            version=self.version,
+            active=sum(r is not None for r in self.slots),
+            pending=len(self.pending),
+            parked=sum(len(p.requests) for p in self.parked),
+            free_slots=sum(r is None for r in self.slots),
+            pages_used=self.alloc.pages_used,
+            pages_total=self.alloc.pages_total,
+        )
+
+    @property
+    def num_requests(self) -> int:
+        ld = self.load()
+        return ld.active + ld.pending + ld.parked
+
+    def request_ids(self) -> list[Hashable]:
+        ids = [r.id for r in self.slots if r is not None] + [r.id for r in self.pending]
+        return ids + [r.id for p in self.parked for r in p.requests]
+
+    # -- moving requests -----------------------------------------------------------------------
+    def export_requests(self, ids: Sequence[Hashable]) -> ExportedRequests:
+        """Take running requests out with their KV pages packed into one buffer on this mesh.
+        Their slots and pages are freed here; nothing is recomputed at the destination."""
+        reqs = [self._running(i) for i in ids]
+        page_counts = [self.alloc.pages_for(r.cached_tokens) for r in reqs]
+        page_ids = [
+            p for r, n in zip(reqs, page_counts, strict=True) for p in self.alloc.table(r.id)[:n]
+        ]
+        kv = _pack(self.cache, self._page_ids(page_ids), self.impl, self.interpret)
+        for r in reqs:
+            self.free_resource(self.slots.index(r))
+        return ExportedRequests(reqs, page_counts, kv)
+
+    def can_import(self, exported: ExportedRequests) -> bool:
+        free = sum(r is None for r in self.slots)
+        pages = sum(self.alloc.pages_for(r.total_tokens) for r in exported.requests)
+        return free >= len(exported.requests) and pages <= self.alloc.pages_free
+
+    def import_requests(self, exported: ExportedRequests) -> None:
+        """Take requests exported by an engine of the same version (any mesh of the same shape,
+        or parked on the host) and continue them from their cached KV."""
+        for r in exported.requests:
+            if r.version != self.version:
+                raise EngineError(
+                    f"request {r.id!r} is of version {r.version}, this engine serves "
+                    f"version {self.version}: requests never move across versions"
+                )
+        if not self.can_import(exported):
+            raise EngineError(
+                f"no room for {len(exported.requests)} imported request(s): "
+                f"{self.load().free_slots} free slot(s), {self.alloc.pages_free} free page(s)"
+            )
+        page_ids: list[int] = []
+        for r, n in zip(exported.requests, exported.page_counts, strict=True):
+            table = self.alloc.ensure(r.id, r.total_tokens)
+            page_ids.extend(table[:n])
+            r.migrations += 1
+            self.slots[self._free_slot()] = r
+        ids = self._page_ids(page_ids)
+        kv = exported.kv
+        if kv.shape[3] != ids.shape[0]:
+            raise EngineError(f"KV buffer holds {kv.shape[3]} pages, expected {ids.shape[0]}")
+        kv = jax.device_put(kv, NamedSharding(self.mesh, BUFFER_SPEC))
+        self.cache = _unpack(self.cache, kv, ids, self.impl, self.interpret)
+
+    def park(self, ids: Sequence[Hashable]) -> ExportedRequests:
+        """Export requests with their KV copied to host memory (the hierarchical KV store)."""
+        out = self.export_requests(ids)
+        out.kv = np.asarray(out.kv)
+        return out
+
+    def interrupt(self, ids: Sequence[Hashable]) -> list[Request]:
+        """Stop requests (running, pending or parked) and return them without KV; what they
+        generated so far stays on the returned records."""
+        wanted, out = set(ids), []
+        for slot, r in enumerate(self.slots):
+            if r is not None and r.id in wanted:
+                self.free_resource(slot)
+                out.append(r)
+        out += [r for r in self.pending if r.id in wanted]
+        self.pending = deque(r for r in self.pending if r.id not in wanted)
+        for p in list(self.parked):
+            if any(r.id in wanted for r in p.requests):
+                if not all(r.id in wanted for r in p.requests):
+                    raise EngineError("interrupt must name all requests parked together")
+                self.parked.remove(p)
+                out += p.requests
+        missing = wanted - {r.id for r in out}
+        if missing:
+            raise EngineError(f"unknown request id(s) {sorted(map(str, missing))}")
+        return out
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_admissible(self, r: Request) -> None:
+        rc = self.rcfg
+        if self.params is None:
+            raise EngineError("load_params must be called before submitting requests")
+        if r.version != self.version:
+            raise EngineError(
+                f"request {r.id!r} is of version {r.version}, this engine serves "
+                f"version {self.version}"
+            )
+        if not r.prompt:
+            raise EngineError(f"request {r.id!r} has an empty prompt")
+        if len(r.prompt) > rc.max_prompt_len:
+            raise EngineError(
+                f"request {r.id!r}: prompt of {len(r.prompt)} tokens is longer than "
+                f"rollout.max_prompt_len={rc.max_prompt_len}"
+            )
+        if not 0 < r.max_new_tokens <= rc.max_new_tokens:
+            raise EngineError(
+                f"request {r.id!r}: max_new_tokens={r.max_new_tokens} must be in "
+                f"[1, rollout.max_new_tokens={rc.max_new_tokens}]"
+            )
+
+    def _free_slot(self) -> int | None:
+        return next((i for i, r in enumerate(self.slots) if r is None), None)
+
+    def _running(self, rid: Hashable) -> Request:
+        for r in self.slots:
+            if r is not None and r.id == rid:
+                return r
+        raise EngineError(f"request {rid!r} is not running on this engine")
+
+    def _page_ids(self, ids: list[int]) -> jax.Array:
+        """Page ids padded to a power of two with the padding page 0 (bounded recompiles)."""
+        n = 1
+        while n < len(ids):
+            n *= 2
+        padded = np.zeros(n, np.int32)
+        padded[: len(ids)] = ids
+        return jax.device_put(padded, self._rep)
+
+    @staticmethod
+    def _prefill_len(r: Request) -> int:
+        """Tokens to prefill: the prompt, plus all but the last generated token when a request
+        is re-prefilled (partial-rollout baseline)."""
+        return r.cached_tokens
+
+    def _block_table(self, r: Request | None) -> np.ndarray:
+        row = np.zeros(self.pages_per_seq, np.int32)
+        if r is not None:
+            table = self.alloc.table(r.id)
+            row[: len(table)] = table
+        return row
+
+    def _put(self, *arrays):
+        return jax.device_put(arrays, self._rep)
+
+    def _finish_if_done(self, r: Request, out: list[FinishedRequest]) -> None:
+        if r.tokens[-1] == self.eos_id or len(r.tokens) >= r.max_new_tokens:
+            reason = "eos" if r.tokens[-1] == self.eos_id else "length"
+            out.append(
+                FinishedRequest(
+                    id=r.id,
+                    prompt=tuple(r.prompt),
+                    tokens=tuple(r.tokens),
+                    logprobs=tuple(r.logprobs),
+                    version=r.version,
+                    finish_reason=reason,
+                    prefill_tokens=r.prefill_tokens,
+                    migrations=r.migrations,
+                    latency_s=time.perf_counter() - r.submitted_at,
+                )
+            )
+            self.free_resource(self.slots.index(r))
+
+    def _prefill(self, reqs: list[Request], report: StepReport) -> list[FinishedRequest]:
+        t0 = time.perf_counter()
+        for r in reqs:
+            self._check_admissible(r)
+            slot = self._free_slot()
+            if slot is None:
+                raise EngineError("no free slot to prefill into")
+            self.alloc.ensure(r.id, self._prefill_len(r) + 1)
+            self.slots[slot] = r
+        seqs = [list(r.prompt) + list(r.tokens[:-1]) for r in reqs]
+        C = self.rcfg.prefill_chunk
+        B = _bucket(len(reqs), self.buckets)
+        tables = np.zeros((B, self.pages_per_seq), np.int32)
+        keys = np.zeros((B, 2), np.uint32)
+        for i, r in enumerate(reqs):
+            tables[i], keys[i] = self._block_table(r), r.key
+        tables_d, keys_d = self._put(tables, keys)
+        longest = max(len(s) for s in seqs)
+        for start in range(0, longest, C):
+            chunk = np.zeros((B, C), np.int32)
+            starts = np.full(B, start, np.int32)
+            valid = np.zeros(B, np.int32)
+            for i, s in enumerate(seqs):
+                piece = s[start : start + C]
+                chunk[i, : len(piece)] = piece
+                valid[i] = len(piece)
+            self.cache, tok, lp, _ = _prefill_jit(
+                self.params,
+                self.cache,
+                *self._put(chunk, starts, valid),
+                tables_d,
+                keys_d,
+                st=self._st,
+            )
+            ends = [i for i, s in enumerate(seqs) if start < len(s) <= start + C]
+            if ends:
+                tok, lp = np.asarray(tok), np.asarray(lp)
+                for i in ends:
+                    r = reqs[i]
+                    r.prefill_tokens += len(seqs[i])
+                    if not r.tokens:  # a fresh request: its first token comes from prefill
+                        r.tokens.append(int(tok[i]))
+                        r.logprobs.append(float(lp[i]))
+                        r.first_token_at = time.perf_counter()
+        report.prefill_tokens += sum(len(s) for s in seqs)
+        for r in reqs:
+            if len(r.tokens) and r.first_token_at is not None:
+                self._finish_if_done(r, report.finished)
+        report.prefill_s += time.perf_counter() - t0
+        return report.finished
+
+    def _decode(self, report: StepReport, only: set | None = None) -> list[FinishedRequest]:
+        t0 = time.perf_counter()
+        rows = [r for r in self.slots if r is not None and (only is None or r.id in only)]
+        rows = self._reserve_pages(rows)
+        if not rows:
+            return report.finished
+        B = _bucket(len(rows), self.buckets)
+        tokens = np.zeros(B, np.int32)
+        positions = np.zeros(B, np.int32)
+        tables = np.zeros((B, self.pages_per_seq), np.int32)
+        active = np.zeros(B, bool)
+        keys = np.zeros((B, 2), np.uint32)
+        for i, r in enumerate(rows):
+            tokens[i], positions[i] = r.tokens[-1], r.total_tokens - 1
+            tables[i], active[i], keys[i] = self._block_table(r), True, r.key
+        self.cache, tok, lp, logits = _decode_jit(
+            self.params,
+            self.cache,
+            *self._put(tokens, positions, tables, active, keys),
+            st=self._st,
+        )
+        tok, lp = np.asarray(tok), np.asarray(lp)
+        if logits is not None:
+            self.last_logits = {r.id: np.asarray(logits[i]) for i, r in enumerate(rows)}
+        for i, r in enumerate(rows):
+            r.tokens.append(int(tok[i]))
+            r.logprobs.append(float(lp[i]))
+            self._finish_if_done(r, report.finished)
+        report.decode_tokens += len(rows)
+        report.decode_s += time.perf_counter() - t0
+        return report.finished
+
+    def _reserve_pages(self, rows: list[Request]) -> list[Request]:
+        """Make sure each row has a page for the token it is about to write. When pages run out,
+        park the requests with the least work done, one at a time, to host memory (their KV is
+        kept: no re-prefill) until the rest fit."""
+        queue = sorted(rows, key=lambda r: -r.total_tokens)
+        kept: list[Request] = []
+        while queue:
+            r = queue[0]
+            if self.alloc.can_hold(r.id, r.total_tokens):
+                self.alloc.ensure(r.id, r.total_tokens)
+                kept.append(queue.pop(0))
+            else:
+                victim = queue.pop()  # the least advanced (possibly r itself)
+                self.parked.append(self.park([victim.id]))
+        return kept
+
+    def _resume_parked(self) -> None:
+        while self.parked and self.can_import(self.parked[0]):
+            self.import_requests(self.parked.popleft())

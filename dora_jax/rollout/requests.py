@@ -1,0 +1,74 @@
+"""Host-side request records of the rollout engine, and what crosses between engines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def request_key(seed: int, *ids: int) -> np.ndarray:
+    """Raw threefry key data ``uint32[2]`` for one request, from integers (run seed, prompt
+    index, sample index, ...); deterministic and independent of where the request runs."""
+    h = np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
+    for i in ids:
+        h = np.uint64((int(h) * 0x100000001B3 + (int(i) & 0xFFFFFFFFFFFFFFFF) + 1) % (1 << 64))
+    return np.array([int(h) >> 32, int(h) & 0xFFFFFFFF], dtype=np.uint32)
+
+
+@dataclass
+class Request:
+    """One sampled response in flight (DESIGN vocabulary), owned by one engine at a time."""
+
+    id: Hashable
+    prompt: list[int]
+    version: int
+    key: np.ndarray  # uint32[2], see request_key
+    max_new_tokens: int
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    logprobs: list[float] = field(default_factory=list)  # behavior logprob of each token
+    prefill_tokens: int = 0  # tokens this request has had prefilled, over its whole life
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    migrations: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose K/V are in the cache: the prompt and all but the last generated one."""
+        return len(self.prompt) + max(len(self.tokens) - 1, 0)
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A completed response: a trajectory once the orchestrator attaches its reward."""
+
+    id: Hashable
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    version: int
+    finish_reason: str  # "eos" | "length"
+    prefill_tokens: int
+    migrations: int
+    latency_s: float
+
+
+@dataclass
+class ExportedRequests:
+    """Requests leaving an engine with their KV: ``kv`` is a pack buffer
+    ``[2, L, K, n_pages, Z, H]`` (on the source mesh, on another mesh, or as host numpy when
+    parked); ``page_counts[i]`` pages of it belong to ``requests[i]``, in order."""
+
+    requests: list[Request]
+    page_counts: list[int]
+    kv: object  # jax.Array or np.ndarray
+
+    @property
+    def num_pages(self) -> int:
+        return sum(self.page_counts)

@@ -1,0 +1,172 @@
+"""Pure prefill and decode steps of the rollout engine over the paged KV cache.
+
+Both are module-level pure functions ``(params, cache, host inputs) -> (cache, outputs)``; the
+engine jits each once per padding bucket, donating the cache. They reuse the model's
+:func:`~dora_jax.model.layers.decoder_layer` with an ``attend`` that writes K/V into pages and
+reads them back, so the cached path computes exactly what the full forward pass computes.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dora_jax.config import ModelConfig, RolloutConfig
+from dora_jax.model.layers import decoder_layer, rms_norm
+from dora_jax.model.params import Params, dtype_of
+from dora_jax.model.transformer import cast_params, embed_tokens, logits_from_hidden
+from dora_jax.rollout.attention import decode_attend, prefill_attend
+from dora_jax.rollout.sampling import SamplingParams, sample
+
+CACHE_SPEC = P(None, "model", None, None, None)  # [L, K, P, Z, H]: kv heads over the TP axis
+
+
+@flax.struct.dataclass
+class KVCache:
+    """One engine's paged cache: ``k, v [L, K, P, Z, H]`` in the compute dtype."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+
+def init_cache(cfg: ModelConfig, rcfg: RolloutConfig, mesh: Mesh) -> KVCache:
+    shape = (
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        rcfg.num_pages,
+        rcfg.page_size,
+        cfg.resolved_head_dim,
+    )
+    sharding = NamedSharding(mesh, CACHE_SPEC)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype_of(cfg.compute_dtype)), out_shardings=sharding)
+    return KVCache(k=zeros(), v=zeros())
+
+
+@flax.struct.dataclass
+class StepStatic:
+    """Static settings of the jitted steps (hashable, part of the jit cache key)."""
+
+    cfg: ModelConfig = flax.struct.field(pytree_node=False)
+    sampling: SamplingParams = flax.struct.field(pytree_node=False)
+    mesh: Mesh = flax.struct.field(pytree_node=False)
+    impl: str = flax.struct.field(pytree_node=False)
+    interpret: bool = flax.struct.field(pytree_node=False)
+    return_logits: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def _run_layers(params, cache, x, positions, st: StepStatic, attend_layer):
+    """Scan the decoder layers; ``attend_layer(q, k, v, kp, vp) -> (o, kp, vp)``."""
+
+    def layer(x, xs):
+        lp, kp, vp = xs
+
+        def attend(q, k, v):
+            o, kp2, vp2 = attend_layer(q, k, v, kp, vp)
+            return o, (kp2, vp2)
+
+        x, (kp, vp) = decoder_layer(lp, x, positions, st.cfg, attend)
+        return x, (kp, vp)
+
+    x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache.k, cache.v))
+    return x, KVCache(k=k, v=v)
+
+
+def decode_step(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    active: jax.Array,
+    key_data: jax.Array,
+    st: StepStatic,
+):
+    """One decode step for ``B`` rows.
+
+    Args:
+      tokens: int32[B], the last token of each sequence (not yet in the cache).
+      positions: int32[B], that token's position.
+      block_tables: int32[B, pages_per_seq]; active: bool[B]; key_data: uint32[B, 2].
+
+    Returns:
+      ``(cache, next_tokens int32[B], logprobs f32[B], logits f32[B, V] or None)``; the next token
+      sits at ``positions + 1``.
+    """
+    p = cast_params(params, st.cfg)
+    x = embed_tokens(p, tokens[:, None], st.cfg)
+    pos2 = positions[:, None]
+
+    def attend_layer(q, k, v, kp, vp):
+        return decode_attend(
+            q,
+            k,
+            v,
+            kp,
+            vp,
+            block_tables,
+            positions + 1,
+            active,
+            mesh=st.mesh,
+            impl=st.impl,
+            interpret=st.interpret,
+        )
+
+    x, cache = _run_layers(p, cache, x, pos2, st, attend_layer)
+    h = rms_norm(x[:, 0], p["final_norm"], st.cfg.rms_norm_eps)
+    logits = logits_from_hidden(p, h, st.cfg)
+    keys = jax.random.wrap_key_data(key_data)
+    next_tokens, logprobs = sample(logits, keys, positions + 1, st.sampling)
+    return cache, next_tokens, logprobs, (logits if st.return_logits else None)
+
+
+def prefill_step(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    start: jax.Array,
+    num_valid: jax.Array,
+    block_tables: jax.Array,
+    key_data: jax.Array,
+    st: StepStatic,
+):
+    """Run a prompt chunk ``tokens int32[B, C]`` at positions ``start .. start + C - 1``.
+
+    Rows with ``num_valid = 0`` are padding. The token after each row's last valid chunk token
+    (position ``start + num_valid``) is sampled; callers use it only for rows whose prompt ends
+    in this chunk. Returns ``(cache, next_tokens, logprobs, logits or None)``.
+    """
+    p = cast_params(params, st.cfg)
+    B, C = tokens.shape
+    positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    x = embed_tokens(p, tokens, st.cfg)
+
+    def attend_layer(q, k, v, kp, vp):
+        return prefill_attend(
+            q,
+            k,
+            v,
+            kp,
+            vp,
+            block_tables,
+            start,
+            num_valid,
+            mesh=st.mesh,
+            impl=st.impl,
+            interpret=st.interpret,
+        )
+
+    x, cache = _run_layers(p, cache, x, positions, st, attend_layer)
+    last = jnp.clip(num_valid - 1, 0, C - 1)
+    h = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    h = rms_norm(h, p["final_norm"], st.cfg.rms_norm_eps)
+    logits = logits_from_hidden(p, h, st.cfg)
+    keys = jax.random.wrap_key_data(key_data)
+    next_tokens, logprobs = sample(logits, keys, start + num_valid, st.sampling)
+    return cache, next_tokens, logprobs, (logits if st.return_logits else None)
