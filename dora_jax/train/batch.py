@@ -1,0 +1,246 @@
+"""Packing finished trajectories into fixed-shape train batches (host side, NumPy only).
+
+Layout of a :class:`TrainBatch` (``B`` rows, ``T`` the length bucket, ``S = NG * G`` samples):
+
+- Samples are ordered group-major: sample ``s`` is member ``s % G`` of prompt group ``s // G``.
+  Per-sample arrays are ``[S]``; batch padding (fewer groups than ``num_groups``) is a whole masked
+  group (``sample_mask`` false, reward 0, no tokens).
+- Token arrays are ``[B, T]``. A sample occupies ``P + R`` consecutive slots of one row (prompt
+  then response), with its own ``segment_ids`` value (1, 2, ... within the row; 0 is padding) and
+  ``positions`` counting from 0, so attention stays causal within the sample. With
+  ``rows == 0`` every sample has its own row (``B = S``); with ``rows > 0`` samples are packed
+  first-fit-decreasing into that many rows (several per row).
+- Per-token arrays are aligned with the position that *predicts* the token: at slot ``j`` of a
+  sample, ``targets`` is the token at ``j + 1``; ``loss_mask`` is true exactly where that target is
+  a response token (so prompt tokens, the last token and padding never enter the loss), and
+  ``behavior_logprobs`` holds the engine's log-probability of that response token there.
+  ``sample_index`` names the sample of every slot (``S`` for padding).
+- ``T`` is the smallest of ``TrainConfig.length_buckets`` that fits (for packed batches: that
+  lets first-fit-decreasing fit all samples into the rows), so the jitted step compiles once per
+  bucket, not once per maximum length.
+
+Advantages are *not* computed here: the batch carries the raw ``rewards`` and the jitted step
+computes group-relative advantages on device (:mod:`dora_jax.train.advantages`), since the
+group-major order makes the groups a plain reshape ``[NG, G]``.
+
+Bad input raises ``ValueError`` naming the trajectory: a non-finite reward or behavior
+log-probability, a log-probability count that differs from the response length, an empty prompt,
+a sample longer than the largest bucket, a prompt group with a missing or extra member, members
+of one group with different versions, a version newer than the trainer's (negative staleness),
+token ids outside the vocabulary, an empty trajectory list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import flax.struct
+import numpy as np
+
+from dora_jax.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A finished request with its reward (any object with these attributes is accepted)."""
+
+    prompt_tokens: Sequence[int]
+    response_tokens: Sequence[int]
+    behavior_logprobs: Sequence[float]  # one per response token, recorded by the engine
+    reward: float
+    version: int  # the policy version that generated every token
+    group_id: Hashable  # prompt group
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """One fixed-shape train batch of NumPy (or device) arrays; a pytree."""
+
+    tokens: Any  # int32[B, T]
+    positions: Any  # int32[B, T]
+    segment_ids: Any  # int32[B, T]   0 = padding
+    targets: Any  # int32[B, T]   next token
+    loss_mask: Any  # bool[B, T]    target is a response token
+    behavior_logprobs: Any  # float32[B, T] engine log-prob of the target (0 off the mask)
+    sample_index: Any  # int32[B, T]   sample of the slot, S for padding
+    rewards: Any  # float32[S]
+    sample_mask: Any  # bool[S]       false for batch padding
+    staleness: Any  # int32[S]      trainer version - trajectory version
+    response_lens: Any  # int32[S]
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def num_samples(self) -> int:
+        return self.rewards.shape[0]
+
+
+def choose_bucket(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket ``>= length``; ``ValueError`` if none fits."""
+    for b in buckets:
+        if b >= length:
+            return b
+    raise ValueError(
+        f"a sequence of {length} tokens exceeds the largest length bucket {max(buckets)}; "
+        "raise train.length_buckets or shorten prompts/responses"
+    )
+
+
+def _first_fit(lengths: Sequence[int], rows: int, capacity: int) -> list[tuple[int, int]] | None:
+    """First-fit-decreasing: ``(row, offset)`` per item, or None if it does not fit."""
+    free = [capacity] * rows
+    place: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r in range(rows):
+            if free[r] >= lengths[i]:
+                place[i] = (r, capacity - free[r])
+                free[r] -= lengths[i]
+                break
+        else:
+            return None
+    return place
+
+
+def _validate(t: Any, where: str, trainer_version: int, vocab_size: int | None) -> None:
+    P, R = len(t.prompt_tokens), len(t.response_tokens)
+    if P == 0:
+        raise ValueError(f"{where}: empty prompt (the first response token needs a context)")
+    if len(t.behavior_logprobs) != R:
+        raise ValueError(
+            f"{where}: {len(t.behavior_logprobs)} behavior logprobs for {R} response tokens"
+        )
+    if not math.isfinite(float(t.reward)):
+        raise ValueError(f"{where}: non-finite reward {t.reward!r}")
+    lp = np.asarray(t.behavior_logprobs, np.float64)
+    if not np.all(np.isfinite(lp)):
+        raise ValueError(
+            f"{where}: non-finite behavior logprob at response index "
+            f"{int(np.argmin(np.isfinite(lp)))}"
+        )
+    if int(t.version) > trainer_version:
+        raise ValueError(
+            f"{where}: version {t.version} is newer than the trainer's version {trainer_version}"
+        )
+    if vocab_size is not None:
+        ids = np.concatenate([np.asarray(t.prompt_tokens), np.asarray(t.response_tokens)])
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"{where}: token id outside [0, {vocab_size})")
+
+
+def pack_batch(
+    trajectories: Sequence[Any],
+    cfg: TrainConfig,
+    *,
+    trainer_version: int,
+    num_groups: int | None = None,
+    rows: int | None = None,
+    vocab_size: int | None = None,
+) -> TrainBatch:
+    """Pack complete prompt groups of finished trajectories into a :class:`TrainBatch`.
+
+    ``trajectories``: every member of each prompt group (``cfg.group_size`` per ``group_id``), in
+    any order; groups keep their first-appearance order, members their relative order.
+    ``trainer_version``: the version the update will be applied to (staleness is measured
+    against it). ``num_groups``: pad to this many groups (default: as many as given) so ``S``
+    stays fixed across steps. ``rows``: override ``cfg.pack_rows`` (0: one sample per row).
+    ``vocab_size``: if given, token ids are checked against it.
+    """
+    G = cfg.group_size
+    if len(trajectories) == 0:
+        raise ValueError("no trajectories to pack (empty batch)")
+    groups: dict[Hashable, list[Any]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    for gid, members in groups.items():
+        if len(members) != G:
+            raise ValueError(
+                f"prompt group {gid!r} has {len(members)} trajectories, expected group_size={G} "
+                "(a missing or duplicated member)"
+            )
+        versions = {int(m.version) for m in members}
+        if len(versions) != 1:
+            raise ValueError(f"prompt group {gid!r} mixes policy versions {sorted(versions)}")
+        for i, m in enumerate(members):
+            _validate(m, f"group {gid!r} member {i}", trainer_version, vocab_size)
+    NG = len(groups) if num_groups is None else num_groups
+    if len(groups) > NG:
+        raise ValueError(f"{len(groups)} prompt groups do not fit num_groups={NG}")
+    S = NG * G
+    samples = [m for members in groups.values() for m in members]
+    lengths = [len(m.prompt_tokens) + len(m.response_tokens) for m in samples]
+    buckets = cfg.length_buckets
+    n_rows = cfg.pack_rows if rows is None else rows
+    if n_rows == 0:
+        B = S
+        T = choose_bucket(max(lengths), buckets)
+        place = [(i, 0) for i in range(len(samples))]
+    else:
+        B = n_rows
+        T, place = 0, None
+        for b in buckets:
+            if b >= max(lengths):
+                place = _first_fit(lengths, B, b)
+                if place is not None:
+                    T = b
+                    break
+        if place is None:
+            choose_bucket(max(lengths), buckets)  # raises if one sample is too long
+            raise ValueError(
+                f"{len(samples)} samples ({sum(lengths)} tokens) do not fit {B} rows of the "
+                f"largest bucket {buckets[-1]}; raise train.pack_rows or train.length_buckets"
+            )
+
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.zeros((B, T), np.int32)
+    segment_ids = np.zeros((B, T), np.int32)
+    targets = np.zeros((B, T), np.int32)
+    loss_mask = np.zeros((B, T), bool)
+    behavior = np.zeros((B, T), np.float32)
+    sample_index = np.full((B, T), S, np.int32)
+    next_segment = np.ones((B,), np.int32)
+    for s, (m, (r, o)) in enumerate(zip(samples, place, strict=True)):
+        P, R = len(m.prompt_tokens), len(m.response_tokens)
+        seq = np.concatenate(
+            [np.asarray(m.prompt_tokens, np.int32), np.asarray(m.response_tokens, np.int32)]
+        )
+        L = P + R
+        tokens[r, o : o + L] = seq
+        positions[r, o : o + L] = np.arange(L, dtype=np.int32)
+        segment_ids[r, o : o + L] = next_segment[r]
+        next_segment[r] += 1
+        targets[r, o : o + L - 1] = seq[1:]
+        loss_mask[r, o + P - 1 : o + L - 1] = True
+        behavior[r, o + P - 1 : o + L - 1] = np.asarray(m.behavior_logprobs, np.float32)
+        sample_index[r, o : o + L] = s
+
+    n = len(samples)
+    rewards = np.zeros((S,), np.float32)
+    rewards[:n] = [float(m.reward) for m in samples]
+    sample_mask = np.zeros((S,), bool)
+    sample_mask[:n] = True
+    staleness = np.zeros((S,), np.int32)
+    staleness[:n] = [trainer_version - int(m.version) for m in samples]
+    response_lens = np.zeros((S,), np.int32)
+    response_lens[:n] = [len(m.response_tokens) for m in samples]
+    return TrainBatch(
+        tokens=tokens,
+        positions=positions,
+        segment_ids=segment_ids,
+        targets=targets,
+        loss_mask=loss_mask,
+        behavior_logprobs=behavior,
+        sample_index=sample_index,
+        rewards=rewards,
+        sample_mask=sample_mask,
+        staleness=staleness,
+        response_lens=response_lens,
+    )

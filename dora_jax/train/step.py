@@ -1,0 +1,369 @@
+"""The GRPO train step (a pure module-level function) and the :class:`Trainer` that owns it.
+
+``train_step(state, batch) -> (state, metrics)`` does, all inside one jit:
+
+1. group-relative advantages from the batch's rewards (``[NG, G]`` by reshape, on device);
+2. per-token aggregation weights for the *whole* batch (:func:`losses.token_weights`);
+3. a ``lax.scan`` (a plain call when ``M = 1``) over ``microbatches`` strided row slices (row
+   ``i`` goes to microbatch ``i % M``, so each microbatch stays spread over the ``data`` axis),
+   each computing chunked
+   log-probabilities, the clipped surrogate, the optional KL penalty and ``value_and_grad``,
+   accumulating float32 gradients and metric sums; the weights make the accumulated loss equal
+   the full-batch loss exactly;
+4. global-norm clipping + AdamW; if the loss or the gradient norm is not finite, the update is
+   discarded with ``jnp.where`` (params, optimizer state and version unchanged) and ``skipped``
+   is incremented.
+
+All metrics are computed from the logprobs of the params *before* the update. ``mismatch_kl``
+restricts the behavior KL to staleness-0 samples: the trainer and the engine then ran the same
+version, so it measures their numeric mismatch alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dora_jax.config import ModelConfig, TrainConfig, TrainerMeshConfig
+from dora_jax.model.params import Params, dtype_of, init_params
+from dora_jax.sharding import Rules, constrain, spec_for, trainer_rules, use_rules
+from dora_jax.train.advantages import group_advantages
+from dora_jax.train.batch import TrainBatch, pack_batch
+from dora_jax.train.logprobs import token_logprobs
+from dora_jax.train.losses import aggregate, clipped_surrogate, kl_k3, token_weights
+from dora_jax.train.state import (
+    TrainState,
+    init_state,
+    lr_schedule,
+    make_optimizer,
+    model_params,
+    state_shardings,
+    uses_master,
+)
+
+Metrics = dict[str, jax.Array]
+TOKEN_FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "behavior")
+SUM_KEYS = (
+    "pg_loss",
+    "kl_ref",
+    "tokens",
+    "clip_low",
+    "clip_high",
+    "truncated",
+    "ratio",
+    "kl_behavior",
+    "entropy",
+    "mismatch_kl",
+    "mismatch_tokens",
+)
+
+
+def _split_microbatches(x: jax.Array, m: int) -> jax.Array:
+    """``[B, ...] -> [M, B / M, ...]``, row ``i`` into microbatch ``i % M``."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def _microbatch_loss(
+    params: Params, ref_params: Params | None, mb: dict[str, jax.Array], state: TrainState
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    mcfg, tcfg = state.model_cfg, state.train_cfg
+    if uses_master(mcfg, tcfg):
+        params = jax.tree.map(lambda w: w.astype(dtype_of(mcfg.param_dtype)), params)
+    toks = {k: constrain(mb[k], ("batch", "seq")) for k in TOKEN_FIELDS}
+    logp, ent = token_logprobs(
+        params,
+        toks["tokens"],
+        toks["positions"],
+        toks["segment_ids"],
+        toks["targets"],
+        mcfg,
+        chunk=tcfg.logprob_chunk,
+    )
+    mask, w = toks["loss_mask"], mb["weights"]
+    sur = clipped_surrogate(
+        logp,
+        toks["behavior"],
+        mb["advantages"],
+        eps_low=tcfg.clip_eps_low,
+        eps_high=tcfg.clip_eps_high,
+        tis_cap=tcfg.tis_cap,
+    )
+    pg_loss = aggregate(sur.loss, w)
+    loss = pg_loss
+    kl_ref = jnp.zeros_like(logp)
+    if tcfg.kl_beta > 0:
+        ref_logp, _ = token_logprobs(
+            jax.lax.stop_gradient(ref_params),
+            toks["tokens"],
+            toks["positions"],
+            toks["segment_ids"],
+            toks["targets"],
+            mcfg,
+            chunk=tcfg.logprob_chunk,
+        )
+        kl_ref = kl_k3(logp, jax.lax.stop_gradient(ref_logp))
+        loss = loss + tcfg.kl_beta * aggregate(kl_ref, w)
+    lp = jax.lax.stop_gradient(logp)
+    kl_behavior = kl_k3(toks["behavior"], lp)  # KL(behavior || theta) on behavior samples
+
+    def msum(x: jax.Array, where: jax.Array = mask) -> jax.Array:
+        return jnp.sum(jnp.where(where, x, 0.0).astype(jnp.float32))
+
+    sums = {
+        "pg_loss": jax.lax.stop_gradient(pg_loss),
+        "kl_ref": jax.lax.stop_gradient(aggregate(kl_ref, w)),
+        "tokens": msum(1.0),
+        "clip_low": msum(sur.clipped_low.astype(jnp.float32)),
+        "clip_high": msum(sur.clipped_high.astype(jnp.float32)),
+        "truncated": msum(sur.truncated.astype(jnp.float32)),
+        "ratio": msum(jax.lax.stop_gradient(sur.ratio)),
+        "kl_behavior": msum(kl_behavior),
+        "entropy": msum(jax.lax.stop_gradient(ent)),
+        "mismatch_kl": msum(kl_behavior, mb["stale0"]),
+        "mismatch_tokens": msum(1.0, mb["stale0"]),
+    }
+    return loss, sums
+
+
+def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+    """One GRPO optimizer step on ``batch``; see the module docstring."""
+    tcfg = state.train_cfg
+    S, G, M = batch.rewards.shape[0], tcfg.group_size, tcfg.microbatches
+    B = batch.tokens.shape[0]
+    if S % G:
+        raise ValueError(f"{S} samples are not whole groups of group_size={G}")
+    if B % M:
+        raise ValueError(f"{B} batch rows do not split into microbatches={M}")
+    NG = S // G
+    group_mask = batch.sample_mask.reshape(NG, G)[:, 0]
+    adv = group_advantages(
+        batch.rewards.reshape(NG, G),
+        group_mask,
+        mode=tcfg.advantage,
+        normalize_std=tcfg.normalize_std,
+        eps=tcfg.adv_eps,
+    ).reshape(S)
+    idx = batch.sample_index
+    adv_tok = jnp.concatenate([adv, jnp.zeros((1,), jnp.float32)])[idx]
+    fresh = jnp.concatenate([(batch.staleness == 0) & batch.sample_mask, jnp.zeros((1,), bool)])
+    mask = batch.loss_mask.astype(bool)
+    per_token = {
+        "tokens": batch.tokens,
+        "positions": batch.positions,
+        "segment_ids": batch.segment_ids,
+        "targets": batch.targets,
+        "loss_mask": mask,
+        "behavior": batch.behavior_logprobs.astype(jnp.float32),
+        "advantages": adv_tok,
+        "weights": token_weights(mask, idx, S, tcfg.loss_agg, tcfg.resolved_loss_norm_len),
+        "stale0": fresh[idx] & mask,
+    }
+    mbs = {k: _split_microbatches(v, M) for k, v in per_token.items()}
+
+    grad_fn = jax.value_and_grad(_microbatch_loss, has_aux=True)
+    zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    zero_sums = {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS}
+
+    def body(carry, mb):
+        g_acc, loss_acc, sums_acc = carry
+        (loss, sums), g = grad_fn(state.params, state.ref_params, mb, state)
+        g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+        sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+        return (g_acc, loss_acc + loss, sums_acc), None
+
+    init = (zero_grads, jnp.zeros((), jnp.float32), zero_sums)
+    if M == 1:  # no loop to compile
+        (grads, loss, sums), _ = body(init, jax.tree.map(lambda x: x[0], mbs))
+    else:
+        (grads, loss, sums), _ = jax.lax.scan(body, init, mbs)
+
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    updates, new_opt = make_optimizer(tcfg).update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+
+    def keep_if_ok(new: Any, old: Any) -> Any:
+        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+    new_state = state.replace(
+        params=keep_if_ok(new_params, state.params),
+        opt_state=keep_if_ok(new_opt, state.opt_state),
+        version=state.version + ok.astype(jnp.int32),
+        skipped=state.skipped + (~ok).astype(jnp.int32),
+    )
+    metrics = _metrics(state, batch, adv, loss, sums, grad_norm, ok)
+    metrics["version"] = new_state.version
+    metrics["skipped_total"] = new_state.skipped
+    return new_state, metrics
+
+
+def _metrics(
+    state: TrainState,
+    batch: TrainBatch,
+    adv: jax.Array,
+    loss: jax.Array,
+    sums: dict[str, jax.Array],
+    grad_norm: jax.Array,
+    ok: jax.Array,
+) -> Metrics:
+    tcfg = state.train_cfg
+    n_tok = jnp.maximum(sums["tokens"], 1.0)
+    valid = batch.sample_mask
+    n_smp = jnp.maximum(jnp.sum(valid), 1)
+    bins = tcfg.staleness_bins
+    hist_idx = jnp.clip(batch.staleness, 0, bins - 1)
+    lens = jnp.where(valid, batch.response_lens, 0)
+    return {
+        "loss": loss,
+        "pg_loss": sums["pg_loss"],
+        "kl_ref": sums["kl_ref"],
+        "clip_frac_low": sums["clip_low"] / n_tok,
+        "clip_frac_high": sums["clip_high"] / n_tok,
+        "tis_frac": sums["truncated"] / n_tok,
+        "ratio_mean": sums["ratio"] / n_tok,
+        "approx_kl": sums["kl_behavior"] / n_tok,
+        "mismatch_kl": sums["mismatch_kl"] / jnp.maximum(sums["mismatch_tokens"], 1.0),
+        "mismatch_tokens": sums["mismatch_tokens"],
+        "entropy": sums["entropy"] / n_tok,
+        "grad_norm": grad_norm,
+        "lr": lr_schedule(tcfg)(state.version),
+        "skipped": (~ok).astype(jnp.int32),
+        "num_tokens": sums["tokens"],
+        "num_samples": jnp.sum(valid).astype(jnp.int32),
+        "reward_mean": jnp.sum(jnp.where(valid, batch.rewards, 0.0)) / n_smp,
+        "advantage_abs_mean": jnp.sum(jnp.abs(adv)) / n_smp,
+        "staleness_hist": jnp.zeros((bins,), jnp.int32).at[hist_idx].add(valid.astype(jnp.int32)),
+        "staleness_mean": jnp.sum(jnp.where(valid, batch.staleness, 0)) / n_smp,
+        "response_len_mean": jnp.sum(lens) / n_smp,
+        "response_len_max": jnp.max(lens),
+    }
+
+
+class Trainer:
+    """Owns the train state and the jitted step (compiled once per length bucket).
+
+    With a ``mesh`` (axes ``("data", "model")``) the params, optimizer moments and reference
+    params are sharded by their logical axes under ``rules`` (default :func:`trainer_rules`),
+    batch token arrays are sharded over ``data`` (per-sample arrays replicated) and the step is
+    jitted with these in/out shardings and the state donated. Without a mesh it runs on the
+    default device.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules | None = None,
+        params: Params | None = None,
+        key: jax.Array | None = None,
+    ):
+        self.model_cfg, self.train_cfg, self.mesh = model_cfg, train_cfg, mesh
+        self.traces = 0  # how often the step was traced (a recompilation check for tests)
+        self._export = jax.jit(lambda s: jax.tree.map(jnp.copy, model_params(s)))
+        if params is None:
+            params = init_params(model_cfg, key if key is not None else jax.random.key(0))
+
+        def make_state(p: Params) -> TrainState:
+            return init_state(p, model_cfg, train_cfg)
+
+        if mesh is None:
+            self.rules = rules
+            self._init = jax.jit(make_state)
+            self.state = self._init(params)
+            self._batch_sh: Any = None
+            self._step = jax.jit(self._traced_step, donate_argnums=0)
+            return
+        if rules is None:
+            dims = TrainerMeshConfig(data=mesh.shape["data"], model=mesh.shape["model"])
+            rules = trainer_rules(dims)
+        self.rules = rules
+        st_sh = state_shardings(model_cfg, train_cfg, mesh, rules)
+        self._init = jax.jit(make_state, out_shardings=st_sh)
+        self.state = self._init(params)
+        tok = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
+        rep = NamedSharding(mesh, PartitionSpec())
+        self._batch_sh = TrainBatch(
+            tokens=tok,
+            positions=tok,
+            segment_ids=tok,
+            targets=tok,
+            loss_mask=tok,
+            behavior_logprobs=tok,
+            sample_index=tok,
+            rewards=rep,
+            sample_mask=rep,
+            staleness=rep,
+            response_lens=rep,
+        )
+        self._step = jax.jit(
+            self._traced_step,
+            in_shardings=(st_sh, self._batch_sh),
+            out_shardings=(st_sh, rep),
+            donate_argnums=0,
+        )
+
+    def reset(self, params: Params) -> None:
+        """Start over from model-dtype ``params``: version 0, fresh optimizer state (the
+        compiled step is kept)."""
+        self.state = self._init(params)
+
+    def _traced_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        self.traces += 1
+        if self.mesh is None:
+            return train_step(state, batch)
+        with use_rules(self.mesh, self.rules):
+            return train_step(state, batch)
+
+    @property
+    def num_compiles(self) -> int:
+        """Entries in the jitted step's cache (one per batch shape seen)."""
+        return self._step._cache_size()
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps applied so far (blocks on the device)."""
+        return int(self.state.version)
+
+    def pack(self, trajectories: Sequence[Any], *, num_groups: int | None = None) -> TrainBatch:
+        """:func:`pack_batch` against the current version, checking the row count."""
+        batch = pack_batch(
+            trajectories,
+            self.train_cfg,
+            trainer_version=self.version,
+            num_groups=num_groups,
+            vocab_size=self.model_cfg.vocab_size,
+        )
+        self.check_batch(batch)
+        return batch
+
+    def check_batch(self, batch: TrainBatch) -> None:
+        """``ValueError`` unless the rows split into microbatches spread over ``data``."""
+        mult = self.train_cfg.microbatches
+        if self.mesh is not None:
+            mult *= self.mesh.shape["data"]
+        if batch.num_rows % mult:
+            raise ValueError(
+                f"{batch.num_rows} batch rows must be a multiple of microbatches x data "
+                f"= {mult}; set train.pack_rows or the number of prompt groups accordingly"
+            )
+
+    def step(self, batch: TrainBatch) -> Metrics:
+        """Apply one step; returns the metrics as device arrays (not yet synced)."""
+        self.check_batch(batch)
+        if self._batch_sh is not None:
+            batch = jax.device_put(batch, self._batch_sh)
+        self.state, metrics = self._step(self.state, batch)
+        return metrics
+
+    def export_params(self) -> Params:
+        """A fresh copy of the params in ``model.param_dtype`` (the state's own buffers are
+        donated to the next step), e.g. for a weight transfer to rollout groups."""
+        return self._export(self.state)
