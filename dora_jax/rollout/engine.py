@@ -33,7 +33,9 @@ from dora_jax.rollout.requests import ExportedRequests, FinishedRequest, Request
 from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.rollout.steps import KVCache, StepStatic, decode_step, init_cache, prefill_step
 
-BUFFER_SPEC = P(None, None, "model", None, None, None)  # pack buffer [2, L, K, n, Z, H]
+# Pack buffer [2, 1, K, L * n, Z, H]: the kernels' [2, L, K, n, Z, H] layout applied to the
+# layer-major cache viewed as one "layer" (see KVCache); page j of layer l sits at l * n + j.
+BUFFER_SPEC = P(None, None, "model", None, None, None)
 
 
 class EngineError(RuntimeError):
@@ -54,7 +56,9 @@ class EngineLoad:
 @dataclass
 class StepReport:
     finished: list[FinishedRequest]
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # context tokens prefilled (re-prefills included)
+    reprefill_tokens: int = 0  # the part of prefill_tokens that had been computed before
+    sampled_tokens: int = 0  # new response tokens (first tokens from prefill + decode)
     decode_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -78,13 +82,15 @@ _prefill_jit = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,
 
 @partial(jax.jit, static_argnames=("impl", "interpret"))
 def _pack(cache: KVCache, page_ids, impl, interpret):
-    return pack_pages(cache.k, cache.v, page_ids, impl=impl, interpret=interpret)
+    return pack_pages(cache.k[None], cache.v[None], page_ids, impl=impl, interpret=interpret)
 
 
 @partial(jax.jit, static_argnames=("impl", "interpret"), donate_argnums=(0,))
 def _unpack(cache: KVCache, buffer, page_ids, impl, interpret):
-    k, v = unpack_pages(cache.k, cache.v, buffer, page_ids, impl=impl, interpret=interpret)
-    return KVCache(k=k, v=v)
+    k, v = unpack_pages(
+        cache.k[None], cache.v[None], buffer, page_ids, impl=impl, interpret=interpret
+    )
+    return cache.replace(k=k[0], v=v[0])
 
 
 class Engine:
@@ -323,13 +329,14 @@ class Engine:
         raise EngineError(f"request {rid!r} is not running on this engine")
 
     def _page_ids(self, ids: list[int]) -> jax.Array:
-        """Page ids padded to a power of two with the padding page 0 (bounded recompiles)."""
+        """Every layer's copy of pages ``ids`` (layer-major), padded to a power of two with the
+        padding page 0 (bounded recompiles)."""
         n = 1
         while n < len(ids):
             n *= 2
         padded = np.zeros(n, np.int32)
         padded[: len(ids)] = ids
-        return jax.device_put(padded, self._rep)
+        return jax.device_put(np.asarray(self.cache.global_pages(padded), np.int32), self._rep)
 
     @staticmethod
     def _prefill_len(r: Request) -> int:
@@ -405,7 +412,10 @@ class Engine:
                 for i in ends:
                     r = reqs[i]
                     r.prefill_tokens += len(seqs[i])
-                    if not r.tokens:  # a fresh request: its first token comes from prefill
+                    if r.tokens:  # re-prefilled (partial-rollout baseline)
+                        report.reprefill_tokens += len(seqs[i])
+                    else:  # a fresh request: its first token comes from prefill
+                        report.sampled_tokens += 1
                         r.tokens.append(int(tok[i]))
                         r.logprobs.append(float(lp[i]))
                         r.first_token_at = time.perf_counter()
@@ -445,6 +455,7 @@ class Engine:
             r.logprobs.append(float(lp[i]))
             self._finish_if_done(r, report.finished)
         report.decode_tokens += len(rows)
+        report.sampled_tokens += len(rows)
         report.decode_s += time.perf_counter() - t0
         return report.finished
 

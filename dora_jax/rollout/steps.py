@@ -21,32 +21,43 @@ from dora_jax.model.transformer import cast_params, embed_tokens, logits_from_hi
 from dora_jax.rollout.attention import decode_attend, prefill_attend
 from dora_jax.rollout.sampling import SamplingParams, sample
 
-CACHE_SPEC = P(None, "model", None, None, None)  # [L, K, P, Z, H]: kv heads over the TP axis
+CACHE_SPEC = P("model", None, None, None)  # [K, L*P, Z, H]: kv heads over the TP axis
 
 
 @flax.struct.dataclass
 class KVCache:
-    """One engine's paged cache: ``k, v [L, K, P, Z, H]`` in the compute dtype."""
+    """One engine's paged cache, ``k, v [K, L * P, Z, H]`` in the compute dtype.
+
+    Layer ``l``'s page ``p`` is global page ``l * P + p``. This layer-major page layout lets the
+    single-layer kernels (which take ``[K, pages, Z, H]``) address every layer of one buffer by
+    offsetting the block tables, so the layer scan updates the cache in place instead of copying
+    a layer slice in and out each step. Page ``l * P`` (page 0 of each layer) is padding.
+    """
 
     k: jax.Array
     v: jax.Array
+    num_layers: int = flax.struct.field(pytree_node=False)
 
     @property
-    def page_size(self) -> int:
-        return self.k.shape[3]
+    def pages_per_layer(self) -> int:
+        return self.k.shape[1] // self.num_layers
+
+    def global_pages(self, page_ids) -> list[int]:
+        """Every layer's copy of ``page_ids``, layer-major: the order used by pack buffers."""
+        P = self.pages_per_layer
+        return [l * P + p for l in range(self.num_layers) for p in page_ids]
 
 
 def init_cache(cfg: ModelConfig, rcfg: RolloutConfig, mesh: Mesh) -> KVCache:
     shape = (
-        cfg.num_layers,
         cfg.num_kv_heads,
-        rcfg.num_pages,
+        cfg.num_layers * rcfg.num_pages,
         rcfg.page_size,
         cfg.resolved_head_dim,
     )
     sharding = NamedSharding(mesh, CACHE_SPEC)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype_of(cfg.compute_dtype)), out_shardings=sharding)
-    return KVCache(k=zeros(), v=zeros())
+    return KVCache(k=zeros(), v=zeros(), num_layers=cfg.num_layers)
 
 
 @flax.struct.dataclass
@@ -61,21 +72,29 @@ class StepStatic:
     return_logits: bool = flax.struct.field(pytree_node=False, default=False)
 
 
-def _run_layers(params, cache, x, positions, st: StepStatic, attend_layer):
-    """Scan the decoder layers; ``attend_layer(q, k, v, kp, vp) -> (o, kp, vp)``."""
+def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStatic, attend_layer):
+    """Scan the decoder layers carrying the whole cache (updated in place).
 
-    def layer(x, xs):
-        lp, kp, vp = xs
+    ``attend_layer(q, k, v, k_cache, v_cache, layer_tables) -> (o, k_cache, v_cache)`` where
+    ``layer_tables`` are the block tables offset to this layer's pages.
+    """
+    P = cache.pages_per_layer
+
+    def layer(carry, xs):
+        x, kc, vc = carry
+        lp, l = xs
+        tables = block_tables + l * P
 
         def attend(q, k, v):
-            o, kp2, vp2 = attend_layer(q, k, v, kp, vp)
-            return o, (kp2, vp2)
+            o, kc2, vc2 = attend_layer(q, k, v, kc, vc, tables)
+            return o, (kc2, vc2)
 
-        x, (kp, vp) = decoder_layer(lp, x, positions, st.cfg, attend)
-        return x, (kp, vp)
+        x, (kc, vc) = decoder_layer(lp, x, positions, st.cfg, attend)
+        return (x, kc, vc), None
 
-    x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache.k, cache.v))
-    return x, KVCache(k=k, v=v)
+    layers = jnp.arange(cache.num_layers, dtype=jnp.int32)
+    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (params["layers"], layers))
+    return x, cache.replace(k=k, v=v)
 
 
 def decode_step(
@@ -103,14 +122,14 @@ def decode_step(
     x = embed_tokens(p, tokens[:, None], st.cfg)
     pos2 = positions[:, None]
 
-    def attend_layer(q, k, v, kp, vp):
+    def attend_layer(q, k, v, kc, vc, tables):
         return decode_attend(
             q,
             k,
             v,
-            kp,
-            vp,
-            block_tables,
+            kc,
+            vc,
+            tables,
             positions + 1,
             active,
             mesh=st.mesh,
@@ -118,7 +137,7 @@ def decode_step(
             interpret=st.interpret,
         )
 
-    x, cache = _run_layers(p, cache, x, pos2, st, attend_layer)
+    x, cache = _run_layers(p, cache, x, pos2, block_tables, st, attend_layer)
     h = rms_norm(x[:, 0], p["final_norm"], st.cfg.rms_norm_eps)
     logits = logits_from_hidden(p, h, st.cfg)
     keys = jax.random.wrap_key_data(key_data)
@@ -147,14 +166,14 @@ def prefill_step(
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     x = embed_tokens(p, tokens, st.cfg)
 
-    def attend_layer(q, k, v, kp, vp):
+    def attend_layer(q, k, v, kc, vc, tables):
         return prefill_attend(
             q,
             k,
             v,
-            kp,
-            vp,
-            block_tables,
+            kc,
+            vc,
+            tables,
             start,
             num_valid,
             mesh=st.mesh,
@@ -162,7 +181,7 @@ def prefill_step(
             interpret=st.interpret,
         )
 
-    x, cache = _run_layers(p, cache, x, positions, st, attend_layer)
+    x, cache = _run_layers(p, cache, x, positions, block_tables, st, attend_layer)
     last = jnp.clip(num_valid - 1, 0, C - 1)
     h = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     h = rms_norm(h, p["final_norm"], st.cfg.rms_norm_eps)
