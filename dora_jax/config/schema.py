@@ -273,9 +273,16 @@ class OrchestratorConfig:
     rollout_batch_prompts: int = 8  # RBS: prompt groups in flight
     plan_period_ticks: int = 32
     kv_pressure_threshold: float = 0.9
+    # dora: supplement older versions with prompts that fill their idle slots (tiered injection)
+    legacy_fill: bool = True
+    # dora: also plan when a ready group idles while requests of another version wait
+    plan_on_idle: bool = True
 
     def __post_init__(self):
         _check(self.staleness_k >= 0, "staleness_k", f"must be >= 0, got {self.staleness_k}")
+        for name in ("legacy_fill", "plan_on_idle"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(
             self.train_batch_prompts > 0,
             "train_batch_prompts",

@@ -1,0 +1,185 @@
+"""The seam between the control plane and execution: the :class:`RolloutBackend` protocol.
+
+The control plane sees groups, versions and requests, never arrays. A backend runs one engine per
+rollout *group*; every group holds exactly one policy version at a time. Three implementations
+share this contract: the in-memory fake (:mod:`dora_jax.orchestrator.fake_backend`), the cluster
+simulator, and the real JAX engines on group submeshes.
+
+Logical time: one call to :meth:`RolloutBackend.step` advances every group by one engine step,
+one *tick*. Weight transfers and request migrations take a backend-defined number of ticks; the
+control plane never waits on them: it keeps ticking and reads their progress in :meth:`groups`.
+
+Identifiers are plain ints: ``group`` indexes ``groups()``; ``request_id`` is unique over a run;
+``prompt_group`` is the id of the GRPO group of ``G`` requests sampled from one prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
+
+# ``source`` of a weight transfer that comes from the trainer (only the newest published version).
+TRAINER: Literal["trainer"] = "trainer"
+Source = int | Literal["trainer"]
+
+Activity = Literal["idle", "prefill", "decode", "transfer"]
+ACTIVITIES: tuple[Activity, ...] = ("idle", "prefill", "decode", "transfer")
+
+
+class BackendError(RuntimeError):
+    """A call broke the backend contract (a control-plane bug, never a recoverable condition)."""
+
+
+class GroupInfo(NamedTuple):
+    """What the control plane may know about one rollout group, at the start of a tick."""
+
+    group: int
+    version: int  # the version it holds, or is receiving while busy_ticks > 0
+    busy_ticks: int  # ticks left of a weight transfer (0: ready)
+    max_slots: int  # concurrent requests the engine can run
+    free_slots: int  # requests it can admit now (free slots and KV reservation both allow)
+    kv_pages_used: int
+    kv_pages_total: int
+    # every request the group holds (prefilling, decoding, or arriving by migration), in admission
+    # order, with the KV pages each one holds now
+    requests: tuple[int, ...] = ()
+    request_pages: tuple[int, ...] = ()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def kv_fraction(self) -> float:
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
+
+
+@dataclass(frozen=True)
+class PartialRequest:
+    """A request taken out of the backend by :meth:`RolloutBackend.interrupt` before it finished.
+
+    ``versions`` lists every version that sampled at least one of its tokens, oldest first.
+    Resubmitting it (``RequestSpec.resume``) re-prefills ``prompt_len + generated`` tokens.
+    """
+
+    request_id: int
+    prompt_group: int
+    prompt_len: int
+    generated: int
+    versions: tuple[int, ...]
+    payload: object = None  # backend-owned state (tokens so far, logprobs, rng); opaque here
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One response to sample: a member of a prompt group, to run under ``version``."""
+
+    request_id: int
+    prompt_group: int
+    version: int  # must equal the version of the group it is submitted to
+    prompt_len: int
+    payload: object = None  # prompt tokens, sampling params, rng seed: opaque to the control plane
+    resume: PartialRequest | None = None  # continue an interrupted request (re-prefills it)
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request whose response is complete; the runtime turns it into a trajectory."""
+
+    request_id: int
+    prompt_group: int
+    prompt_len: int
+    response_len: int
+    versions: tuple[int, ...]  # versions that sampled its tokens, oldest first (span = len)
+    payload: object = None  # tokens, behavior logprobs, reward inputs: forwarded to the trainer
+
+    @property
+    def version_span(self) -> int:
+        return len(self.versions)
+
+
+class GroupTick(NamedTuple):
+    """What one group did during one tick."""
+
+    group: int
+    version: int
+    activity: Activity
+    active: int  # requests it held during the tick
+    tokens: int  # response tokens sampled (decode)
+    prefill_tokens: int  # context tokens prefilled, re-prefills included
+    reprefill_tokens: int  # the part of prefill_tokens that had been computed before
+    time_s: float  # seconds spent: wall time on a real backend, modelled time elsewhere
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """The outcome of one :meth:`RolloutBackend.step`."""
+
+    tick: int  # index of the tick that just ran (0, 1, ...)
+    finished: tuple[FinishedRequest, ...]
+    groups: tuple[GroupTick, ...] = field(default=())
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Rollout groups behind one small interface. Every method is called from one thread.
+
+    Errors: a call that breaks a contract below raises :class:`BackendError` and changes nothing.
+    """
+
+    def groups(self) -> list[GroupInfo]:
+        """The state of every group, indexed by group id, as of the end of the last tick."""
+        ...
+
+    def publish(self, version: int) -> None:
+        """The trainer has produced ``version`` (exactly one more than the last published).
+
+        From now on ``set_version(g, version, TRAINER)`` may fetch it. Older versions are no longer
+        available from the trainer, only from groups holding them. Version 0, the initial policy,
+        is published at construction and held by every group.
+        """
+        ...
+
+    def set_version(self, group: int, version: int, source: Source) -> None:
+        """Load ``version`` into ``group`` (a weight transfer; takes some ticks).
+
+        ``source`` is :data:`TRAINER` (only for the newest published version) or the id of another
+        group whose ``version`` is ``version``; if that group is itself still receiving it, this
+        transfer finishes after that one. The group must hold no request: the control plane
+        empties it first (migrate the requests to a same-version group, or interrupt them and
+        resubmit them under the new version, which re-prefills them). While the transfer runs
+        the group's ``version`` already reads the new one, ``busy_ticks > 0``, and requests
+        submitted or migrated to it wait. Setting the version a group already holds is a no-op.
+        """
+        ...
+
+    def submit(self, group: int, requests: list[RequestSpec]) -> None:
+        """Admit requests to ``group``: they prefill, then decode one token per tick until done.
+
+        Every request's ``version`` must equal the group's version, ``len(requests)`` must not
+        exceed its ``free_slots``, request ids must be new (or the id of an interrupted request
+        being resumed, with ``resume`` set).
+        """
+        ...
+
+    def step(self) -> StepEvents:
+        """Advance every group by one engine step (one tick) and report what happened."""
+        ...
+
+    def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
+        """Move requests with their KV cache from ``src`` to ``dst``; they are not re-prefilled.
+
+        Both groups must hold the same version (KV computed under one version is valid only
+        under that version), every request must be on ``src``, and ``dst`` must have that many
+        ``free_slots``. The requests stop decoding while their KV is in transit (backend-defined
+        ticks) and continue on ``dst`` exactly where they stopped.
+        """
+        ...
+
+    def interrupt(self, request_ids: list[int]) -> list[PartialRequest]:
+        """Take unfinished requests out of their groups and return their state.
+
+        For the partial-rollout baseline (resubmit under a new version) and the oversampling
+        baseline (abort and discard). Their slots and KV pages are freed at once.
+        """
+        ...
