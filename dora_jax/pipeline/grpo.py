@@ -1,0 +1,111 @@
+"""Glue between the control plane and the real arrays: prompts in, GRPO steps out.
+
+- :class:`TokenizedPrompts`: the runtime's prompt source, from a :class:`dora_jax.data.PromptSource`
+  and a tokenizer (prompts longer than the engine's context fail with a clear error).
+- :class:`GRPOTrainer`: the runtime's trainer. It scores finished requests with the reward
+  function, packs them into a train batch, runs one jitted GRPO step on the trainer submesh,
+  and keeps the params of every version the rollout side may still ask for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dora_jax.data.prompts import PromptSource
+from dora_jax.model.params import Params
+from dora_jax.model.tokenizer import Tokenizer
+from dora_jax.orchestrator.engine_backend import Completion, PromptPayload
+from dora_jax.orchestrator.rollout_manager import PromptSpec
+from dora_jax.orchestrator.transfer_queue import ReadyGroup
+from dora_jax.train import Trainer, Trajectory
+
+
+class PromptTooLong(ValueError):
+    """A prompt does not fit the engine's ``rollout.max_prompt_len``."""
+
+
+class TokenizedPrompts:
+    """``next_prompt()`` for the runtime: text -> chat template -> token ids."""
+
+    def __init__(self, source: PromptSource, tokenizer: Tokenizer, max_prompt_len: int):
+        self.source, self.tokenizer, self.max_prompt_len = source, tokenizer, max_prompt_len
+
+    def next_prompt(self) -> PromptSpec:
+        (p,) = self.source.take(1)
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
+        tokens = tuple(self.tokenizer.encode(text))
+        if not tokens or len(tokens) > self.max_prompt_len:
+            raise PromptTooLong(
+                f"prompt {p.index} has {len(tokens)} tokens; rollout.max_prompt_len is "
+                f"{self.max_prompt_len} (raise it, or filter the data): {p.text[:60]!r}"
+            )
+        return PromptSpec(len(tokens), PromptPayload(p.index, tokens, p.answer))
+
+
+@dataclass
+class StepLog:
+    version: int
+    metrics: dict[str, Any]
+    rewards: list[float]
+    trajectories: list[int] = field(default_factory=list)  # request ids consumed
+
+
+class GRPOTrainer:
+    """Implements the runtime's ``Trainer`` protocol over :class:`dora_jax.train.Trainer`."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        tokenizer: Tokenizer,
+        reward_fn: Callable[[str, str], float],
+        *,
+        train_ticks: int = 1,
+    ):
+        self.trainer, self.tokenizer, self.reward_fn = trainer, tokenizer, reward_fn
+        self.train_ticks = train_ticks
+        self.params: dict[int, Params] = {trainer.version: trainer.export_params()}
+        self.log: list[StepLog] = []
+        self.consumed: list[tuple[int, int, Completion]] = []  # (request id, version, completion)
+
+    def score(self, comp: Completion) -> float:
+        tokens = [t for t in comp.tokens if t != self.tokenizer.eos_id]
+        return self.reward_fn(self.tokenizer.decode(tokens), comp.prompt.answer)
+
+    def step(self, batch: list[ReadyGroup]) -> int:
+        trajectories, rewards, ids = [], [], []
+        for rg in batch:
+            for t in rg.trajectories:
+                comp: Completion = t.payload
+                reward = self.score(comp)
+                rewards.append(reward)
+                ids.append(t.request_id)
+                self.consumed.append((t.request_id, rg.version, comp))
+                trajectories.append(Trajectory(
+                    prompt_tokens=np.asarray(comp.prompt.tokens, np.int32),
+                    response_tokens=np.asarray(comp.tokens, np.int32),
+                    behavior_logprobs=np.asarray(comp.logprobs, np.float32),
+                    reward=reward, version=rg.version, group_id=rg.prompt_group,
+                ))  # fmt: skip
+        packed = self.trainer.pack(trajectories, num_groups=len(batch))
+        metrics = self.trainer.step(packed)
+        version = self.trainer.version
+        self.params[version] = self.trainer.export_params()
+        self.log.append(StepLog(version, metrics, rewards, ids))
+        return version
+
+    def duration_ticks(self, batch: list[ReadyGroup]) -> int:
+        return self.train_ticks
+
+    def params_for(self, version: int) -> Params:
+        if version not in self.params:
+            raise KeyError(f"params of version {version} were not kept")
+        return self.params[version]
+
+    def forget(self, keep: set[int]) -> None:
+        """Free the params of versions no longer referenced (invariant 5)."""
+        for v in [v for v in self.params if v not in keep and v != self.trainer.version]:
+            del self.params[v]
