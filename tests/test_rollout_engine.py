@@ -214,3 +214,22 @@ def test_page_allocator():
         alloc.free("a")
     alloc.check()
     assert 0 not in alloc.ensure("c", 12)
+
+
+def test_multi_step_decode_matches_single_step(params):
+    """decode_steps=4 (one device call per 4 tokens) produces what single steps produce; EOS and
+    max-new-token stops inside a call are honoured and pages still all come back."""
+    outs = {}
+    for k in (1, 4):
+        rcfg = dataclasses.replace(RCFG, temperature=1.0, decode_steps=k, batch_invariant=False)
+        engine = Engine(CFG, rcfg, mesh_on(k), eos_id=EOS)
+        engine.load_params(params, 0)
+        engine.submit(make_requests(10, seed=6))
+        outs[k] = {f.id: f for f in run_to_end(engine)}
+        assert engine.alloc.pages_used == 0
+    assert outs[1].keys() == outs[4].keys()
+    stops = {f.finish_reason for f in outs[4].values()}
+    assert stops == {"eos", "length"}  # both stop paths ran inside multi-step calls
+    for rid, f in outs[1].items():
+        assert outs[4][rid].tokens == f.tokens
+        np.testing.assert_allclose(outs[4][rid].logprobs, f.logprobs, atol=1e-5)

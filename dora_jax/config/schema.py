@@ -177,6 +177,9 @@ class RolloutConfig:
     # tokens and logprobs do not depend on which other requests share its steps: migration and
     # parking continue bit-identically. False: power-of-4 batch buckets (less padding compute).
     batch_invariant: bool = True
+    # Decode steps per device call: > 1 amortises the host round trip (tokens past a request's
+    # EOS or budget are dropped). 1 keeps one token per request per engine step (tick).
+    decode_steps: int = 1
 
     def __post_init__(self):
         for name in ("max_slots", "page_size", "num_pages", "max_prompt_len", "max_new_tokens"):
@@ -185,6 +188,7 @@ class RolloutConfig:
         _check(self.prefill_chunk > 0, "prefill_chunk", f"must be > 0, got {self.prefill_chunk}")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
+        _check(self.decode_steps >= 1, "decode_steps", f"must be >= 1, got {self.decode_steps}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
 
 

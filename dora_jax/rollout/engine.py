@@ -72,6 +72,14 @@ def _buckets(limit: int) -> list[int]:
     return out + [limit]
 
 
+def _pow2_buckets(limit: int) -> list[int]:
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= n)
 
@@ -112,6 +120,7 @@ class Engine:
             interpret = jax.devices()[0].platform == "cpu"
         self.interpret = interpret
         self.sampling = SamplingParams(rcfg.temperature, rcfg.top_k, rcfg.top_p)
+        self.decode_steps = rcfg.decode_steps
         self._st = StepStatic(
             cfg=cfg,
             sampling=self.sampling,
@@ -119,6 +128,8 @@ class Engine:
             impl=self.impl,
             interpret=interpret,
             return_logits=return_logits,
+            decode_steps=rcfg.decode_steps,
+            eos_id=eos_id,
         )
         Z = rcfg.page_size
         self.pages_per_seq = -(-(rcfg.max_prompt_len + rcfg.max_new_tokens) // Z)
@@ -135,7 +146,11 @@ class Engine:
         self.parked: deque[ExportedRequests] = deque()
         # Batch-invariant decoding uses one batch shape, so a row's numerics never depend on
         # how many other requests share the step (bit-identical continuation after migration).
+        # Otherwise batch rows and block-table widths (pages attended) are bucketed.
         self.buckets = [rcfg.max_slots] if rcfg.batch_invariant else _buckets(rcfg.max_slots)
+        self.width_buckets = (
+            [self.pages_per_seq] if rcfg.batch_invariant else _pow2_buckets(self.pages_per_seq)
+        )
         self.params: Params | None = None
         self.version: int | None = None
         self.last_logits: dict[Hashable, np.ndarray] = {}  # per request, last decode (tests)
@@ -344,12 +359,14 @@ class Engine:
         is re-prefilled (partial-rollout baseline)."""
         return r.cached_tokens
 
-    def _block_table(self, r: Request | None) -> np.ndarray:
-        row = np.zeros(self.pages_per_seq, np.int32)
-        if r is not None:
-            table = self.alloc.table(r.id)
-            row[: len(table)] = table
-        return row
+    def _block_tables(self, reqs: Sequence[Request], rows: int) -> np.ndarray:
+        """``int32[rows, width]`` page tables (padding page 0), width bucketed by the longest."""
+        tables = [self.alloc.table(r.id) for r in reqs]
+        width = _bucket(max(len(t) for t in tables), self.width_buckets)
+        out = np.zeros((rows, width), np.int32)
+        for i, t in enumerate(tables):
+            out[i, : len(t)] = t
+        return out
 
     def _put(self, *arrays):
         return jax.device_put(arrays, self._rep)
@@ -384,10 +401,10 @@ class Engine:
         seqs = [list(r.prompt) + list(r.tokens[:-1]) for r in reqs]
         C = self.rcfg.prefill_chunk
         B = _bucket(len(reqs), self.buckets)
-        tables = np.zeros((B, self.pages_per_seq), np.int32)
+        tables = self._block_tables(reqs, B)
         keys = np.zeros((B, 2), np.uint32)
         for i, r in enumerate(reqs):
-            tables[i], keys[i] = self._block_table(r), r.key
+            keys[i] = r.key
         tables_d, keys_d = self._put(tables, keys)
         longest = max(len(s) for s in seqs)
         for start in range(0, longest, C):
@@ -435,27 +452,34 @@ class Engine:
         B = _bucket(len(rows), self.buckets)
         tokens = np.zeros(B, np.int32)
         positions = np.zeros(B, np.int32)
-        tables = np.zeros((B, self.pages_per_seq), np.int32)
+        tables = self._block_tables(rows, B)
         active = np.zeros(B, bool)
         keys = np.zeros((B, 2), np.uint32)
+        remaining = np.zeros(B, np.int32)
         for i, r in enumerate(rows):
             tokens[i], positions[i] = r.tokens[-1], r.total_tokens - 1
-            tables[i], active[i], keys[i] = self._block_table(r), True, r.key
+            active[i], keys[i] = True, r.key
+            remaining[i] = r.max_new_tokens - len(r.tokens)
         self.cache, tok, lp, logits = _decode_jit(
             self.params,
             self.cache,
-            *self._put(tokens, positions, tables, active, keys),
+            *self._put(tokens, positions, tables, active, keys, remaining),
             st=self._st,
         )
         tok, lp = np.asarray(tok), np.asarray(lp)
         if logits is not None:
             self.last_logits = {r.id: np.asarray(logits[i]) for i, r in enumerate(rows)}
+        sampled = 0
         for i, r in enumerate(rows):
-            r.tokens.append(int(tok[i]))
-            r.logprobs.append(float(lp[i]))
+            for j in range(min(self.decode_steps, int(remaining[i]))):
+                r.tokens.append(int(tok[j, i]))
+                r.logprobs.append(float(lp[j, i]))
+                sampled += 1
+                if r.tokens[-1] == self.eos_id:
+                    break
             self._finish_if_done(r, report.finished)
-        report.decode_tokens += len(rows)
-        report.sampled_tokens += len(rows)
+        report.decode_tokens += sampled
+        report.sampled_tokens += sampled
         report.decode_s += time.perf_counter() - t0
         return report.finished
 
@@ -467,8 +491,9 @@ class Engine:
         kept: list[Request] = []
         while queue:
             r = queue[0]
-            if self.alloc.can_hold(r.id, r.total_tokens):
-                self.alloc.ensure(r.id, r.total_tokens)
+            need = r.total_tokens + min(self.decode_steps, r.max_new_tokens - len(r.tokens)) - 1
+            if self.alloc.can_hold(r.id, need):
+                self.alloc.ensure(r.id, need)
                 kept.append(queue.pop(0))
             else:
                 victim = queue.pop()  # the least advanced (possibly r itself)

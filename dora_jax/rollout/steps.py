@@ -70,6 +70,8 @@ class StepStatic:
     impl: str = flax.struct.field(pytree_node=False)
     interpret: bool = flax.struct.field(pytree_node=False)
     return_logits: bool = flax.struct.field(pytree_node=False, default=False)
+    decode_steps: int = flax.struct.field(pytree_node=False, default=1)
+    eos_id: int = flax.struct.field(pytree_node=False, default=-1)
 
 
 def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStatic, attend_layer):
@@ -97,30 +99,8 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
     return x, cache.replace(k=k, v=v)
 
 
-def decode_step(
-    params: Params,
-    cache: KVCache,
-    tokens: jax.Array,
-    positions: jax.Array,
-    block_tables: jax.Array,
-    active: jax.Array,
-    key_data: jax.Array,
-    st: StepStatic,
-):
-    """One decode step for ``B`` rows.
-
-    Args:
-      tokens: int32[B], the last token of each sequence (not yet in the cache).
-      positions: int32[B], that token's position.
-      block_tables: int32[B, pages_per_seq]; active: bool[B]; key_data: uint32[B, 2].
-
-    Returns:
-      ``(cache, next_tokens int32[B], logprobs f32[B], logits f32[B, V] or None)``; the next token
-      sits at ``positions + 1``.
-    """
-    p = cast_params(params, st.cfg)
+def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: StepStatic):
     x = embed_tokens(p, tokens[:, None], st.cfg)
-    pos2 = positions[:, None]
 
     def attend_layer(q, k, v, kc, vc, tables):
         return decode_attend(
@@ -137,12 +117,59 @@ def decode_step(
             interpret=st.interpret,
         )
 
-    x, cache = _run_layers(p, cache, x, pos2, block_tables, st, attend_layer)
+    x, cache = _run_layers(p, cache, x, positions[:, None], block_tables, st, attend_layer)
     h = rms_norm(x[:, 0], p["final_norm"], st.cfg.rms_norm_eps)
     logits = logits_from_hidden(p, h, st.cfg)
-    keys = jax.random.wrap_key_data(key_data)
     next_tokens, logprobs = sample(logits, keys, positions + 1, st.sampling)
-    return cache, next_tokens, logprobs, (logits if st.return_logits else None)
+    return cache, next_tokens, logprobs, logits
+
+
+def decode_step(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    active: jax.Array,
+    key_data: jax.Array,
+    remaining: jax.Array,
+    st: StepStatic,
+):
+    """``st.decode_steps`` decode steps for ``B`` rows in one call (the host round trip and
+    dispatch are paid once per call).
+
+    Args:
+      tokens: int32[B], the last token of each sequence (not yet in the cache).
+      positions: int32[B], that token's position.
+      block_tables: int32[B, width] (pages for ``positions + decode_steps``); active: bool[B];
+      key_data: uint32[B, 2]; remaining: int32[B], tokens each row may still produce.
+
+    Returns:
+      ``(cache, tokens int32[S, B], logprobs f32[S, B], logits f32[B, V] or None)`` with
+      ``S = decode_steps``: step ``j``'s token sits at ``positions + 1 + j``. A row stops (writes
+      and attends nothing) after ``remaining`` tokens or after sampling ``st.eos_id``; the host
+      ignores its later outputs. ``logits`` are those of the first step.
+    """
+    p = cast_params(params, st.cfg)
+    keys = jax.random.wrap_key_data(key_data)
+    if st.decode_steps == 1:
+        cache, nxt, lp, logits = _decode_once(
+            p, cache, tokens, positions, block_tables, active, keys, st
+        )
+        return cache, nxt[None], lp[None], (logits if st.return_logits else None)
+
+    def one(carry, j):
+        cache, tok, pos, live = carry
+        run = live & (j < remaining)
+        cache, nxt, lp, logits = _decode_once(p, cache, tok, pos, block_tables, run, keys, st)
+        live = run & (nxt != st.eos_id)
+        return (cache, nxt, pos + 1, live), (nxt, lp, logits)
+
+    steps = jnp.arange(st.decode_steps, dtype=jnp.int32)
+    (cache, _, _, _), (toks, lps, logits) = jax.lax.scan(
+        one, (cache, tokens, positions, active), steps
+    )
+    return cache, toks, lps, (logits[0] if st.return_logits else None)
 
 
 def prefill_step(
