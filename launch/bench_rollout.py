@@ -40,9 +40,17 @@ from dora_jax.model import init_params  # noqa: E402
 from dora_jax.model.hf_checkpoint import load_hf_params, save_hf_checkpoint  # noqa: E402
 from dora_jax.rollout import Engine, Request, request_key  # noqa: E402
 
-MODEL = ModelConfig(family="qwen2", vocab_size=512, hidden_size=128, intermediate_size=384,
-                    num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-                    max_position_embeddings=8192)  # fmt: skip
+MODEL = ModelConfig(
+    family="qwen2",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+)
 
 
 def long_tail_lengths(n: int, rng: np.random.Generator, median: int, cap: int) -> np.ndarray:
@@ -54,13 +62,23 @@ def long_tail_lengths(n: int, rng: np.random.Generator, median: int, cap: int) -
 
 
 def bench_engine(params, prompts, lengths, slots: int) -> float:
-    rcfg = RolloutConfig(max_slots=slots, page_size=16, num_pages=1 + slots * 20,
-                         max_prompt_len=64, max_new_tokens=int(max(lengths)), prefill_chunk=64,
-                         temperature=0.0, batch_invariant=False, decode_steps=8)  # fmt: skip
+    rcfg = RolloutConfig(
+        max_slots=slots,
+        page_size=16,
+        num_pages=1 + slots * 20,
+        max_prompt_len=64,
+        max_new_tokens=int(max(lengths)),
+        prefill_chunk=64,
+        temperature=0.0,
+        batch_invariant=False,
+        decode_steps=8,
+    )
     engine = Engine(MODEL, rcfg, make_mesh(jax.devices()[:1], 1, 1), eos_id=-1, interpret=False)
     engine.load_params(params, 0)
-    reqs = [Request(i, list(p), 0, request_key(0, i), int(n))
-            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]  # fmt: skip
+    reqs = [
+        Request(i, list(p), 0, request_key(0, i), int(n))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
     t0 = time.perf_counter()
     engine.submit(reqs)
     done = 0
@@ -85,17 +103,29 @@ def bench_hf(model, prompts, lengths, batch: int) -> float:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=int(max(ns)),
-                           min_new_tokens=int(max(ns)), do_sample=False, eos_token_id=None,
-                           pad_token_id=0)  # fmt: skip
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=int(max(ns)),
+                min_new_tokens=int(max(ns)),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         produced += int(sum(ns))  # useful tokens: each request's own length
     return produced / (time.perf_counter() - t0)
 
 
 def bench_migration(params, context: int, repeats: int) -> dict:
-    rcfg = RolloutConfig(max_slots=1, page_size=16, num_pages=2 + context // 16 + 2,
-                         max_prompt_len=context, max_new_tokens=4, prefill_chunk=512,
-                         temperature=0.0)  # fmt: skip
+    rcfg = RolloutConfig(
+        max_slots=1,
+        page_size=16,
+        num_pages=2 + context // 16 + 2,
+        max_prompt_len=context,
+        max_new_tokens=4,
+        prefill_chunk=512,
+        temperature=0.0,
+    )
     src = Engine(MODEL, rcfg, make_mesh(jax.devices()[:1], 1, 1), eos_id=-1, interpret=False)
     dst = Engine(MODEL, rcfg, make_mesh(jax.devices()[1:2], 1, 1), eos_id=-1, interpret=False)
     for e in (src, dst):
@@ -123,8 +153,12 @@ def bench_migration(params, context: int, repeats: int) -> dict:
             migrate_s.append(t_mig)
             prefill_s.append(t_pre)
     m, p = statistics.median(migrate_s), statistics.median(prefill_s)
-    return {"context_tokens": context, "migrate_ms_median": 1e3 * m,
-            "reprefill_ms_median": 1e3 * p, "migrate_over_reprefill": m / p}  # fmt: skip
+    return {
+        "context_tokens": context,
+        "migrate_ms_median": 1e3 * m,
+        "reprefill_ms_median": 1e3 * p,
+        "migrate_over_reprefill": m / p,
+    }
 
 
 def main() -> int:
@@ -138,12 +172,15 @@ def main() -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     rng = np.random.default_rng(0)
     n_req, rounds, slots = (32, 2, 16) if args.quick else (64, 3, 16)
-    prompts = [list(rng.integers(3, MODEL.vocab_size, int(rng.integers(16, 65))))
-               for _ in range(n_req)]  # fmt: skip
+    prompts = [
+        list(rng.integers(3, MODEL.vocab_size, int(rng.integers(16, 65)))) for _ in range(n_req)
+    ]
     lengths = long_tail_lengths(n_req, rng, median=10, cap=256)
     p50, p99 = np.percentile(lengths, 50), np.percentile(lengths, 99)
-    print(f"workload: {n_req} requests, response tokens median {p50:.0f}, p99 {p99:.0f} "
-          f"(p99/median {p99 / p50:.1f}), max {lengths.max()}, total {lengths.sum()}")  # fmt: skip
+    print(
+        f"workload: {n_req} requests, response tokens median {p50:.0f}, p99 {p99:.0f} "
+        f"(p99/median {p99 / p50:.1f}), max {lengths.max()}, total {lengths.sum()}"
+    )
 
     params = init_params(MODEL, jax.random.key(0))
     with tempfile.TemporaryDirectory() as d:  # the same weights, through our HF export
@@ -158,26 +195,40 @@ def main() -> int:
     for r in range(rounds):
         ours.append(bench_engine(params, prompts, lengths, slots))
         theirs.append(bench_hf(hf, prompts, lengths, slots))
-        print(f"  round {r}: dora_jax engine {ours[-1]:.0f} tok/s, HF generate "
-              f"{theirs[-1]:.0f} tok/s")  # fmt: skip
+        print(
+            f"  round {r}: dora_jax engine {ours[-1]:.0f} tok/s, HF generate {theirs[-1]:.0f} tok/s"
+        )
     speedup = statistics.median(ours) / statistics.median(theirs)
-    print(f"(a) generated tokens/s, engine / HF generate (median of {rounds}): {speedup:.2f}x "
-          "(target >= 3x)")  # fmt: skip
+    print(
+        f"(a) generated tokens/s, engine / HF generate (median of {rounds}): {speedup:.2f}x "
+        "(target >= 3x)"
+    )
 
     mig = [bench_migration(params, c, 2 if args.quick else 3) for c in (1024, 2048, 4096)]
     for m in mig:
-        print(f"(b) context {m['context_tokens']}: migration {m['migrate_ms_median']:.1f} ms, "
-              f"re-prefill {m['reprefill_ms_median']:.1f} ms -> "
-              f"{100 * m['migrate_over_reprefill']:.1f}% (target <= 10%)")  # fmt: skip
+        print(
+            f"(b) context {m['context_tokens']}: migration {m['migrate_ms_median']:.1f} ms, "
+            f"re-prefill {m['reprefill_ms_median']:.1f} ms -> "
+            f"{100 * m['migrate_over_reprefill']:.1f}% (target <= 10%)"
+        )
 
     out = {
         "command": "python launch/bench_rollout.py" + (" --quick" if args.quick else ""),
         "machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__} "
         f"({jax.devices()[0].platform}), torch {torch.__version__}",
-        "model": {"family": MODEL.family, "layers": MODEL.num_layers,
-                  "hidden": MODEL.hidden_size, "vocab": MODEL.vocab_size},  # fmt: skip
-        "workload": {"requests": n_req, "slots": slots, "median_tokens": float(p50),
-                     "p99_tokens": float(p99), "total_tokens": int(lengths.sum())},  # fmt: skip
+        "model": {
+            "family": MODEL.family,
+            "layers": MODEL.num_layers,
+            "hidden": MODEL.hidden_size,
+            "vocab": MODEL.vocab_size,
+        },
+        "workload": {
+            "requests": n_req,
+            "slots": slots,
+            "median_tokens": float(p50),
+            "p99_tokens": float(p99),
+            "total_tokens": int(lengths.sum()),
+        },
         "engine_settings": "continuous batching over 16 slots, paged KV (page 16), reference "
         "attention on CPU, decode_steps=8 per device call, batch/width buckets, greedy",
         "hf_settings": "model.generate in static batches of 16 (left padded), greedy, each batch "
@@ -189,8 +240,11 @@ def main() -> int:
             "speedup_engine_over_hf_median": speedup,
             "target": ">= 3x",
         },
-        "migration": {"units": "milliseconds; ratio migrate/re-prefill", "rows": mig,
-                      "target": "migrate <= 10% of re-prefill"},  # fmt: skip
+        "migration": {
+            "units": "milliseconds; ratio migrate/re-prefill",
+            "rows": mig,
+            "target": "migrate <= 10% of re-prefill",
+        },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
