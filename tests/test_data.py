@@ -29,8 +29,9 @@ def test_arithmetic_task_is_deterministic_long_tailed_and_tokenizable():
         solution = task.solution(i)
         tok.encode(prompt + solution)  # every character is in the alphabet
         assert task.reward(solution, answer) == 1.0
-        assert task.reward(solution[:-1] + str((int(answer) + 1) % 10), answer) == 0.0
-    assert ArithmeticTask.render([3, 5, 2, 9]) == ("3+5+2+9=", "3+5=8\n8+2=0\n0+9=9\n#9", "9")
+        assert task.reward(solution.rsplit("#", 1)[0] + "#" + answer + "0", answer) == 0.0
+        assert task.reward(solution.replace("#", ","), answer) == 0.0
+    assert ArithmeticTask.render(23, 5) == ("23-5=", "23,18,13,8,3#3", "3")
 
 
 def test_prompt_source_resumes_exactly():

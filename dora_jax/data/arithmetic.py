@@ -1,17 +1,14 @@
-"""The built-in verifiable task: chained single-digit additions with a scratchpad.
+"""The built-in verifiable task: division with remainder by repeated subtraction, on a scratchpad.
 
-Prompt ``"3+5+2+9="``; the expected response writes one line per addition, carrying the running
-sum modulo 10, then the answer after ``#``::
+Prompt ``"23-5="``; the expected response counts down by 5 from 23 until the value is below 5,
+then gives the remainder after ``#``::
 
-    3+5=8
-    8+2=0
-    0+9=9
-    #9
+    23,18,13,8,3#3
 
-Response length grows linearly with the number of terms, and the number of terms is drawn from a
-heavy-tailed (discretised lognormal) distribution, so response lengths in tokens have
-p99/median >= 10: the long tail that DORA is about. Every problem is a pure function of
-``(seed, index)``.
+Every scratchpad step is a small, local subtraction (learnable by a tiny model), and the number of
+steps, the quotient, is drawn from a heavy-tailed (discretised lognormal) distribution, so response
+lengths in tokens have p99/median >= 10: the long tail that DORA is about. Every problem is a pure
+function of ``(seed, index)``.
 """
 
 from __future__ import annotations
@@ -22,44 +19,46 @@ from dora_jax.data.prompts import PromptSource
 
 
 class ArithmeticTask:
-    def __init__(self, seed: int, median_terms: int = 3, sigma: float = 1.0, max_terms: int = 40):
-        if not 2 <= median_terms <= max_terms:
-            raise ValueError(f"need 2 <= median_terms <= max_terms, got {median_terms}, "
-                             f"{max_terms}")  # fmt: skip
-        self.seed, self.median_terms, self.sigma, self.max_terms = (
-            seed, median_terms, sigma, max_terms
-        )  # fmt: skip
+    def __init__(self, seed: int, median_steps: int = 3, sigma: float = 1.2, max_steps: int = 40):
+        if not 1 <= median_steps <= max_steps:
+            raise ValueError(
+                f"need 1 <= median_steps <= max_steps, got {median_steps}, {max_steps}"
+            )
+        self.seed, self.median_steps, self.sigma, self.max_steps = (
+            seed,
+            median_steps,
+            sigma,
+            max_steps,
+        )
 
-    def terms(self, index: int) -> list[int]:
+    def numbers(self, index: int) -> tuple[int, int]:
+        """``(n, s)``: count down from ``n`` in steps of ``s``."""
         rng = np.random.default_rng((self.seed, index))
-        n = int(round(self.median_terms * float(np.exp(self.sigma * rng.standard_normal()))))
-        n = min(max(n, 2), self.max_terms)
-        return [int(d) for d in rng.integers(0, 10, n)]
+        q = int(round(self.median_steps * float(np.exp(self.sigma * rng.standard_normal()))))
+        q = min(max(q, 1), self.max_steps)
+        s = int(rng.integers(1, 10))
+        return q * s + int(rng.integers(0, s)), s
 
     @staticmethod
-    def render(terms: list[int]) -> tuple[str, str, str]:
-        """(prompt, full solution, answer) for ``terms``."""
-        prompt = "+".join(map(str, terms)) + "="
-        lines, acc = [], terms[0]
-        for t in terms[1:]:
-            nxt = (acc + t) % 10
-            lines.append(f"{acc}+{t}={nxt}")
-            acc = nxt
-        answer = str(acc)
-        return prompt, "\n".join(lines) + f"\n#{answer}", answer
+    def render(n: int, s: int) -> tuple[str, str, str]:
+        """(prompt, full solution, answer)."""
+        steps = list(range(n, -1, -s))
+        answer = str(steps[-1])
+        return f"{n}-{s}=", ",".join(map(str, steps)) + f"#{answer}", answer
 
     def problem(self, index: int) -> tuple[str, str]:
-        prompt, _, answer = self.render(self.terms(index))
+        prompt, _, answer = self.render(*self.numbers(index))
         return prompt, answer
 
     def solution(self, index: int) -> str:
-        return self.render(self.terms(index))[1]
+        return self.render(*self.numbers(index))[1]
 
     def source(self) -> PromptSource:
         return PromptSource(self.problem, f"arithmetic(seed={self.seed})")
 
     @staticmethod
     def reward(response: str, answer: str) -> float:
-        """1 for the right answer after ``#`` (the last line), else 0."""
-        last = response.strip().rsplit("\n", 1)[-1]
-        return 1.0 if last.startswith("#") and last[1:].strip() == answer else 0.0
+        """1 for the right remainder after the last ``#``, else 0."""
+        if "#" not in response:
+            return 0.0
+        return 1.0 if response.rsplit("#", 1)[1].strip() == answer else 0.0
