@@ -1,0 +1,185 @@
+"""Run metrics: one JSON object per line in ``metrics.jsonl``, optional TensorBoard, progress bar.
+
+:class:`MetricsWriter` appends ``{"step": step, **metrics}`` to ``run_dir/metrics.jsonl`` (one
+line per :meth:`~MetricsWriter.write`, flushed at once so a crashed run keeps what it logged)
+and, when ``tensorboard=True``, mirrors the numbers to event files under ``run_dir/tb/`` through
+``tensorboardX.SummaryWriter``.
+
+JSON encoding (:func:`json_safe`): numpy scalars and arrays become Python numbers and lists;
+``NaN`` is written as ``null``, ``+inf`` / ``-inf`` as the strings ``"inf"`` / ``"-inf"``.
+:func:`read_metrics` turns ``null`` back into ``nan`` and those strings back into infinities,
+so a float metric round-trips (a ``None`` written on purpose also reads back as ``nan``).
+
+TensorBoard: a number (bool, int, float, numpy scalar) is an ``add_scalar`` under its key; a
+nested dict is flattened with ``/`` (``{"loss": {"pg": x}}`` is the scalar ``loss/pg``); a
+non-empty list / tuple / array of finite numbers is an ``add_histogram``; strings, empty lists
+and lists holding anything but numbers are skipped (they are in the JSONL only). tensorboardX
+is imported only when ``tensorboard=True``; if it is missing the writer warns and goes on with
+the JSONL alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+
+_INF_STR = {"inf": math.inf, "-inf": -math.inf}
+
+
+def json_safe(x: Any) -> Any:
+    """``x`` with numpy values turned into Python ones and non-finite floats into JSON values:
+    ``nan`` -> ``None``, ``inf`` -> ``"inf"``, ``-inf`` -> ``"-inf"``. Dict keys become strings."""
+    if isinstance(x, Mapping):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return json_safe(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, bool | int | str) or x is None:
+        return x
+    if isinstance(x, float):
+        if math.isnan(x):
+            return None
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"cannot write a {type(x).__name__} as a metric: {x!r}")
+
+
+def _restore(x: Any) -> Any:
+    if x is None:
+        return math.nan
+    if isinstance(x, str) and x in _INF_STR:
+        return _INF_STR[x]
+    if isinstance(x, list):
+        return [_restore(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _restore(v) for k, v in x.items()}
+    return x
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Every record of a ``metrics.jsonl`` (``path`` is the file or the run directory), in order.
+
+    ``null`` reads back as ``nan`` and ``"inf"`` / ``"-inf"`` as infinities (at any depth). A
+    torn last line (a run killed mid-write) is skipped; a malformed line elsewhere raises.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    lines = p.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise
+        out.append({k: (v if k == "step" else _restore(v)) for k, v in rec.items()})
+    return out
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, bool | int | float | np.bool_ | np.integer | np.floating)
+
+
+def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in metrics.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            flat.update(_flatten(v, key + "/"))
+        else:
+            flat[key] = v
+    return flat
+
+
+class MetricsWriter:
+    """Appends metric records to ``run_dir/metrics.jsonl`` and, optionally, TensorBoard events."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                warnings.warn(
+                    "tensorboardX is not installed: metrics go to metrics.jsonl only",
+                    stacklevel=2,
+                )
+            else:
+                self._tb = SummaryWriter(logdir=str(self.run_dir / TB_DIR))
+
+    @property
+    def tensorboard(self) -> bool:
+        return self._tb is not None
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Log ``metrics`` at ``step``: one JSONL line ``{"step": step, **metrics}`` and the
+        numbers (scalars) and numeric lists (histograms) to TensorBoard; see the module doc."""
+        if self._file.closed:
+            raise ValueError("MetricsWriter is closed")
+        if "step" in metrics:
+            raise ValueError("'step' is the writer's own key; pass it as the step argument")
+        step = int(step)
+        record = json_safe({"step": step, **metrics})
+        self._file.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            self._write_tb(step, metrics)
+
+    def _write_tb(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for key, v in _flatten(metrics).items():
+            if _is_number(v):
+                self._tb.add_scalar(key, float(v), step)
+            elif isinstance(v, list | tuple | np.ndarray) and len(v):
+                if not all(_is_number(e) for e in np.asarray(v, dtype=object).ravel()):
+                    continue
+                arr = np.asarray(v, dtype=np.float64).ravel()
+                arr = arr[np.isfinite(arr)]
+                if arr.size:
+                    self._tb.add_histogram(key, arr, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def progress(total: int | None, desc: str = "", *, enabled: bool = True, **kw: Any):
+    """A ``tqdm`` bar over ``total`` items; silent when ``enabled`` is False or stderr is not a
+    terminal (logs and CI stay clean). Extra keywords go to ``tqdm``."""
+    from tqdm import tqdm
+
+    disable = not enabled or not sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, **kw)

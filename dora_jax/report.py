@@ -1,0 +1,396 @@
+"""Run reports from :class:`~dora_jax.orchestrator.records.Records`: timeline, summary, curves.
+
+- :func:`plot_timeline`: groups x time, each cell coloured by the policy version the group holds
+  (the paper's Figure 6 view), with the trainer's steps, weight transfers and migrations.
+- :func:`write_summary`: ``summary.json`` + ``summary.md`` (throughput, bubble, phase fractions,
+  staleness histogram, data movement, reward curve, overheads).
+- :func:`reward_curve_plot`: mean reward against consumed samples (or steps), one line per run.
+
+Phase fractions (:func:`phase_fractions`), over the ticks ``[0, H)`` of the summary horizon: a
+tick is *training* when some train step's span ``[start, end)`` (a ``StepRecord``) covers it, and
+*rolling out* when at least one group prefills, decodes or holds a request (weight transfers alone
+do not count). ``rollout_only`` = rolling out and not training, ``overlap`` = both,
+``train_only`` = training with every group idle or receiving weights, ``neither`` = the rest.
+The four fractions sum to 1; each is a share of ticks, or of seconds when per-tick durations are
+given. Figures are drawn with ``matplotlib.figure.Figure`` (Agg; no pyplot, no display, and
+the caller's matplotlib backend is left alone).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import asdict
+from itertools import chain
+from operator import itemgetter
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from dora_jax.metrics import json_safe
+from dora_jax.orchestrator.backend import ACTIVITIES
+from dora_jax.orchestrator.records import Records, Summary
+from dora_jax.orchestrator.transfer_queue import ConsumedRecord
+
+# tab10 without its grey (grey means "weight transfer"); versions cycle through these colours
+PALETTE = np.array([c for i, c in enumerate(matplotlib.colormaps["tab10"].colors) if i != 7])
+IDLE_RGB = np.array([1.0, 1.0, 1.0])
+TRANSFER_RGB = np.array([0.42, 0.42, 0.42])
+TINT = 0.5  # prefill / waiting cells: the version colour blended this much toward white
+MAX_COLS = 2400  # image columns; longer runs are area-averaged down to this many
+_ACT = {a: i for i, a in enumerate(ACTIVITIES)}
+_IDLE, _PREFILL, _DECODE, _TRANSFER = (_ACT[a] for a in ("idle", "prefill", "decode", "transfer"))
+
+
+def version_color(version: int) -> tuple[float, float, float]:
+    """The timeline colour of ``version`` (the palette repeats every ``len(PALETTE)`` versions)."""
+    return tuple(PALETTE[version % len(PALETTE)])
+
+
+def _grid(records: Records, end: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(version, activity code, active)``, each ``[groups, ticks]``, from the group ticks."""
+    rows = records.groups[:end]
+    t, g = len(rows), records.num_groups
+    if any(len(r) != g for r in rows):
+        raise ValueError(f"every tick must record {g} groups")
+
+    def col(i: int, dtype: type, f=None) -> np.ndarray:
+        it = map(itemgetter(i), chain.from_iterable(rows))
+        return np.fromiter(map(f, it) if f else it, dtype=dtype, count=t * g).reshape(t, g).T
+
+    return col(1, np.int64), col(2, np.int8, _ACT.__getitem__), col(3, np.int64)
+
+
+def _time_edges(n: int, tick_seconds: list[float] | None) -> np.ndarray:
+    if tick_seconds is None:
+        return np.arange(n + 1, dtype=np.float64)
+    dt = np.asarray(tick_seconds, dtype=np.float64)
+    if dt.shape != (n,) or np.any(dt < 0) or not np.all(np.isfinite(dt)):
+        raise ValueError(f"tick_seconds needs {n} finite durations >= 0, got shape {dt.shape}")
+    if n and dt.sum() <= 0:
+        raise ValueError("tick_seconds sum to 0")
+    return np.concatenate([[0.0], np.cumsum(dt)])
+
+
+def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
+    """``[groups, ncols, 3]`` RGB: each column the time-weighted mean colour of what it spans."""
+    p = len(PALETTE)
+    lut = np.concatenate([[IDLE_RGB, TRANSFER_RGB], PALETTE, PALETTE * (1 - TINT) + TINT])
+    busy = (act == _DECODE) | (act == _PREFILL) | ((act == _IDLE) & (active > 0))
+    idx = np.where(act == _TRANSFER, 1, 0)
+    idx = np.where(busy, 2 + version % p + p * (act != _DECODE), idx)
+    dt = np.diff(edges)
+    cols = np.linspace(edges[0], edges[-1], ncols + 1)
+    width = np.diff(cols)
+    img = np.empty((version.shape[0], ncols, 3))
+    for g in range(version.shape[0]):
+        area = np.concatenate([np.zeros((1, 3)), np.cumsum(lut[idx[g]] * dt[:, None], axis=0)])
+        for c in range(3):
+            img[g, :, c] = np.diff(np.interp(cols, edges, area[:, c])) / width
+    return np.clip(img, 0.0, 1.0)
+
+
+def plot_timeline(
+    records: Records,
+    path: str | Path,
+    *,
+    title: str = "",
+    tick_seconds: list[float] | None = None,
+    max_cols: int = MAX_COLS,
+) -> Path:
+    """Write a PNG: one lane per rollout group over time, coloured by the version it holds.
+
+    Full colour: decoding; light shade: prefilling, or holding requests that wait (migration in
+    transit); grey: receiving weights; white: idle. Black ``>`` marks the tick a weight transfer
+    started on a group (``records.transfers``); the "migrations" lane marks each migration with a
+    ``v`` sized by its request count; the "trainer" lane shows each train step's span, coloured
+    and labelled by the version it produces. x is the tick, or seconds when ``tick_seconds`` (one
+    duration per recorded tick) is given. Runs longer than ``max_cols`` columns are area-averaged
+    (a column's colour is the mean over the time it covers), so 100k ticks x 128 groups render as
+    one image, not one rectangle per cell.
+    """
+    path = Path(path)
+    version, act, active = _grid(records)
+    ngroups, nticks = version.shape
+    edges = _time_edges(nticks, tick_seconds)
+    x0, x1 = 0.0, float(edges[-1]) if nticks else 1.0
+    ncols = max(1, min(nticks, max_cols) if tick_seconds is None else max_cols)
+
+    def x_at(tick: int) -> float:
+        return float(edges[min(max(tick, 0), nticks)]) if nticks else 0.0
+
+    lanes_in = float(np.clip(0.2 * ngroups, 1.6, 16.0))  # inches for the group lanes
+    fig = Figure(figsize=(14, lanes_in + 1.9), dpi=110, layout="constrained")
+    top, ax = fig.subplots(2, 1, sharex=True, height_ratios=[0.6, lanes_in])
+    if nticks:
+        img = _image(version, act, active, edges, ncols)
+        ax.imshow(img, aspect="auto", interpolation="nearest", extent=(x0, x1, ngroups - 0.5, -0.5))
+
+    versions = set(int(v) for v in np.unique(version[act != _IDLE])) if nticks else set()
+    versions |= {s.version for s in records.steps}
+    # header lanes: trainer (y = 0), one bar per step coloured by the version it produces, and
+    # migrations (y = 1), one marker per migration sized by its request count
+    span = x1 - x0
+    for s in records.steps:
+        a, b = x_at(s.start), x_at(s.end)
+        if b <= a:
+            continue
+        top.broken_barh([(a, b - a)], (-0.4, 0.8), facecolors=version_color(s.version),
+                        edgecolors="white", linewidth=0.6)  # fmt: skip
+        if (b - a) / span > 0.018:
+            top.text((a + b) / 2, 0.0, f"v{s.version}", ha="center", va="center", fontsize=7,
+                     color="white", fontweight="bold", clip_on=True)  # fmt: skip
+    if records.migrations:
+        mx = [x_at(t) for t, _ in records.migrations]
+        ms = [min(10 + 8 * n, 80) for _, n in records.migrations]
+        top.scatter(mx, [1] * len(mx), marker="v", s=ms, c="black", linewidths=0, zorder=3)
+    top.axhline(0.5, color="0.75", lw=0.5)
+    top.set(yticks=[0, 1], yticklabels=["trainer", "migrations"], ylim=(1.5, -0.5))
+    top.tick_params(labelsize=8, length=0, labelbottom=False)
+    # weight transfers: a marker where each one started, on its group's lane
+    if records.transfers:
+        tx = [x_at(t) for t, _, _ in records.transfers]
+        ty = [g for _, g, _ in records.transfers]
+        ax.scatter(tx, ty, marker=">", s=14, c="black", linewidths=0, zorder=3)
+
+    step = max(1, math.ceil(ngroups / 32))
+    gticks = list(range(0, ngroups, step))
+    xlabel = "tick" if tick_seconds is None else "time (s)"
+    ax.set(yticks=gticks, yticklabels=[f"g{g}" for g in gticks], ylim=(ngroups - 0.5, -0.5),
+           xlim=(x0, x1), xlabel=xlabel, ylabel="rollout group")  # fmt: skip
+    ax.tick_params(axis="y", labelsize=7 if ngroups > 16 else 8)
+    head = title or f"{records.mode}: rollout groups by policy version"
+    top.set_title(f"{head}  ({ngroups} groups, {nticks} ticks, {len(records.steps)} steps)")
+
+    handles = _legend(sorted(versions))
+    ncol = 1 if len(handles) * 0.15 < lanes_in + 0.6 else 2
+    fig.legend(handles=handles, loc="outside right upper", fontsize=7, frameon=False, ncol=ncol)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def _legend(versions: list[int]) -> list[Any]:
+    p = len(PALETTE)
+    handles: list[Any] = []
+    for k in sorted({v % p for v in versions}):  # colours repeat every p versions
+        vs = [v for v in versions if v % p == k]
+        label = ", ".join(f"v{v}" for v in vs[:3]) + (", ..." if len(vs) > 3 else "")
+        handles.append(Patch(color=version_color(k), label=label))
+    handles += [
+        Patch(color=tuple(PALETTE[0] * (1 - TINT) + TINT), label="light: prefill / waiting"),
+        Patch(color=tuple(TRANSFER_RGB), label="weight transfer"),
+        Patch(facecolor="white", edgecolor="0.6", label="idle"),
+        Line2D([], [], marker=">", color="black", ls="", ms=5, label="transfer start"),
+        Line2D([], [], marker="v", color="black", ls="", ms=5, label="migration (size: n)"),
+    ]
+    return handles
+
+
+def tick_durations(records: Records, reduce: str = "max") -> list[float]:
+    """Seconds per tick from the groups' ``time_s``: ``"max"`` when groups run in parallel (the
+    tick lasts as long as its slowest group), ``"sum"`` when they share one device in turn."""
+    f = {"max": max, "sum": sum}[reduce]
+    return [float(f((g.time_s for g in row), default=0.0)) for row in records.groups]
+
+
+def phase_fractions(
+    records: Records, end: int | None = None, tick_seconds: list[float] | None = None
+) -> dict[str, float]:
+    """Shares of ``rollout_only``, ``overlap``, ``train_only`` and ``neither`` over the ticks
+    ``[0, end)`` (all recorded ticks if None); see the module doc. Weighted by ``tick_seconds``
+    (one per recorded tick) when given."""
+    n = len(records.groups) if end is None else min(end, len(records.groups))
+    keys = ("rollout_only", "overlap", "train_only", "neither")
+    if n == 0:
+        return dict.fromkeys(keys, 0.0)
+    _, act, active = _grid(records, n)
+    rolling = ((act == _PREFILL) | (act == _DECODE) | (active > 0)).any(axis=0)
+    training = np.zeros(n, dtype=bool)
+    for s in records.steps:
+        training[max(s.start, 0) : min(s.end, n)] = True
+    w = np.diff(_time_edges(len(records.groups), tick_seconds))[:n]
+    total = w.sum() or 1.0
+    parts = (rolling & ~training, rolling & training, ~rolling & training, ~rolling & ~training)
+    return {k: float(w[m].sum() / total) for k, m in zip(keys, parts, strict=True)}
+
+
+def consumed_in(records: Records, summary: Summary) -> list[ConsumedRecord]:
+    """The consumed trajectories ``summary`` counts (same rule as ``Records.summary``)."""
+    end = summary.ticks
+    steps_in = [s for s in records.steps if s.end <= end]
+    if not steps_in:
+        return []
+    last = steps_in[-1].version
+    return [c for c in records.consumed if c.tick < end and c.trainer_version < last]
+
+
+def _reward_stats(rewards: list[tuple[int, float]]) -> dict[str, Any]:
+    pts = [(int(s), float(r)) for s, r in rewards]
+    finite = [r for _, r in pts if math.isfinite(r)]
+    n = max(1, min(5, len(finite) // 4))
+    start = sum(finite[:n]) / n if finite else math.nan
+    end = sum(finite[-n:]) / n if finite else math.nan
+    return {"curve": pts, "n_avg": n, "start": start, "end": end, "delta": end - start}
+
+
+def write_summary(
+    run_dir: str | Path,
+    *,
+    summary: Summary,
+    records: Records,
+    rewards: list[tuple[int, float]],
+    wall_s: float,
+    overheads: dict[str, float] | None = None,
+    extra: dict | None = None,
+    tick_seconds: list[float] | None = None,
+) -> tuple[Path, Path]:
+    """Write ``summary.json`` and ``summary.md`` to ``run_dir``; return their paths.
+
+    Counts follow ``summary`` (its horizon of ``summary.ticks`` ticks); per-second throughput
+    divides them by ``wall_s``. ``rewards``: ``(step, mean reward)``; start / end are the means of
+    the first / last ``n`` finite points, ``n = clip(len // 4, 1, 5)``. Each ``<name>_s`` entry of
+    ``overheads`` is also given as ``<name>_frac = seconds / wall_s``. The markdown embeds
+    ``timeline.png`` (write it with :func:`plot_timeline`).
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    consumed = consumed_in(records, summary)
+    hist = dict(sorted(Counter(c.staleness for c in consumed).items()))
+    phases = phase_fractions(records, summary.ticks, tick_seconds)
+    per_s = wall_s if wall_s > 0 else math.nan
+    oh = {k: v for k, v in (overheads or {}).items()
+          if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    oh_frac = {f"{k[:-2]}_frac": v / per_s for k, v in oh.items() if k.endswith("_s")}
+    mig_events = sum(1 for t, _ in records.migrations if t < summary.ticks)
+    reward = _reward_stats(rewards)
+    data = {
+        "mode": summary.mode,
+        "wall_s": wall_s,
+        "ticks": summary.ticks,
+        "steps": summary.steps,
+        "throughput": {
+            "trajectories": summary.trajectories,
+            "tokens": summary.tokens,
+            "traj_per_tick": summary.traj_per_tick,
+            "tokens_per_tick": summary.tokens_per_tick,
+            "traj_per_s": summary.trajectories / per_s,
+            "tokens_per_s": summary.tokens / per_s,
+        },
+        "bubble": summary.bubble,
+        "utilisation": summary.utilisation,
+        "rollout_only_frac": phases["rollout_only"],
+        "phases": phases,
+        "staleness_hist": hist,
+        "staleness_mean": summary.staleness_mean,
+        "staleness_max": summary.staleness_max,
+        "migrated_requests": summary.migrated,
+        "migration_events": mig_events,
+        "weight_transfers": summary.weight_transfers,
+        "reprefill_tokens": summary.reprefill_tokens,
+        "discarded": summary.discarded,
+        "reward": reward,
+        "overheads": {**oh, **oh_frac},
+        "summary": asdict(summary),
+        "extra": extra or {},
+    }
+    jpath, mpath = run_dir / "summary.json", run_dir / "summary.md"
+    jpath.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
+    mpath.write_text(_markdown(data, summary, oh_frac))
+    return jpath, mpath
+
+
+def _f(x: Any, pct: bool = False) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    if pct:
+        return f"{100 * x:.1f} %"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
+    th, ph, rw = d["throughput"], d["phases"], d["reward"]
+    rows = [
+        ("mode", s.mode),
+        ("ticks / train steps / wall time", f"{s.ticks} / {s.steps} / {_f(d['wall_s'])} s"),
+        ("trajectories / tokens consumed", f"{s.trajectories} / {s.tokens}"),
+        ("trajectories per tick / per s", f"{_f(th['traj_per_tick'])} / {_f(th['traj_per_s'])}"),
+        ("tokens per tick / per s", f"{_f(th['tokens_per_tick'])} / {_f(th['tokens_per_s'])}"),
+        ("bubble (idle group-ticks)", _f(s.bubble, True)),
+        ("rollout-only time", _f(ph["rollout_only"], True)),
+        ("overlap / train-only / neither",
+         " / ".join(_f(ph[k], True) for k in ("overlap", "train_only", "neither"))),
+        ("decode slot utilisation", _f(s.utilisation, True)),
+        ("staleness mean / max", f"{_f(s.staleness_mean)} / {s.staleness_max}"),
+        ("max live versions / max version span", f"{s.max_live_versions} / {s.max_version_span}"),
+        ("migrated requests (events)", f"{s.migrated} ({d['migration_events']})"),
+        ("weight transfers", str(s.weight_transfers)),
+        ("re-prefill tokens", str(s.reprefill_tokens)),
+        ("discarded requests", str(s.discarded)),
+        ("plans (mean / max ms)", f"{s.plans} ({_f(s.plan_ms_mean)} / {_f(s.plan_ms_max)})"),
+        (f"reward start -> end (mean of {rw['n_avg']} steps)",
+         f"{_f(rw['start'])} -> {_f(rw['end'])}"),
+    ]  # fmt: skip
+    rows += [(f"overhead: {k[:-5]}", f"{_f(v, True)} of wall time") for k, v in oh_frac.items()]
+    out = [f"# Run summary: {s.mode}", "", "| metric | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in rows]
+    out += ["", "![timeline](timeline.png)", "", "## Staleness of consumed trajectories", ""]
+    n = sum(d["staleness_hist"].values())
+    out += ["| staleness | trajectories | share |", "|---|---|---|"]
+    out += [f"| {k} | {c} | {_f(c / n, True)} |" for k, c in d["staleness_hist"].items()]
+    if d["extra"]:
+        out += ["", "## Extra", ""] + [f"- {k}: {v}" for k, v in d["extra"].items()]
+    out += [
+        "",
+        "## Definitions",
+        "",
+        f"Counts cover the summary horizon: ticks [0, {s.ticks}), up to the end of the last "
+        "train step; per-second figures divide them by the run's wall time.",
+        "",
+        "- bubble: group-ticks in which a group is idle (holds no request, receives no weights) "
+        "over all group-ticks.",
+        "- rollout-only time: share of ticks in which no train step runs (no StepRecord span "
+        "[start, end) covers the tick) while at least one group prefills, decodes or holds a "
+        "request. overlap: both run; train-only: the trainer runs, every group is idle or "
+        "receiving weights; neither: the rest. The four shares sum to 100 %.",
+        "- staleness: trainer version at the update minus the trajectory's version.",
+        "- overheads: seconds of each kind over the run's wall time.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def reward_curve_plot(
+    curves: dict[str, list[tuple[int, float]]],
+    path: str | Path,
+    xlabel: str = "consumed samples",
+    *,
+    ylabel: str = "mean reward",
+    title: str = "",
+) -> Path:
+    """Write a PNG with one line per label of ``curves`` (``(x, mean reward)`` points; NaNs are
+    left out), e.g. to compare the convergence of several modes."""
+    path = Path(path)
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    ax = fig.subplots()
+    for label, pts in curves.items():
+        pts = sorted((x, y) for x, y in pts if math.isfinite(y))
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, ms=3, lw=1.4, label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
