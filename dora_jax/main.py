@@ -1,15 +1,17 @@
-"""The ``train`` command: parse arguments, resolve the config, build meshes and the policy.
+"""The ``train`` command: parse arguments, resolve the config, run the experiment, report.
 
-The RL loop (control plane, rollout engines, trainer) is wired in by the launch issue; until then
-this command validates everything it can, writes the resolved config, and says plainly that
-training is not built yet.
+A run directory gets: ``config.yaml`` (resolved), ``warm_start/`` (cached), ``metrics.jsonl``,
+``tb/`` (TensorBoard), ``timeline.png``, ``summary.json`` and ``summary.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
 
 from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_config
 
@@ -22,12 +24,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="python launch/train.py",
         description="GRPO-style RL post-training with DORA multi-version asynchronous rollout.",
     )
-    p.add_argument("--config", type=Path, default=None,
-                   help="YAML preset (default: configs/default.yaml)")  # fmt: skip
+    p.add_argument(
+        "--config", type=Path, default=None, help="YAML preset (default: configs/default.yaml)"
+    )
     p.add_argument("--mode", choices=MODES, help="shortcut for orchestrator.mode=MODE")
-    p.add_argument("--resume", action="store_true", help="continue the run in run_dir")
-    p.add_argument("overrides", nargs="*", metavar="key.path=value",
-                   help="dotted overrides, e.g. train.lr=1e-6")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None, help="shortcut for train.total_steps=N")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.path=value",
+        help="dotted overrides, e.g. train.lr=1e-6",
+    )
     return p.parse_args(argv)
 
 
@@ -35,6 +42,8 @@ def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
     overrides = list(args.overrides)
     if args.mode:
         overrides.append(f"orchestrator.mode={args.mode}")
+    if args.steps is not None:
+        overrides.append(f"train.total_steps={args.steps}")
     path = args.config
     if path is None and DEFAULT_CONFIG.is_file():
         path = DEFAULT_CONFIG
@@ -48,28 +57,119 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-
-    from dora_jax.mesh import build_meshes
-    from dora_jax.model import count_params
+    from dora_jax.data.jsonl import DataError
+    from dora_jax.model.hf_checkpoint import CheckpointError
+    from dora_jax.model.tokenizer import TokenizerError
+    from dora_jax.pipeline.experiment import ExperimentError
 
     try:
-        meshes = build_meshes(cfg.mesh)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        return train(cfg)
+    except (ConfigError, DataError, CheckpointError, TokenizerError, ExperimentError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def train(cfg: ExperimentConfig) -> int:
+    from dora_jax.metrics import MetricsWriter, progress
+    from dora_jax.model import count_params
+    from dora_jax.pipeline.experiment import build, run
+    from dora_jax.report import plot_timeline, reward_curve_plot, write_summary
+
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_yaml(cfg, run_dir / "config.yaml")
-    print(f"dora_jax: mode={cfg.orchestrator.mode} K={cfg.orchestrator.staleness_k} "
-          f"policy={cfg.model.family} ({count_params(cfg.model):,} params)")  # fmt: skip
-    print(f"  trainer mesh {dict(meshes.trainer.shape)} on devices "
-          f"{[d.id for d in meshes.trainer.devices.flat]}")  # fmt: skip
-    for g, m in enumerate(meshes.groups):
-        print(f"  rollout group {g}: tp={m.shape['model']} on devices "
-              f"{[d.id for d in m.devices.flat]}")  # fmt: skip
-    print(f"  resolved config written to {run_dir / 'config.yaml'}")
+    o = cfg.orchestrator
     print(
-        "not built yet: the RL training loop (rollout engines, GRPO trainer, DORA control plane) "
-        "is still under construction; this run checked the config and the device layout only."
+        f"dora_jax: mode={o.mode} K={o.staleness_k} TBS={o.train_batch_prompts} "
+        f"RBS={o.rollout_batch_prompts} G={cfg.train.group_size}; policy {cfg.model.family} "
+        f"({count_params(cfg.model):,} params); run dir {run_dir}"
+    )
+    t_start = time.perf_counter()
+    bar = progress(cfg.warm_start.steps, "warm start", enabled=cfg.logging.progress)
+
+    def on_warm(i: int, loss: float) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+
+    exp = build(cfg, run_dir, on_warm)
+    bar.close()
+    if exp.warm_start_losses:
+        print(
+            f"warm start: {len(exp.warm_start_losses)} steps, loss "
+            f"{exp.warm_start_losses[0]:.3f} -> {exp.warm_start_losses[-1]:.3f}"
+        )
+    groups = ", ".join(
+        f"g{i}:{[d.id for d in m.devices.flat]}" for i, m in enumerate(exp.meshes.groups)
+    )
+    print(f"trainer mesh {dict(exp.meshes.trainer.shape)}; rollout groups {groups}")
+
+    writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+    rewards: list[tuple[int, float]] = []
+    bar = progress(cfg.train.total_steps, f"GRPO ({o.mode})", enabled=cfg.logging.progress)
+    t_run = time.perf_counter()
+    tokens_seen = 0
+
+    def on_step(log) -> None:
+        nonlocal tokens_seen
+        m = {k: np.asarray(v).tolist() for k, v in log.metrics.items()}
+        reward = float(np.mean(log.rewards))
+        rewards.append((log.version, reward))
+        tokens_seen += int(m["num_tokens"])
+        elapsed = time.perf_counter() - t_run
+        writer.write(
+            log.version,
+            {**m, "reward": reward, "elapsed_s": elapsed, "reward_errors": exp.reward.errors},
+        )
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{reward:.2f}",
+            stale=f"{m['staleness_mean']:.1f}",
+            tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}",
+        )
+        if not bar.disable:
+            return
+        if log.version % cfg.logging.every_steps == 0:
+            print(
+                f"step {log.version}: reward {reward:.3f} loss {m['loss']:.4f} "
+                f"staleness {m['staleness_mean']:.2f} len {m['response_len_mean']:.1f}",
+                flush=True,
+            )
+
+    result = run(exp, cfg.train.total_steps, on_step)
+    bar.close()
+    writer.close()
+    wall = time.perf_counter() - t_start
+    oh = exp.backend.overheads
+    plot_timeline(
+        result.records,
+        run_dir / "timeline.png",
+        title=f"{o.mode}: rollout groups over time, coloured by policy version",
+    )
+    reward_curve_plot({o.mode: rewards}, run_dir / "reward.png", xlabel="train step")
+    write_summary(
+        run_dir,
+        summary=result.summary,
+        records=result.records,
+        rewards=rewards,
+        wall_s=wall,
+        overheads={
+            "weight_transfer_s": oh.weight_transfer_s,
+            "migration_s": oh.migration_s,
+            "warm_start_s": t_run - t_start,
+        },
+        extra={"reward_errors": exp.reward.errors, "config": "config.yaml"},
+    )
+    s = result.summary
+    n = max(1, min(5, len(rewards) // 4))
+    r0 = float(np.mean([r for _, r in rewards[:n]]))
+    r1 = float(np.mean([r for _, r in rewards[-n:]]))
+    print(
+        f"done in {wall:.0f} s: {s.steps} steps, {s.trajectories} trajectories, "
+        f"bubble {s.bubble:.1%}, staleness mean {s.staleness_mean:.2f} max {s.staleness_max}, "
+        f"{s.migrated} migrated, {s.reprefill_tokens} re-prefill tokens"
+    )
+    print(f"mean reward: first {n} steps {r0:.3f} -> last {n} steps {r1:.3f}")
+    print(
+        f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
     )
     return 0

@@ -1,10 +1,17 @@
-"""The main command runs without a traceback and rejects bad config keys with a clear error."""
+"""`python launch/train.py` end to end on a tiny config: files written, no traceback, clear
+errors for bad input."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "warm_start.steps=10", "warm_start.batch_size=8", "train.total_steps=3",
+    "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=4", "rollout.max_new_tokens=48", "logging.progress=false",
+]  # fmt: skip
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -13,23 +20,36 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
 
 
-def test_default_command_runs_cleanly(tmp_path):
-    out = run(f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+def test_train_command_writes_the_run_directory(tmp_path):
+    out = run(f"run_dir={tmp_path / 'run'}", *TINY, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
-    assert "rollout group 3: tp=1 on devices [7]" in out.stdout
-    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert "mean reward: first" in out.stdout
+    run_dir = tmp_path / "run"
+    for name in ("config.yaml", "metrics.jsonl", "timeline.png", "summary.json", "summary.md"):
+        assert (run_dir / name).is_file(), name
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mode"] == "dora" and summary["steps"] == 3
+    assert (run_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "warm_start" / "config.json").is_file()  # the cached warm start
 
 
-def test_bad_key_is_a_clear_error(tmp_path):
+def test_bad_input_is_a_clear_error(tmp_path):
     out = run("train.lrr=3", cwd=tmp_path)
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "config error: train.lrr: unknown key; did you mean 'lr'?" in out.stderr
     out = run("--mode", "sync", "mesh.trainer.devices=0:9", cwd=tmp_path)
-    assert out.returncode == 2
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "mesh.trainer.devices: device slice '0:9' is out of range for 8" in out.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    out = run("data.task=jsonl", f"data.path={bad}", f"run_dir={tmp_path / 'r'}", *TINY,
+              cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "bad.jsonl:2: missing field 'answer'" in out.stderr

@@ -15,6 +15,7 @@ from dora_jax.config.schema import (
     RopeScalingConfig,
     TrainConfig,
     TrainerMeshConfig,
+    WarmStartConfig,
 )
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "RopeScalingConfig",
     "TrainConfig",
     "TrainerMeshConfig",
+    "WarmStartConfig",
     "dump_yaml",
     "from_dict",
     "load_config",

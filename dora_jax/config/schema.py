@@ -330,6 +330,23 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start on the built-in task's worked solutions, cached in the run
+    directory, so a tiny random policy starts with a non-zero, non-perfect pass rate."""
+
+    steps: int = 300  # 0: no warm start
+    batch_size: int = 32
+    lr: float = 3e-3
+    seq_len: int = 192
+
+    def __post_init__(self):
+        _check(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
+        _check(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(self.seq_len > 0, "seq_len", f"must be > 0, got {self.seq_len}")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end and on SIGINT/SIGTERM
     keep: int = 3
@@ -362,6 +379,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

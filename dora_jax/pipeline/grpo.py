@@ -84,12 +84,16 @@ class GRPOTrainer:
                 rewards.append(reward)
                 ids.append(t.request_id)
                 self.consumed.append((t.request_id, rg.version, comp))
-                trajectories.append(Trajectory(
-                    prompt_tokens=np.asarray(comp.prompt.tokens, np.int32),
-                    response_tokens=np.asarray(comp.tokens, np.int32),
-                    behavior_logprobs=np.asarray(comp.logprobs, np.float32),
-                    reward=reward, version=rg.version, group_id=rg.prompt_group,
-                ))  # fmt: skip
+                trajectories.append(
+                    Trajectory(
+                        prompt_tokens=np.asarray(comp.prompt.tokens, np.int32),
+                        response_tokens=np.asarray(comp.tokens, np.int32),
+                        behavior_logprobs=np.asarray(comp.logprobs, np.float32),
+                        reward=reward,
+                        version=rg.version,
+                        group_id=rg.prompt_group,
+                    )
+                )
         packed = self.trainer.pack(trajectories, num_groups=len(batch))
         metrics = self.trainer.step(packed)
         version = self.trainer.version

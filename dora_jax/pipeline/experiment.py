@@ -1,0 +1,172 @@
+"""Assemble and run one experiment from an :class:`ExperimentConfig`.
+
+Policy (random init, a HF checkpoint, or the warm start) -> trainer on the trainer submesh ->
+engines on the group submeshes (the real :class:`EngineBackend`) -> the control-plane
+:class:`Runtime` in the configured mode, driven tick by tick with a callback per train step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+
+from dora_jax.config import ExperimentConfig
+from dora_jax.data import ArithmeticTask, boxed_math_reward, exact_reward, load_jsonl_prompts
+from dora_jax.data.prompts import PromptSource, shuffled_epochs
+from dora_jax.data.rewards import SafeReward, safe_reward
+from dora_jax.mesh import Meshes, build_meshes
+from dora_jax.model import abstract_params, init_params, param_axes
+from dora_jax.model.hf_checkpoint import load_hf_config, load_hf_params
+from dora_jax.model.params import Params
+from dora_jax.model.tokenizer import Tokenizer, load_tokenizer
+from dora_jax.orchestrator.engine_backend import EngineBackend
+from dora_jax.orchestrator.runtime import RunResult, Runtime
+from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts
+from dora_jax.pipeline.warm_start import warm_start
+from dora_jax.sharding import trainer_rules, tree_shardings
+from dora_jax.train import Trainer
+
+
+class ExperimentError(ValueError):
+    """The config and the files it names do not fit together (message names the field)."""
+
+
+@dataclass
+class Experiment:
+    cfg: ExperimentConfig
+    meshes: Meshes
+    tokenizer: Tokenizer
+    reward: SafeReward
+    source: PromptSource
+    grpo: GRPOTrainer
+    backend: EngineBackend
+    runtime: Runtime
+    warm_start_losses: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def trainer(self) -> Trainer:
+        return self.grpo.trainer
+
+
+def _task_parts(cfg: ExperimentConfig):
+    """(prompt source, reward fn, worked-example fn or None) for ``data.task``."""
+    d = cfg.data
+    if d.task == "arithmetic":
+        task = ArithmeticTask(cfg.seed)
+        sft = ArithmeticTask(cfg.seed + 1_000_003)  # warm-start problems differ from RL prompts
+        example = lambda i: (sft.problem(i)[0], sft.solution(i))  # noqa: E731
+        return task.source(), task.reward, example
+    items = load_jsonl_prompts(d.path, d.prompt_field, d.answer_field)
+    reward = {"exact": exact_reward, "boxed_math": boxed_math_reward}[d.reward]
+    return PromptSource(shuffled_epochs(items, cfg.seed), f"jsonl:{d.path}"), reward, None
+
+
+def initial_policy(cfg: ExperimentConfig, shardings: Params) -> Params:
+    """Random init or the HF checkpoint at ``model.hf_path``, created directly in
+    ``shardings`` (the trainer's)."""
+    m = cfg.model
+    if m.hf_path is None:
+        init = jax.jit(lambda k: init_params(m, k), out_shardings=shardings)
+        return init(jax.random.key(cfg.seed))
+    hf = load_hf_config(
+        m.hf_path,
+        param_dtype=m.param_dtype,
+        compute_dtype=m.compute_dtype,
+        remat=m.remat,
+        hf_path=m.hf_path,
+    )
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+        if getattr(hf, name) != getattr(m, name):
+            raise ExperimentError(
+                f"model.{name}: the config says {getattr(m, name)} but {m.hf_path}/config.json "
+                f"says {getattr(hf, name)}"
+            )
+    return load_hf_params(m.hf_path, m, shardings)
+
+
+def build(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    on_warm_step: Callable[[int, float], None] | None = None,
+) -> Experiment:
+    meshes = build_meshes(cfg.mesh)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ExperimentError(
+            f"model.vocab_size is {cfg.model.vocab_size} but the "
+            f"{cfg.data.tokenizer} tokenizer has {tokenizer.vocab_size} "
+            "tokens"
+        )
+    source, reward_fn, example = _task_parts(cfg)
+    shardings = tree_shardings(
+        param_axes(cfg.model),
+        abstract_params(cfg.model),
+        trainer_rules(cfg.mesh.trainer),
+        meshes.trainer,
+    )
+    params = initial_policy(cfg, shardings)
+    losses: list[float] = []
+    if example is not None and cfg.warm_start.steps > 0:
+        params, losses = warm_start(
+            params,
+            cfg.model,
+            cfg.warm_start,
+            example,
+            tokenizer,
+            cache_dir=run_dir / "warm_start",
+            cache_key=repr((cfg.model, cfg.seed)),
+            on_step=on_warm_step,
+        )
+        params = jax.device_put(params, shardings)
+    reward = safe_reward(reward_fn)
+    trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params)
+    grpo = GRPOTrainer(trainer, tokenizer, reward)
+    backend = EngineBackend(
+        cfg.model,
+        cfg.rollout,
+        meshes.groups,
+        tokenizer.eos_id,
+        params,
+        grpo.params_for,
+        seed=cfg.seed,
+    )
+    prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len)
+    runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, grpo, prompts)
+    return Experiment(cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses)
+
+
+def run(
+    exp: Experiment,
+    num_steps: int,
+    on_step: Callable[[StepLog], None] | None = None,
+    max_ticks: int = 10_000_000,
+) -> RunResult:
+    """Tick the runtime until ``num_steps`` more train steps have ended; ``on_step`` sees each
+    step's log as soon as the trainer produced it."""
+    rt, grpo = exp.runtime, exp.grpo
+    target = rt.steps_done + num_steps
+    seen = len(grpo.log)
+    t0 = time.perf_counter()
+    start_tick = rt.tick_index
+    while rt.steps_done < target:
+        if rt.tick_index - start_tick > max_ticks:
+            raise RuntimeError(f"no progress after {max_ticks} ticks")
+        rt.tick()
+        while seen < len(grpo.log):
+            if on_step is not None:
+                on_step(grpo.log[seen])
+            seen += 1
+        grpo.forget(_live_versions(exp))
+    exp.wall_s += time.perf_counter() - t0
+    return RunResult(rt.records.summary(target), rt.records, dict(rt.manager.status))
+
+
+def _live_versions(exp: Experiment) -> set[int]:
+    """Versions whose params may still be needed: held by a group or the trainer's newest."""
+    held = {g.version for g in exp.backend.groups()}
+    return held | {exp.trainer.version}

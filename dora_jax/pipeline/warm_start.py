@@ -1,0 +1,91 @@
+"""Supervised warm start: teacher-forced cross-entropy on the task's worked solutions.
+
+The result is cached as a Hugging Face directory in ``run_dir/warm_start`` together with the
+settings that made it; a later run with the same settings loads it instead of training again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dora_jax.config import ModelConfig, WarmStartConfig
+from dora_jax.model import forward
+from dora_jax.model.hf_checkpoint import load_hf_params, save_hf_checkpoint
+from dora_jax.model.params import Params
+from dora_jax.model.tokenizer import Tokenizer
+
+Example = Callable[[int], tuple[str, str]]  # index -> (prompt, worked solution)
+
+
+def make_batch(
+    example: Example, tokenizer: Tokenizer, start: int, cfg: WarmStartConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``tokens, segment_ids int32[B, T]`` and ``loss_mask float32[B, T]`` (on the positions
+    that predict a response token or the final EOS)."""
+    B, T = cfg.batch_size, cfg.seq_len
+    tokens = np.zeros((B, T), np.int32)
+    seg = np.zeros((B, T), np.int32)
+    mask = np.zeros((B, T), np.float32)
+    for b in range(B):
+        prompt, solution = example(start + b)
+        p = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+        seq = (p + tokenizer.encode(solution) + [tokenizer.eos_id])[:T]
+        tokens[b, : len(seq)] = seq
+        seg[b, : len(seq)] = 1
+        mask[b, len(p) - 1 : len(seq) - 1] = 1.0
+    return tokens, seg, mask
+
+
+def _loss(params: Params, tokens, seg, mask, cfg: ModelConfig):
+    T = tokens.shape[1]
+    logits = forward(params, tokens, jnp.broadcast_to(jnp.arange(T), tokens.shape), seg, cfg)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    m = mask[:, :-1]
+    return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def warm_start(
+    params: Params,
+    model_cfg: ModelConfig,
+    cfg: WarmStartConfig,
+    example: Example,
+    tokenizer: Tokenizer,
+    *,
+    cache_dir: Path | None = None,
+    cache_key: str = "",
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[Params, list[float]]:
+    """``cfg.steps`` AdamW steps from ``params``; returns ``(params, losses)``. With
+    ``cache_dir``, reuses a previous result made with the same settings (losses then empty)."""
+    settings = {"warm_start": cfg.__dict__, "key": cache_key}
+    if cache_dir is not None and (cache_dir / "settings.json").is_file():
+        if json.loads((cache_dir / "settings.json").read_text()) == settings:
+            return load_hf_params(cache_dir, model_cfg), []
+    opt = optax.adamw(cfg.lr, weight_decay=0.0)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens, seg, mask):
+        loss, grads = jax.value_and_grad(_loss)(params, tokens, seg, mask, model_cfg)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for i in range(cfg.steps):
+        batch = make_batch(example, tokenizer, i * cfg.batch_size, cfg)
+        params, opt_state, loss = step(params, opt_state, *batch)
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(i, losses[-1])
+    if cache_dir is not None and cfg.steps:
+        save_hf_checkpoint(params, model_cfg, cache_dir)
+        (cache_dir / "settings.json").write_text(json.dumps(settings))
+    return params, losses
