@@ -30,6 +30,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, help="shortcut for orchestrator.mode=MODE")
     p.add_argument("--steps", type=int, default=None, help="shortcut for train.total_steps=N")
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in run_dir from its latest checkpoint",
+    )
+    p.add_argument(
         "overrides",
         nargs="*",
         metavar="key.path=value",
@@ -57,19 +62,53 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from dora_jax.checkpoint import CheckpointError as RunCheckpointError
     from dora_jax.data.jsonl import DataError
     from dora_jax.model.hf_checkpoint import CheckpointError
     from dora_jax.model.tokenizer import TokenizerError
     from dora_jax.pipeline.experiment import ExperimentError
 
     try:
-        return train(cfg)
-    except (ConfigError, DataError, CheckpointError, TokenizerError, ExperimentError) as e:
+        return train(cfg, resume=args.resume)
+    except (
+        ConfigError,
+        DataError,
+        CheckpointError,
+        TokenizerError,
+        ExperimentError,
+        RunCheckpointError,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def train(cfg: ExperimentConfig) -> int:
+class _StopFlag:
+    """Set by SIGINT/SIGTERM: the run saves a checkpoint at the next tick and exits."""
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+    def install(self) -> None:
+        import signal
+
+        def handler(signum, frame):
+            if self.signal is not None:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self.signal = signum
+            print(
+                f"\nsignal {signum}: saving a checkpoint at the next tick, then stopping",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     from dora_jax.metrics import MetricsWriter, progress
     from dora_jax.model import count_params
     from dora_jax.pipeline.experiment import build, run
@@ -93,6 +132,24 @@ def train(cfg: ExperimentConfig) -> int:
 
     exp = build(cfg, run_dir, on_warm)
     bar.close()
+    from dora_jax.checkpoint import RunCheckpointer
+
+    ckpt_dir = run_dir / "checkpoints"
+    if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        print(
+            f"error: {ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
+            "or choose another run_dir",
+            file=sys.stderr,
+        )
+        return 2
+    checkpointer = RunCheckpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    if resume:
+        tick = checkpointer.restore_latest(exp)
+        print(
+            f"resumed from {ckpt_dir}/{tick}: {exp.runtime.steps_done} steps done, "
+            f"{sum(e.num_requests for e in exp.backend.engines)} requests in flight"
+        )
+    remaining = cfg.train.total_steps - exp.runtime.steps_done
     if exp.warm_start_losses:
         print(
             f"warm start: {len(exp.warm_start_losses)} steps, loss "
@@ -104,6 +161,8 @@ def train(cfg: ExperimentConfig) -> int:
     print(f"trainer mesh {dict(exp.meshes.trainer.shape)}; rollout groups {groups}")
 
     writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+    if resume:  # metrics.jsonl continues; drop lines past the checkpoint
+        _truncate_metrics(run_dir / "metrics.jsonl", len(exp.grpo.log))
     rewards: list[tuple[int, float]] = []
     bar = progress(cfg.train.total_steps, f"GRPO ({o.mode})", enabled=cfg.logging.progress)
     t_run = time.perf_counter()
@@ -135,7 +194,18 @@ def train(cfg: ExperimentConfig) -> int:
                 flush=True,
             )
 
-    result = run(exp, cfg.train.total_steps, on_step)
+    stop = _StopFlag()
+    stop.install()
+    rewards.extend((sl.version, float(np.mean(sl.rewards))) for sl in exp.grpo.log)
+    bar.update(len(exp.grpo.log))
+    result = run(
+        exp,
+        max(remaining, 0),
+        on_step,
+        checkpointer=checkpointer,
+        every_steps=cfg.checkpoint.every_steps,
+        should_stop=stop,
+    )
     bar.close()
     writer.close()
     wall = time.perf_counter() - t_start
@@ -157,8 +227,19 @@ def train(cfg: ExperimentConfig) -> int:
             "migration_s": oh.migration_s,
             "warm_start_s": t_run - t_start,
         },
-        extra={"reward_errors": exp.reward.errors, "config": "config.yaml"},
+        extra={
+            "reward_errors": exp.reward.errors,
+            "config": "config.yaml",
+            "stopped_early": exp.stopped,
+            "request_states": _counts(result.ledger),
+            "consumed_request_ids": [c.request_id for c in result.records.consumed],
+        },
     )
+    if exp.stopped:
+        print(
+            f"stopped at step {exp.runtime.steps_done} with a checkpoint in {ckpt_dir}; "
+            f"continue with: python launch/train.py --resume run_dir={cfg.run_dir}"
+        )
     s = result.summary
     n = max(1, min(5, len(rewards) // 4))
     r0 = float(np.mean([r for _, r in rewards[:n]]))
@@ -173,3 +254,16 @@ def train(cfg: ExperimentConfig) -> int:
         f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+def _counts(ledger: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for state in ledger.values():
+        out[state] = out.get(state, 0) + 1
+    return out
+
+
+def _truncate_metrics(path: Path, keep: int) -> None:
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(lines[:keep]))

@@ -47,6 +47,7 @@ class Experiment:
     runtime: Runtime
     warm_start_losses: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    stopped: bool = False  # the last run() ended early on a stop request
 
     @property
     def trainer(self) -> Trainer:
@@ -93,7 +94,10 @@ def build(
     cfg: ExperimentConfig,
     run_dir: Path,
     on_warm_step: Callable[[int, float], None] | None = None,
+    warm_start_dir: Path | None = None,
 ) -> Experiment:
+    """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
+    ``run_dir / "warm_start"``), so runs that share it start from the same policy."""
     meshes = build_meshes(cfg.mesh)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -112,13 +116,14 @@ def build(
     params = initial_policy(cfg, shardings)
     losses: list[float] = []
     if example is not None and cfg.warm_start.steps > 0:
+        # The built-in task's warm start is small: it runs on one device, then is sharded.
         params, losses = warm_start(
-            params,
+            jax.device_get(params),
             cfg.model,
             cfg.warm_start,
             example,
             tokenizer,
-            cache_dir=run_dir / "warm_start",
+            cache_dir=warm_start_dir or run_dir / "warm_start",
             cache_key=repr((cfg.model, cfg.seed)),
             on_step=on_warm_step,
         )
@@ -145,25 +150,49 @@ def run(
     num_steps: int,
     on_step: Callable[[StepLog], None] | None = None,
     max_ticks: int = 10_000_000,
+    *,
+    checkpointer=None,
+    every_steps: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> RunResult:
-    """Tick the runtime until ``num_steps`` more train steps have ended; ``on_step`` sees each
-    step's log as soon as the trainer produced it."""
+    """Tick the runtime until ``num_steps`` more train steps have been published; ``on_step``
+    sees each step's log as soon as the trainer produced it. With a ``checkpointer``, save every
+    ``every_steps`` published steps; when ``should_stop()`` turns true (SIGTERM), save at the
+    next tick boundary and return early (``exp.stopped`` is set)."""
     rt, grpo = exp.runtime, exp.grpo
     target = rt.steps_done + num_steps
     seen = len(grpo.log)
     t0 = time.perf_counter()
     start_tick = rt.tick_index
+    exp.stopped = False
     while rt.steps_done < target:
         if rt.tick_index - start_tick > max_ticks:
             raise RuntimeError(f"no progress after {max_ticks} ticks")
+        before = rt.steps_done
         rt.tick()
         while seen < len(grpo.log):
             if on_step is not None:
                 on_step(grpo.log[seen])
             seen += 1
         grpo.forget(_live_versions(exp))
+        if should_stop is not None and should_stop():
+            exp.stopped = True
+            break
+        published = rt.steps_done > before
+        if (
+            checkpointer is not None
+            and every_steps
+            and published
+            and (rt.steps_done % every_steps == 0)
+        ):
+            exp.wall_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            checkpointer.save(exp)
     exp.wall_s += time.perf_counter() - t0
-    return RunResult(rt.records.summary(target), rt.records, dict(rt.manager.status))
+    if checkpointer is not None:
+        checkpointer.save(exp)  # the end of the run, or the stop
+        checkpointer.wait()
+    return RunResult(rt.records.summary(rt.steps_done), rt.records, dict(rt.manager.status))
 
 
 def _live_versions(exp: Experiment) -> set[int]:

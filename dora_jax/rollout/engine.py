@@ -13,6 +13,7 @@ free up.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
@@ -51,6 +52,14 @@ class EngineLoad:
     free_slots: int
     pages_used: int
     pages_total: int
+
+
+@dataclass
+class EngineSnapshot:
+    version: int | None
+    running: ExportedRequests  # KV as host numpy
+    pending: list[Request]
+    parked: list[ExportedRequests]
 
 
 @dataclass
@@ -251,6 +260,37 @@ class Engine:
         for r in reqs:
             self.free_resource(self.slots.index(r))
         return ExportedRequests(reqs, page_counts, kv)
+
+    def snapshot(self) -> EngineSnapshot:
+        """A host copy of everything in flight (request records and the KV pages of running
+        ones), taken without disturbing the engine: what a checkpoint stores."""
+        running = [r for r in self.slots if r is not None]
+        counts = [self.alloc.pages_for(r.cached_tokens) for r in running]
+        pages = [
+            p for r, n in zip(running, counts, strict=True) for p in self.alloc.table(r.id)[:n]
+        ]
+        kv = np.asarray(_pack(self.cache, self._page_ids(pages), self.impl, self.interpret))
+        return EngineSnapshot(
+            version=self.version,
+            running=ExportedRequests(copy.deepcopy(running), counts, kv),
+            pending=copy.deepcopy(list(self.pending)),
+            parked=copy.deepcopy(list(self.parked)),
+        )
+
+    def restore(self, snap: EngineSnapshot) -> None:
+        """Continue from a snapshot: the engine must be empty and serve ``snap.version``. Running
+        requests get their KV back (no re-prefill); the rest queue as they were."""
+        if self.num_requests:
+            raise EngineError(f"restore needs an empty engine, this one holds {self.num_requests}")
+        if snap.version != self.version:
+            raise EngineError(f"snapshot of version {snap.version}, engine serves {self.version}")
+        if snap.running.requests:
+            migrations = [r.migrations for r in snap.running.requests]
+            self.import_requests(snap.running)
+            for r, m in zip(snap.running.requests, migrations, strict=True):
+                r.migrations = m  # a restore is not a migration
+        self.pending.extend(snap.pending)
+        self.parked.extend(snap.parked)
 
     def can_import(self, exported: ExportedRequests) -> bool:
         free = sum(r is None for r in self.slots)

@@ -1,0 +1,217 @@
+"""Run checkpoints with orbax ``CheckpointManager``, and exact resume.
+
+A checkpoint (one step directory) holds four items:
+
+- ``train_state``: the trainer's state (params, optimizer state, version, skip counter), restored
+  directly into the trainer's shardings;
+- ``versions``: the params of every policy version the rollout side may still need (held by a
+  group, or the trainer's newest), restored into the trainer's param shardings;
+- ``host``: the control plane and everything in flight, pickled: the runtime (window, transfer
+  queue, rollout manager with its ledger, records), the backend's request table, every engine's
+  requests with their tokens, logprobs and keys, and the KV pages of running requests (so a
+  resumed request continues without re-prefill, bit for bit), the prompt cursor and the
+  trainer log;
+- ``config``: the resolved config (JSON).
+
+Live objects that cannot or should not be pickled (the backend, the trainer adapter, the prompt
+source) are written as references and re-linked to the new run's objects on restore.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from dora_jax.config import ConfigError, ExperimentConfig, to_dict
+
+log = logging.getLogger(__name__)
+ITEMS = ("train_state", "versions", "host", "config")
+# Fields whose change makes a checkpoint unusable (shapes of params or of the KV cache).
+SHAPE_FIELDS = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "param_dtype",
+)
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not fit the current config."""
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, f, refs: dict[int, str]):
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.refs = refs
+
+    def persistent_id(self, obj: Any) -> str | None:
+        return self.refs.get(id(obj))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, f, objects: dict[str, Any]):
+        super().__init__(f)
+        self.objects = objects
+
+    def persistent_load(self, pid: str) -> Any:
+        return self.objects[pid]
+
+
+def _live_objects(exp) -> dict[str, Any]:
+    return {"backend": exp.backend, "trainer": exp.grpo, "prompts": exp.runtime.manager.prompts}
+
+
+def _host_state(exp) -> dict[str, Any]:
+    b = exp.backend
+    return {
+        "runtime": exp.runtime,
+        "backend": {
+            "published": b.published,
+            "overheads": b.overheads,
+            "tick": b._tick,
+            "meta": b._meta,
+            "where": b._where,
+        },
+        "engines": [e.snapshot() for e in b.engines],
+        "prompt_cursor": exp.source.cursor,
+        "reward_errors": exp.reward.errors,
+        "grpo_log": [
+            (s.version, jax.device_get(s.metrics), s.rewards, s.trajectories) for s in exp.grpo.log
+        ],
+        "grpo_consumed": exp.grpo.consumed,
+        "wall_s": exp.wall_s,
+        "versions": sorted(exp.grpo.params),
+    }
+
+
+class RunCheckpointer:
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEMS)
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, exp) -> int:
+        """Save at a tick boundary (between ``runtime.tick()`` calls), keyed by the runtime's
+        tick index; a second save at the same tick is a no-op. Returns the key."""
+        step = exp.runtime.tick_index
+        if step in self.steps():
+            return step
+        buf = io.BytesIO()
+        objects = _live_objects(exp)
+        _Pickler(buf, {id(v): k for k, v in objects.items()}).dump(_host_state(exp))
+        host = np.frombuffer(buf.getvalue(), np.uint8)
+        versions = {f"v{v}": p for v, p in exp.grpo.params.items()}
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                train_state=ocp.args.StandardSave(exp.trainer.state),
+                versions=ocp.args.StandardSave(versions),
+                host=ocp.args.StandardSave({"blob": host}),
+                config=ocp.args.JsonSave(to_dict(exp.cfg)),
+            ),
+        )
+        return step
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def restore_latest(self, exp) -> int:
+        """Restore the newest usable checkpoint into the freshly built ``exp``; a corrupt one is
+        skipped with a warning in favour of the previous. Returns the step restored."""
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
+        errors = []
+        for step in reversed(steps):
+            try:
+                self._restore(exp, step)
+                return step
+            except ConfigError:
+                raise
+            except Exception as e:  # a truncated or unreadable checkpoint: try the previous
+                errors.append(f"step {step}: {type(e).__name__}: {e}")
+                log.warning(
+                    "checkpoint %s/%d is unusable (%s); trying the previous one",
+                    self.directory,
+                    step,
+                    e,
+                )
+        raise CheckpointError(f"{self.directory}: no usable checkpoint:\n  " + "\n  ".join(errors))
+
+    def _restore(self, exp, step: int) -> None:
+        meta = self.manager.restore(
+            step,
+            args=ocp.args.Composite(config=ocp.args.JsonRestore(), host=ocp.args.StandardRestore()),
+        )
+        check_compatible(meta.config, exp.cfg)
+        state = _Unpickler(
+            io.BytesIO(np.asarray(meta.host["blob"]).tobytes()), _live_objects(exp)
+        ).load()
+        trainer = exp.trainer
+        param_target = jax.tree.map(_abstract, trainer.export_params())
+        arrays = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                train_state=ocp.args.StandardRestore(jax.tree.map(_abstract, trainer.state)),
+                versions=ocp.args.StandardRestore(
+                    {f"v{v}": param_target for v in state["versions"]}
+                ),
+            ),
+        )
+        trainer.state = arrays.train_state
+        exp.grpo.params = {int(k[1:]): v for k, v in arrays.versions.items()}
+        _relink(exp, state)
+
+
+def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _relink(exp, state: dict[str, Any]) -> None:
+    from dora_jax.pipeline.grpo import StepLog
+
+    b, bs = exp.backend, state["backend"]
+    b.published, b.overheads, b._tick = bs["published"], bs["overheads"], bs["tick"]
+    b._meta, b._where = bs["meta"], bs["where"]
+    for engine, snap in zip(b.engines, state["engines"], strict=True):
+        engine.load_params(exp.grpo.params[snap.version], snap.version)
+        engine.restore(snap)
+    exp.runtime = state["runtime"]
+    exp.source.cursor = state["prompt_cursor"]
+    exp.reward.errors = state["reward_errors"]
+    exp.grpo.log = [StepLog(v, m, r, t) for v, m, r, t in state["grpo_log"]]
+    exp.grpo.consumed = state["grpo_consumed"]
+    exp.wall_s = state["wall_s"]
+
+
+def check_compatible(saved: dict[str, Any], cfg: ExperimentConfig) -> None:
+    """A resume may change run settings, never the shapes the checkpoint holds."""
+    now = to_dict(cfg)
+    for name in SHAPE_FIELDS:
+        if saved["model"].get(name) != now["model"].get(name):
+            raise ConfigError(
+                f"model.{name}",
+                f"the checkpoint has {saved['model'].get(name)!r} "
+                f"but the config says {now['model'].get(name)!r}",
+            )
+    if saved["mesh"]["rollout"]["groups"] != now["mesh"]["rollout"]["groups"]:
+        raise ConfigError(
+            "mesh.rollout.groups",
+            f"must match the checkpoint ({saved['mesh']['rollout']['groups']})",
+        )

@@ -1,0 +1,106 @@
+"""Checkpoints: exact resume with requests in flight (chex, bitwise), a corrupt checkpoint falls
+back to the previous one, a changed model shape is refused naming the field, and a run killed
+with SIGTERM mid-rollout resumes with no prompt group lost or consumed twice."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chex
+import jax
+import pytest
+
+from dora_jax.checkpoint import CheckpointError, RunCheckpointer
+from dora_jax.config import ConfigError, load_config
+from dora_jax.pipeline.experiment import build, run
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "warm_start.steps=5", "warm_start.batch_size=8", "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4", "train.group_size=4", "rollout.max_new_tokens=48",
+    "logging.progress=false", "checkpoint.async_save=false",
+]  # fmt: skip
+
+
+def make(tmp_path, name, *extra):
+    cfg = load_config(ROOT / "configs" / "default.yaml", [*TINY, *extra])
+    return build(cfg, tmp_path / name, warm_start_dir=tmp_path / "warm_start")
+
+
+def test_stop_resume_equals_uninterrupted(tmp_path):
+    straight = make(tmp_path, "straight")
+    run(straight, 4)
+
+    first = make(tmp_path, "resumed")
+    ck = RunCheckpointer(tmp_path / "resumed" / "ckpt", async_save=False)
+    run(first, 2, checkpointer=ck)
+    assert sum(e.num_requests for e in first.backend.engines) > 0  # requests in flight
+
+    again = make(tmp_path, "resumed")
+    RunCheckpointer(tmp_path / "resumed" / "ckpt").restore_latest(again)
+    assert again.runtime.steps_done == 2
+    run(again, 2)
+    chex.assert_trees_all_equal(jax.device_get(straight.trainer.export_params()),
+                                jax.device_get(again.trainer.export_params()))  # fmt: skip
+    ids = [c.request_id for c in straight.runtime.records.consumed]
+    assert ids == [c.request_id for c in again.runtime.records.consumed]
+    assert len(ids) == len(set(ids)) == 4 * 2 * 4  # steps x TBS x G, none twice
+    assert again.runtime.records.summary().reprefill_tokens == 0  # KV came back with them
+
+
+def test_corrupt_latest_falls_back_and_shape_change_is_refused(tmp_path, caplog):
+    exp = make(tmp_path, "run")
+    ck = RunCheckpointer(tmp_path / "run" / "ckpt", async_save=False)
+    run(exp, 1, checkpointer=ck)
+    run(exp, 1, checkpointer=ck)
+    first, latest = ck.steps()
+    for f in (tmp_path / "run" / "ckpt" / str(latest) / "host").rglob("*"):
+        if f.is_file():
+            f.write_bytes(f.read_bytes()[:7])  # truncate every file of one item
+    resumed = make(tmp_path, "run")
+    assert RunCheckpointer(tmp_path / "run" / "ckpt").restore_latest(resumed) == first
+    assert "unusable" in caplog.text
+
+    bigger = make(tmp_path, "run2", "model.hidden_size=96", "model.intermediate_size=128")
+    with pytest.raises(ConfigError, match=r"^model\.hidden_size: the checkpoint has 64 but the "
+                                          r"config says 96"):  # fmt: skip
+        RunCheckpointer(tmp_path / "run" / "ckpt").restore_latest(bigger)
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        RunCheckpointer(tmp_path / "empty").restore_latest(resumed)
+
+
+@pytest.mark.slow  # two training subprocesses: about 2-4 minutes on 2 cores
+def test_sigterm_mid_rollout_then_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *TINY,
+            "train.total_steps=6", "logging.tensorboard=false"]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert "stopped at step" in out and "Traceback" not in err
+    partial = json.loads((run_dir / "summary.json").read_text())
+    assert partial["extra"]["stopped_early"] and partial["steps"] < 6
+
+    resumed = subprocess.run([*args, "--resume"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=400)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    final = json.loads((run_dir / "summary.json").read_text())
+    ids = final["extra"]["consumed_request_ids"]
+    assert final["steps"] == 6 and not final["extra"]["stopped_early"]
+    assert len(ids) == len(set(ids)) == 6 * 2 * 4  # nothing lost, nothing consumed twice
+    assert set(partial["extra"]["consumed_request_ids"]) <= set(ids)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
