@@ -7,6 +7,7 @@ engines on the group submeshes (the real :class:`EngineBackend`) -> the control-
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import jax
 
-from dora_jax.config import ExperimentConfig
+from dora_jax.config import ConfigError, ExperimentConfig
 from dora_jax.data import ArithmeticTask, boxed_math_reward, exact_reward, load_jsonl_prompts
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.data.rewards import SafeReward, safe_reward
@@ -67,13 +68,12 @@ def _task_parts(cfg: ExperimentConfig):
     return PromptSource(shuffled_epochs(items, cfg.seed), f"jsonl:{d.path}"), reward, None
 
 
-def initial_policy(cfg: ExperimentConfig, shardings: Params) -> Params:
-    """Random init or the HF checkpoint at ``model.hf_path``, created directly in
-    ``shardings`` (the trainer's)."""
+def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
+    """With ``model.hf_path``, the architecture comes from the checkpoint's ``config.json``
+    (dtypes and remat stay as configured); otherwise ``cfg`` as it is."""
     m = cfg.model
     if m.hf_path is None:
-        init = jax.jit(lambda k: init_params(m, k), out_shardings=shardings)
-        return init(jax.random.key(cfg.seed))
+        return cfg
     hf = load_hf_config(
         m.hf_path,
         param_dtype=m.param_dtype,
@@ -81,12 +81,19 @@ def initial_policy(cfg: ExperimentConfig, shardings: Params) -> Params:
         remat=m.remat,
         hf_path=m.hf_path,
     )
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
-        if getattr(hf, name) != getattr(m, name):
-            raise ExperimentError(
-                f"model.{name}: the config says {getattr(m, name)} but {m.hf_path}/config.json "
-                f"says {getattr(hf, name)}"
-            )
+    try:
+        return dataclasses.replace(cfg, model=hf)
+    except ConfigError as e:
+        raise ExperimentError(f"{m.hf_path}/config.json does not fit the run: {e}") from None
+
+
+def initial_policy(cfg: ExperimentConfig, shardings: Params) -> Params:
+    """Random init or the HF checkpoint at ``model.hf_path``, created directly in
+    ``shardings`` (the trainer's)."""
+    m = cfg.model
+    if m.hf_path is None:
+        init = jax.jit(lambda k: init_params(m, k), out_shardings=shardings)
+        return init(jax.random.key(cfg.seed))
     return load_hf_params(m.hf_path, m, shardings)
 
 
@@ -98,6 +105,7 @@ def build(
 ) -> Experiment:
     """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
     ``run_dir / "warm_start"``), so runs that share it start from the same policy."""
+    cfg = resolve_model(cfg)
     meshes = build_meshes(cfg.mesh)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     if tokenizer.vocab_size > cfg.model.vocab_size:

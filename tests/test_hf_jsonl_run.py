@@ -1,0 +1,57 @@
+"""The real-data path end to end: a Hugging Face checkpoint (tiny, random, built offline), its
+tokenizer.json with a chat template, JSONL prompts and the boxed-math reward, one GRPO step."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dora_jax.config import load_config
+from dora_jax.pipeline.experiment import build, run
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    words = ["what", "is", "7", "times", "8", "?", "put", "the", "final", "answer", "in",
+             "\\", "boxed", "{", "}", ".", "user", "assistant", "56", "2"]  # fmt: skip
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    vocab = {w: i for i, w in enumerate(specials + words)}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tk.add_special_tokens(specials)
+    tk.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+        )
+    )
+    config = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_hf_checkpoint_jsonl_prompts_boxed_reward(hf_dir, tmp_path):
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        f"model.hf_path={hf_dir}", "data.tokenizer=hf", "data.task=jsonl",
+        f"data.path={ROOT / 'configs' / 'examples' / 'math.jsonl'}", "data.reward=boxed_math",
+        "rollout.max_prompt_len=64", "rollout.max_new_tokens=16", "train.group_size=4",
+        "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
+        "train.length_buckets=[96]", f"run_dir={tmp_path / 'run'}",
+    ])  # fmt: skip
+    exp = build(cfg, tmp_path / "run")
+    assert exp.cfg.model.vocab_size == 32 and exp.cfg.model.hidden_size == 32  # from config.json
+    logs = []
+    run(exp, 1, logs.append)
+    assert exp.runtime.steps_done == 1 and len(logs[0].rewards) == 2 * 4
+    assert all(r in (0.0, 1.0) for r in logs[0].rewards)
+    assert np.isfinite(float(logs[0].metrics["loss"]))
+    assert exp.reward.errors == 0
