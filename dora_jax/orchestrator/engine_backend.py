@@ -86,6 +86,7 @@ class EngineBackend:
         for e in self.engines:
             e.load_params(initial_params, 0)
         self.seed = seed
+        self.tokens_per_slot_tick = rollout_cfg.decode_steps  # for utilisation figures
         self.max_new_tokens = max_new_tokens or rollout_cfg.max_new_tokens
         self.trainer_params = trainer_params
         self.published = 0

@@ -7,7 +7,9 @@ logged with their tick. :meth:`Records.summary` turns them into:
 
 - ``bubble``: idle group-ticks / group-ticks (a group is idle when it holds no request and is
   not receiving weights; requests in migration transit do not make a group idle).
-- ``utilisation``: sampled tokens / (slots x group-ticks), the slot-level occupancy of decode.
+- ``utilisation``: sampled tokens / (slots x tokens per slot-tick x group-ticks), the slot-level
+  occupancy of decode (an engine that decodes several steps per call samples up to that many
+  tokens per slot and tick).
 - throughput: trajectories (and their response tokens) consumed by training per tick.
 - staleness mean / max of consumed trajectories, re-prefilled tokens, discarded requests,
   migrated requests, weight transfers, plans and their planning time.
@@ -82,6 +84,7 @@ class Records:
     mode: str
     num_groups: int
     max_slots: int
+    tokens_per_slot_tick: int = 1
     groups: list[tuple[GroupTick, ...]] = field(default_factory=list)  # index: tick
     cluster: list[ClusterTick] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
@@ -140,7 +143,7 @@ class Records:
             traj_per_tick=len(consumed) / end if end else 0.0,
             tokens_per_tick=ntok / end if end else 0.0,
             bubble=idle / gt,
-            utilisation=tokens / (gt * self.max_slots),
+            utilisation=tokens / (gt * self.max_slots * self.tokens_per_slot_tick),
             prefill_frac=prefill / gt,
             transfer_frac=transfer / gt,
             staleness_mean=sum(st) / len(st) if st else 0.0,

@@ -91,7 +91,12 @@ class Runtime:
             legacy_fill=self.policy.legacy_fill,
         )
         infos = backend.groups()
-        self.records = Records(self.policy.name, len(infos), max(g.max_slots for g in infos))
+        self.records = Records(
+            self.policy.name,
+            len(infos),
+            max(g.max_slots for g in infos),
+            getattr(backend, "tokens_per_slot_tick", 1),
+        )
         self.records.consumed = self.queue.consumed
         self.tick_index = 0
         self.steps_done = 0
