@@ -112,7 +112,7 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     from dora_jax.metrics import MetricsWriter, progress
     from dora_jax.model import count_params
     from dora_jax.pipeline.experiment import build, run
-    from dora_jax.report import plot_timeline, reward_curve_plot, write_summary
+    from dora_jax.report import head, plot_timeline, reward_curve_plot, write_summary
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -214,6 +214,11 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
         result.records,
         run_dir / "timeline.png",
         title=f"{o.mode}: rollout groups over time, coloured by policy version",
+    )
+    plot_timeline(
+        head(result.records, 300),
+        run_dir / "timeline_start.png",
+        title=f"{o.mode}: the first 300 ticks",
     )
     reward_curve_plot({o.mode: rewards}, run_dir / "reward.png", xlabel="train step")
     write_summary(

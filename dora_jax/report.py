@@ -394,3 +394,20 @@ def reward_curve_plot(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
+
+
+def head(records: Records, ticks: int) -> Records:
+    """The first ``ticks`` ticks of ``records`` (for a readable close-up of a long run)."""
+    from dataclasses import replace
+
+    return replace(
+        records,
+        groups=records.groups[:ticks],
+        cluster=records.cluster[:ticks],
+        steps=[s for s in records.steps if s.start < ticks],
+        plans=[p for p in records.plans if p.tick < ticks],
+        transfers=[t for t in records.transfers if t[0] < ticks],
+        migrations=[m for m in records.migrations if m[0] < ticks],
+        discards=[d for d in records.discards if d[0] < ticks],
+        consumed=[c for c in records.consumed if c.tick < ticks],
+    )

@@ -23,14 +23,28 @@ from dora_jax.report import (
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-BACKEND = FakeBackendConfig(num_groups=4, max_slots=4, max_prompt_len=64, max_new_tokens=400,
-                            length_median=20, length_p99_ratio=12, prefill_tokens_per_tick=32,
-                            weight_transfer_ticks=3, migrate_ticks=1, seed=1)  # fmt: skip
+BACKEND = FakeBackendConfig(
+    num_groups=4,
+    max_slots=4,
+    max_prompt_len=64,
+    max_new_tokens=400,
+    length_median=20,
+    length_p99_ratio=12,
+    prefill_tokens_per_tick=32,
+    weight_transfer_ticks=3,
+    migrate_ticks=1,
+    seed=1,
+)
 
 
 def _run(mode: str, steps: int = 8):
-    cfg = OrchestratorConfig(mode=mode, staleness_k=2, train_batch_prompts=2,
-                             rollout_batch_prompts=4, plan_period_ticks=8)  # fmt: skip
+    cfg = OrchestratorConfig(
+        mode=mode,
+        staleness_k=2,
+        train_batch_prompts=2,
+        rollout_batch_prompts=4,
+        plan_period_ticks=8,
+    )
     return run_fake(cfg, 4, BACKEND, num_steps=steps, step_ticks=10, prompt_len=(8, 64)).result
 
 
@@ -89,9 +103,15 @@ def _tb_events(run_dir: Path) -> list:
 def test_metrics_jsonl_round_trip_and_tensorboard(tmp_path):
     rows = [
         {"loss": 0.5, "reward": np.float32(0.25), "n": np.int64(3), "lens": [1, 2, 3]},
-        {"loss": math.nan, "reward": math.inf, "n": 4, "lens": np.array([4.0, 5.0]),
-         "opt": {"lr": 1e-3, "clip": -math.inf}, "note": "ok"},
-    ]  # fmt: skip
+        {
+            "loss": math.nan,
+            "reward": math.inf,
+            "n": 4,
+            "lens": np.array([4.0, 5.0]),
+            "opt": {"lr": 1e-3, "clip": -math.inf},
+            "note": "ok",
+        },
+    ]
     with MetricsWriter(tmp_path, tensorboard=True) as w:
         assert w.tensorboard
         for step, m in enumerate(rows):
@@ -191,13 +211,15 @@ def test_timeline_image_colours_and_downsampling():
 
 def test_phase_fractions_on_hand_built_records():
     ph = phase_fractions(_tiny())
-    assert ph == pytest.approx({"rollout_only": 0.3, "overlap": 0.4, "train_only": 0.1,
-                                "neither": 0.2})  # fmt: skip
+    assert ph == pytest.approx(
+        {"rollout_only": 0.3, "overlap": 0.4, "train_only": 0.1, "neither": 0.2}
+    )
     secs = [1.0] * 10
     secs[0], secs[6] = 11.0, 3.0  # tick 0 (rollout-only) lasts 11 s, tick 6 (transfer) 3 s
     ph = phase_fractions(_tiny(), tick_seconds=secs)
-    assert ph == pytest.approx({"rollout_only": 13 / 22, "overlap": 4 / 22, "train_only": 1 / 22,
-                                "neither": 4 / 22})  # fmt: skip
+    assert ph == pytest.approx(
+        {"rollout_only": 13 / 22, "overlap": 4 / 22, "train_only": 1 / 22, "neither": 4 / 22}
+    )
     assert phase_fractions(_tiny(), end=4)["rollout_only"] == pytest.approx(0.5)  # ticks 0, 1
 
 
@@ -216,8 +238,15 @@ def test_write_summary_agrees_with_summary(dora, tmp_path):
     s, rec = dora.summary, dora.records
     rewards = [(i, 0.1 * i) for i in range(8)] + [(8, math.nan)]
     overheads = {"weight_transfer_s": 0.5, "weight_transfers": 3, "migration_s": 0.25}
-    jpath, mpath = write_summary(tmp_path, summary=s, records=rec, rewards=rewards, wall_s=10.0,
-                                 overheads=overheads, extra={"seed": 1})  # fmt: skip
+    jpath, mpath = write_summary(
+        tmp_path,
+        summary=s,
+        records=rec,
+        rewards=rewards,
+        wall_s=10.0,
+        overheads=overheads,
+        extra={"seed": 1},
+    )
     d = json.loads(jpath.read_text())
     assert d["mode"] == "dora" and d["bubble"] == s.bubble and d["summary"]["bubble"] == s.bubble
     th = d["throughput"]
@@ -254,8 +283,9 @@ def test_sync_never_overlaps_and_partial_reprefills(tmp_path):
     ph = phase_fractions(sync.records, sync.summary.ticks)
     assert ph["overlap"] == 0.0 and ph["train_only"] > 0 and ph["rollout_only"] > 0.5
     partial = _run("partial", steps=4)
-    jpath, _ = write_summary(tmp_path, summary=partial.summary, records=partial.records,
-                             rewards=[(0, 0.0)], wall_s=1.0)  # fmt: skip
+    jpath, _ = write_summary(
+        tmp_path, summary=partial.summary, records=partial.records, rewards=[(0, 0.0)], wall_s=1.0
+    )
     d = json.loads(jpath.read_text())
     assert d["reprefill_tokens"] == partial.summary.reprefill_tokens > 0
     assert d["reward"]["start"] == d["reward"]["end"] == 0.0
@@ -270,3 +300,20 @@ def test_reward_curve_plot(tmp_path):
     p = reward_curve_plot(curves, tmp_path / "curves" / "reward.png", title="convergence")
     w, h = _png_size(p)
     assert w > 500 and h > 300 and p.stat().st_size > 15_000
+
+
+def test_head_keeps_only_the_first_ticks():
+    from dora_jax.config.schema import OrchestratorConfig
+    from dora_jax.orchestrator import FakeBackendConfig, run_fake
+    from dora_jax.report import head
+
+    rec = run_fake(
+        OrchestratorConfig(mode="dora"),
+        4,
+        FakeBackendConfig(num_groups=4, max_slots=4),
+        num_steps=6,
+    ).result.records
+    h = head(rec, 50)
+    assert len(h.groups) == len(h.cluster) == 50 < len(rec.groups)
+    assert all(t < 50 for t, *_ in h.transfers) and all(s.start < 50 for s in h.steps)
+    assert all(c.tick < 50 for c in h.consumed) and len(h.consumed) < len(rec.consumed)
