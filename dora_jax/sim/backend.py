@@ -1,0 +1,472 @@
+"""A simulated :class:`~dora_jax.orchestrator.backend.RolloutBackend`: rollout groups whose work
+takes the time a cost model (:mod:`dora_jax.sim.cost_model`) says it takes.
+
+**Time.** A tick is a fixed quantum of modeled time, ``tick_s`` seconds, for every group: the
+control plane's tick count times ``tick_s`` is modeled time. Within a tick each group spends its
+budget (``tick_s`` plus what it carried over) in this order: the rest of a weight transfer, KV it
+receives by migration, prefill (oldest request first; the last one may be cut into a chunk), then
+decode steps at the rate the cost model gives for its batch and contexts: ``k`` steps such that
+``k * t_step(average batch, average context over those k steps) = budget`` (a two-pass fixed point;
+requests that finish within the tick leave the batch at their last token). The fraction of a step
+that does not fit is carried into the next tick, so long runs lose no time to rounding. A request
+that finishes mid-tick frees its slot at the next tick boundary, when the control plane admits.
+
+**Memory.** A group holds ``kv_capacity`` tokens of KV (cost model). Admission reserves room to
+grow: each held request counts ``max(context, prompt + admit_reserve_tokens)`` tokens, and a group
+admits (``free_slots``) while that sum plus ``admit_reserve_tokens`` per new request stays under
+``admit_watermark`` of the capacity (an empty group always admits one). Long requests outgrow
+their reservation; past capacity the newest requests are parked in host memory (the paper's
+hierarchical KV) and wait, without cost, until room frees.
+``kv_pages_used`` counts every held request's pages (device and host), so it may exceed
+``kv_pages_total``: that is what the planner's KV-pressure trigger sees. ``migrate`` checks slots
+only (each migrated request brings its own KV).
+
+**Colocated placement.** :meth:`freeze` makes every group spend the ticks until a given one
+training (no rollout progress, no transfer): the trainer calls it when rollout and training share
+the devices.
+
+Response lengths come from :class:`~dora_jax.sim.workload.ResponseLengths`, a pure function of
+``(seed, prompt group, request id mod G)``, so every mode gets the same workload.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dora_jax.orchestrator.backend import (
+    TRAINER,
+    BackendError,
+    FinishedRequest,
+    GroupInfo,
+    GroupTick,
+    PartialRequest,
+    RequestSpec,
+    Source,
+    StepEvents,
+)
+from dora_jax.sim.cost_model import CostModel
+from dora_jax.sim.workload import ResponseLengths
+
+# group-seconds accounting, per tick (summed over groups)
+CATEGORIES = ("transfer", "migrate", "prefill", "reprefill", "decode", "idle", "train")
+TRANSFER, MIGRATE, PREFILL, REPREFILL, DECODE, IDLE, TRAIN = range(len(CATEGORIES))
+_ACTIVITY = ("idle", "prefill", "decode", "transfer")
+_FIELDS = ("rid", "pg", "plen", "target", "gen", "pf", "rp", "vflag")
+
+
+class SimBackend:
+    """Simulated rollout groups; see the module docstring for the time and memory model."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        num_groups: int,
+        lengths: ResponseLengths,
+        *,
+        tick_s: float,
+        max_slots: int,
+        page_size: int = 16,
+        max_prompt_len: int = 2048,
+        admit_watermark: float = 0.85,
+        admit_reserve_tokens: int = 2048,
+        kv_capacity_tokens: int | None = None,
+    ):
+        if num_groups < 1 or max_slots < 1 or tick_s <= 0 or page_size < 1:
+            raise ValueError("need num_groups, max_slots, page_size >= 1 and tick_s > 0")
+        if admit_reserve_tokens < 1 or (kv_capacity_tokens is not None and kv_capacity_tokens < 1):
+            raise ValueError("need admit_reserve_tokens >= 1 and kv_capacity_tokens >= 1")
+        self.cost, self.lengths, self.tick_s = cost, lengths, float(tick_s)
+        self.num_groups, self.max_slots, self.page_size = num_groups, max_slots, page_size
+        self.max_prompt_len = max_prompt_len
+        # KV tokens a group holds on device (default: what the cost model's memory leaves)
+        self.capacity = kv_capacity_tokens or cost.kv_capacity_tokens
+        self.admit_limit = admit_watermark * self.capacity
+        self.admit_reserve = admit_reserve_tokens
+        # one int64 array per request field, rows in admission order, packed so that moving
+        # requests between rows or groups is one fancy-index per call
+        self._data = np.zeros((len(_FIELDS), num_groups, max_slots), np.int64)
+        (
+            self.rid,
+            self.pg,
+            self.plen,
+            self.target,
+            self.gen,
+            self.pf,  # context tokens still to prefill
+            self.rp,  # of which computed before an interrupt (re-prefill)
+            self.vflag,  # 1: sampled a token under the group's version
+        ) = self._data
+        self.n = np.zeros(num_groups, np.int64)
+        self.version = np.zeros(num_groups, np.int64)
+        self.busy = np.zeros(num_groups)  # seconds of weight transfer left
+        self.mig = np.zeros(num_groups)  # seconds of incoming KV left
+        self.carry = np.zeros(num_groups)
+        self._col = np.arange(max_slots)
+        self._frozen_until = 0
+        self._published = 0
+        self._tick = 0
+        self._where: dict[int, int] = {}
+        self._seen: set[int] = set()
+        self._interrupted: dict[int, tuple[int, int]] = {}  # id -> (target length, cached)
+        self._base_versions: dict[int, tuple[int, ...]] = {}
+        self._payload: dict[int, object] = {}
+        self.seconds: list[np.ndarray] = []  # per tick: group-seconds by CATEGORIES
+        self.weight_transfers = 0
+        self.migrated_requests = 0
+        self.migrated_tokens = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def tick(self) -> int:
+        return self._tick
+
+    def live_requests(self) -> int:
+        return len(self._where)
+
+    def _reserved(self, g: slice | int, k: int | None = None) -> np.ndarray:
+        """KV tokens each held request counts for admission: its context, and at least its
+        prompt plus ``admit_reserve_tokens`` (room to grow)."""
+        cols = slice(None, k)
+        plen, gen = self.plen[g, cols], self.gen[g, cols]
+        return np.maximum(plen + gen, plen + self.admit_reserve)
+
+    def _free(self, reserved: np.ndarray) -> np.ndarray:
+        """Requests each group may admit now: free slots, and room under the watermark for
+        ``admit_reserve_tokens`` each (an empty group may always admit one)."""
+        by_kv = np.floor((self.admit_limit - reserved) / self.admit_reserve).astype(np.int64)
+        by_kv = np.maximum(by_kv, (self.n == 0).astype(np.int64))
+        return np.maximum(0, np.minimum(self.max_slots - self.n, by_kv))
+
+    def _free_one(self, g: int) -> int:
+        k = int(self.n[g])
+        reserved = float(self._reserved(g, k).sum())
+        by_kv = max(int(np.floor((self.admit_limit - reserved) / self.admit_reserve)), int(k == 0))
+        return max(0, min(self.max_slots - k, by_kv))
+
+    def groups(self) -> list[GroupInfo]:
+        w = int(self.n.max())
+        valid = self._col[None, :w] < self.n[:, None]
+        full = np.where(valid, self.plen[:, :w] + self.gen[:, :w], 0)
+        pages = -(-full // self.page_size)
+        used = pages.sum(axis=1)
+        free = self._free(np.where(valid, self._reserved(slice(None), w), 0).sum(axis=1))
+        total = self.capacity // self.page_size
+        busy = np.ceil(self.busy / self.tick_s - 1e-9).astype(np.int64)
+        out = []
+        for g in range(self.num_groups):
+            k = int(self.n[g])
+            ids = tuple(self.rid[g, :k].tolist())
+            pg = tuple(pages[g, :k].tolist())
+            out.append(
+                GroupInfo(
+                    g,
+                    int(self.version[g]),
+                    int(busy[g]),
+                    self.max_slots,
+                    int(free[g]),
+                    int(used[g]),
+                    total,
+                    ids,
+                    pg,
+                )
+            )
+        return out
+
+    # -- commands --------------------------------------------------------------------------------
+
+    def _group(self, group: int) -> int:
+        if not 0 <= group < self.num_groups:
+            raise BackendError(f"no group {group}")
+        return group
+
+    def publish(self, version: int) -> None:
+        if version != self._published + 1:
+            raise BackendError(f"publish({version}): the last published is {self._published}")
+        self._published = version
+
+    def freeze(self, until_tick: int) -> None:
+        """Colocated placement: every group trains (no rollout) until tick ``until_tick``."""
+        self._frozen_until = max(self._frozen_until, int(until_tick))
+
+    def set_version(self, group: int, version: int, source: Source) -> None:
+        g = self._group(group)
+        if self.version[g] == version:
+            return
+        if self.n[g]:
+            raise BackendError(f"set_version: group {group} still holds {self.n[g]} requests")
+        if source == TRAINER:
+            if version != self._published:
+                raise BackendError(
+                    f"set_version: the trainer only holds version {self._published}, not {version}"
+                )
+            wait = 0.0
+        else:
+            s = self._group(int(source))
+            if s == g or self.version[s] != version:
+                raise BackendError(f"set_version: group {source} does not hold version {version}")
+            wait = float(self.busy[s])
+        self.version[g] = version
+        self.busy[g] = wait + self.cost.weight_transfer_s()
+        self.weight_transfers += 1
+
+    def submit(self, group: int, requests: list[RequestSpec]) -> None:
+        g = self._group(group)
+        if not requests:
+            return
+        free = self._free_one(g)
+        if len(requests) > free:
+            raise BackendError(f"submit: {len(requests)} requests, group {group} has {free} slots")
+        for spec in requests:
+            if spec.version != self.version[g]:
+                raise BackendError(
+                    f"submit: request {spec.request_id} is for version "
+                    f"{spec.version}, group {group} holds {self.version[g]}"
+                )
+            if not 0 < spec.prompt_len <= self.max_prompt_len:
+                raise BackendError(f"submit: prompt_len {spec.prompt_len} out of range")
+            if spec.resume is None and spec.request_id in self._seen:
+                raise BackendError(f"submit: request {spec.request_id} was already submitted")
+            if spec.resume is not None and spec.request_id not in self._interrupted:
+                raise BackendError(f"submit: request {spec.request_id} was not interrupted")
+        if len({s.request_id for s in requests}) < len(requests):
+            raise BackendError("submit: duplicate request ids")
+        rid = np.array([s.request_id for s in requests], np.int64)
+        pg = np.array([s.prompt_group for s in requests], np.int64)
+        plen = np.array([s.prompt_len for s in requests], np.int64)
+        target = self.lengths.lengths(pg, rid % self.lengths.group_size)
+        gen = np.zeros(len(requests), np.int64)
+        rp = np.zeros(len(requests), np.int64)
+        for i, spec in enumerate(requests):
+            if spec.resume is not None:
+                target[i], rp[i] = self._interrupted.pop(spec.request_id)
+                gen[i] = spec.resume.generated
+                self._base_versions[spec.request_id] = tuple(spec.resume.versions)
+            if spec.payload is not None:
+                self._payload[spec.request_id] = spec.payload
+            self._seen.add(spec.request_id)
+            self._where[spec.request_id] = g
+        a, b = int(self.n[g]), int(self.n[g]) + len(requests)
+        zero = np.zeros(len(requests), np.int64)
+        self._data[:, g, a:b] = np.stack([rid, pg, plen, target, gen, plen + gen, rp, zero])
+        self.n[g] = b
+
+    def _rows(self, g: int, ids: list[int]) -> np.ndarray:
+        """Row indices of ``ids`` in group ``g`` (all must be there)."""
+        k = int(self.n[g])
+        order = np.argsort(self.rid[g, :k], kind="stable")
+        pos = np.searchsorted(self.rid[g, :k], ids, sorter=order)
+        return order[pos]
+
+    def _remove(self, g: int, rows: np.ndarray) -> None:
+        k = int(self.n[g])
+        keep = np.ones(k, bool)
+        keep[rows] = False
+        idx = np.nonzero(keep)[0]
+        self._data[:, g, : len(idx)] = self._data[:, g, idx]
+        self.n[g] = len(idx)
+
+    def _versions(self, rid: int, g: int, sampled: bool) -> tuple[int, ...]:
+        base = self._base_versions.pop(rid, ())
+        v = int(self.version[g])
+        return base + (v,) if sampled and (not base or base[-1] != v) else base
+
+    def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
+        s, d = self._group(src), self._group(dst)
+        if s == d:
+            raise BackendError("migrate: src and dst are the same group")
+        if self.version[s] != self.version[d]:
+            raise BackendError(
+                f"migrate: group {src} holds v{self.version[s]}, group {dst} v{self.version[d]}"
+            )
+        if any(self._where.get(r) != s for r in request_ids):
+            bad = next(r for r in request_ids if self._where.get(r) != s)
+            raise BackendError(f"migrate: request {bad} is not on group {src}")
+        if len(set(request_ids)) < len(request_ids):
+            raise BackendError("migrate: duplicate request ids")
+        room = self.max_slots - int(self.n[d])
+        if len(request_ids) > room:
+            raise BackendError(f"migrate: group {dst} has {room} free slots")
+        if not request_ids:
+            return
+        rows = self._rows(s, request_ids)
+        a, b = int(self.n[d]), int(self.n[d]) + len(rows)
+        self._data[:, d, a:b] = self._data[:, s, rows]
+        self.n[d] = b
+        cached = int((self.plen[s, rows] + self.gen[s, rows] - self.pf[s, rows]).sum())
+        self._remove(s, rows)
+        for r in request_ids:
+            self._where[r] = d
+        self.mig[d] += self.cost.kv_transfer_s(cached)
+        self.migrated_requests += len(request_ids)
+        self.migrated_tokens += cached
+
+    def interrupt(self, request_ids: list[int]) -> list[PartialRequest]:
+        for r in request_ids:
+            if r not in self._where:
+                raise BackendError(f"interrupt: request {r} is not running")
+        if len(set(request_ids)) < len(request_ids):
+            raise BackendError("interrupt: duplicate request ids")
+        by_group: dict[int, list[int]] = {}
+        for r in request_ids:
+            by_group.setdefault(self._where[r], []).append(r)
+        out: dict[int, PartialRequest] = {}
+        for g, ids in by_group.items():
+            rows = self._rows(g, ids)
+            for r, i in zip(ids, rows.tolist(), strict=True):
+                gen, plen = int(self.gen[g, i]), int(self.plen[g, i])
+                cached = plen + gen - int(self.pf[g, i])
+                self._interrupted[r] = (int(self.target[g, i]), cached)
+                versions = self._versions(r, g, bool(self.vflag[g, i]))
+                out[r] = PartialRequest(
+                    r, int(self.pg[g, i]), plen, gen, versions, self._payload.pop(r, None)
+                )
+                del self._where[r]
+            self._remove(g, rows)
+        return [out[r] for r in request_ids]
+
+    # -- the tick --------------------------------------------------------------------------------
+
+    def _prefill(self, w: int, budget: np.ndarray, secs: np.ndarray, counts: np.ndarray) -> None:
+        """Prefill every group's waiting context, oldest request first, within its ``budget``
+        (updated in place); a group's first request that does not fit gets the rest as a chunk.
+        Vectorized over groups: cumulative tokens and pairs per group, one cost-model call."""
+        G = self.num_groups
+        todo = (self.pf[:, :w] > 0) & (self._col[None, :w] < self.n[:, None])
+        todo &= (budget > 0)[:, None]
+        gi, ri = np.nonzero(todo)  # group-major: admission order within each group
+        if not len(gi):
+            return
+        left = self.pf[gi, ri]
+        start = self.plen[gi, ri] + self.gen[gi, ri] - left
+        pairs = self.cost.causal_pairs(start, start + left)
+        cnt = np.bincount(gi, minlength=G)
+        first = np.concatenate(([0], np.cumsum(cnt)[:-1]))
+        cum_t = np.cumsum(left)
+        cum_p = np.cumsum(pairs)
+        base = first[gi]
+        off_t = np.where(base > 0, cum_t[base - 1], 0)
+        off_p = np.where(base > 0, cum_p[base - 1], 0.0)
+        times = self.cost.prefill_s(cum_t - off_t, cum_p - off_p)
+        fits = times <= budget[gi]
+        done = np.where(fits, left, 0)
+        nfit = np.bincount(gi, weights=fits, minlength=G).astype(np.int64)
+        last = first + nfit - 1
+        spent = np.where(nfit > 0, times[np.maximum(last, 0)], 0.0)
+        cut = np.nonzero((nfit < cnt) & (cnt > 0))[0]  # groups whose budget ends mid-request
+        if len(cut):
+            p = first[cut] + nfit[cut]
+            frac = (budget[cut] - spent[cut]) / np.maximum(times[p] - spent[cut], 1e-12)
+            done[p] = (left[p] * np.clip(frac, 0.0, 1.0)).astype(np.int64)
+            spent[cut] = budget[cut]
+        re = np.minimum(done, self.rp[gi, ri])
+        self.pf[gi, ri] -= done
+        self.rp[gi, ri] -= re
+        tot = np.bincount(gi, weights=done, minlength=G)
+        tot_re = np.bincount(gi, weights=re, minlength=G)
+        counts[:, 0] += tot.astype(np.int64)
+        counts[:, 1] += tot_re.astype(np.int64)
+        share = np.divide(tot_re, tot, out=np.zeros(G), where=tot > 0)
+        spent = np.where(cnt > 0, spent, 0.0)
+        secs[:, REPREFILL] += spent * share
+        secs[:, PREFILL] += spent * (1.0 - share)
+        budget -= spent
+
+    def step(self) -> StepEvents:
+        t, G, dt = self._tick, self.num_groups, self.tick_s
+        secs = np.zeros((G, len(CATEGORIES)))
+        counts = np.zeros((G, 2), np.int64)  # prefill tokens, re-prefill tokens
+        tokens = np.zeros(G, np.int64)
+        held = self.n.copy()
+        finished: list[FinishedRequest] = []
+        if t < self._frozen_until:  # colocated: the devices train; the carry waits
+            secs[:, TRAIN] = dt
+        else:
+            budget = dt + self.carry
+            for c, arr in ((TRANSFER, self.busy), (MIGRATE, self.mig)):
+                use = np.minimum(arr, np.maximum(budget, 0.0))
+                arr -= use
+                budget -= use
+                secs[:, c] = use
+            w = int(self.n.max())
+            self._prefill(w, budget, secs, counts)
+            tokens, finished = self._decode(w, budget, secs)
+        self.seconds.append(secs.sum(axis=0))
+        busy = secs[:, TRANSFER] + secs[:, MIGRATE]
+        fill = secs[:, PREFILL] + secs[:, REPREFILL]
+        dec = secs[:, DECODE]
+        act = np.where(dec >= fill, 2, 1)  # 0 idle, 1 prefill, 2 decode, 3 transfer
+        act = np.where((busy >= fill) & (busy >= dec), 3, act)
+        act = np.where(np.maximum(np.maximum(busy, fill), dec) <= 0, 0, act)
+        time_s = dt - secs[:, IDLE] - secs[:, TRAIN]
+        cols = zip(
+            range(G),
+            self.version.tolist(),
+            act.tolist(),
+            held.tolist(),
+            tokens.tolist(),
+            counts[:, 0].tolist(),
+            counts[:, 1].tolist(),
+            time_s.tolist(),
+            strict=True,
+        )
+        ticks = tuple(
+            [GroupTick(g, v, _ACTIVITY[a], h, k, p, r, x) for g, v, a, h, k, p, r, x in cols]
+        )
+        self._tick += 1
+        return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
+
+    def _decode(
+        self, w: int, budget: np.ndarray, secs: np.ndarray
+    ) -> tuple[np.ndarray, list[FinishedRequest]]:
+        """Decode steps within each group's remaining budget (rows ``< w`` only: no group holds
+        more); returns tokens per group and the requests that finished."""
+        valid = self._col[None, :w] < self.n[:, None]
+        gen, target = self.gen[:, :w], self.target[:, :w]
+        full = self.plen[:, :w] + gen
+        runnable = valid & (self.pf[:, :w] == 0)
+        over = np.nonzero(np.where(valid, full, 0).sum(axis=1) > self.capacity)[0]
+        if len(over):  # park the newest requests of groups whose KV overflows
+            cum = np.cumsum(np.where(valid[over], full[over], 0), axis=1)
+            runnable[over] &= (cum <= self.capacity) | (self._col[None, :w] == 0)
+        rem = np.where(runnable, target - gen, 0.0)
+        ctx = np.where(runnable, full, 0.0)
+        nr = runnable.sum(axis=1)
+        work = (nr > 0) & (budget > 0)
+        b = np.where(work, budget, 0.0)
+        s = self.cost.decode_step_s(nr, ctx.sum(axis=1))
+        k = np.where(work, b / s, 0.0)
+        maxrem = rem.max(axis=1) if w else np.zeros(self.num_groups)
+        for _ in range(2):  # batch and context averaged over the k steps
+            kk = np.maximum(np.minimum(k, maxrem), 1e-9)
+            m = np.minimum(rem, kk[:, None])
+            n_avg = m.sum(axis=1) / kk
+            c_avg = (m * (ctx + (m - 1.0) / 2.0)).sum(axis=1) / kk
+            s = self.cost.decode_step_s(n_avg, c_avg)
+            k = np.where(work, b / s, 0.0)
+        steps = np.where(work, np.minimum(np.floor(k), maxrem), 0.0)
+        used = steps * s
+        out_of_work = work & (steps >= maxrem)
+        self.carry = np.where(work & ~out_of_work, budget - used, 0.0)
+        idle = np.where(work, np.where(out_of_work, b - used, 0.0), np.maximum(budget, 0.0))
+        secs[:, DECODE] += used
+        secs[:, IDLE] += np.maximum(idle, 0.0)
+        m = np.minimum(rem, steps[:, None]).astype(np.int64)
+        gen += m
+        self.vflag[:, :w] |= m > 0
+        tokens = m.sum(axis=1)
+        done = runnable & (gen >= target)
+        gi, ri = np.nonzero(done)
+        finished: list[FinishedRequest] = []
+        if len(gi):
+            fields = self._data[:, gi, ri]
+            cols = zip(gi.tolist(), *fields[[0, 1, 2, 4]].tolist(), strict=True)
+            for g, r, p, pl, ng in cols:
+                finished.append(
+                    FinishedRequest(
+                        r, p, pl, ng, self._versions(r, g, True), self._payload.pop(r, None)
+                    )
+                )
+                del self._where[r]
+            for g in np.unique(gi).tolist():
+                self._remove(g, ri[gi == g])
+        return tokens, finished

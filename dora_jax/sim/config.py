@@ -1,0 +1,289 @@
+"""Typed, frozen configuration of one simulation, loaded from YAML (``configs/sim/*.yaml``).
+
+Every assumption the paper leaves open (placement, TP degree, batch sizes, maximum response
+length, efficiencies) is a field here, so a config file states them all. Unknown keys and bad
+values raise :class:`~dora_jax.config.schema.ConfigError` naming the dotted field, through the
+project's generic loader (:func:`dora_jax.config.loading.from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from dora_jax.config.loading import apply_overrides, from_dict, load_yaml
+from dora_jax.config.schema import ConfigError
+from dora_jax.orchestrator.modes import MODES
+from dora_jax.sim.hardware import HARDWARE
+from dora_jax.sim.models import MODELS
+
+COLOCATABLE = ("sync", "partial", "oversample")  # modes whose rollout can pause while training
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+def _positive(obj: object, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _check(v > 0, n, f"must be > 0, got {v}")
+
+
+def _fraction(obj: object, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _check(0 < v <= 1, n, f"must be in (0, 1], got {v}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Devices and how they are split. ``disaggregated``: ``trainer_gpus`` train, the rest roll
+    out in groups of ``rollout_tp``; ``colocated``: every device does both, in turn."""
+
+    hardware: str = "h800"
+    total_gpus: int = 64
+    trainer_gpus: int = 32  # 0: the balanced split (run.balanced_trainer_gpus)
+    rollout_tp: int = 4
+    max_slots: int = 1024  # concurrent requests per engine (verl's rollout max_num_seqs default)
+    page_size: int = 16  # KV page (vLLM's default block size)
+    mem_util: float = 0.8  # HBM share the engine takes (DAPO 32B recipe gpu_memory_utilization)
+
+    def __post_init__(self):
+        _check(
+            self.hardware in HARDWARE,
+            "hardware",
+            f"unknown preset {self.hardware!r}; expected one of {', '.join(HARDWARE)}",
+        )
+        _positive(self, "total_gpus", "rollout_tp", "max_slots", "page_size")
+        _fraction(self, "mem_util")
+        _check(
+            0 <= self.trainer_gpus < self.total_gpus,
+            "trainer_gpus",
+            f"must be in [0, total_gpus) (0: balanced split), got {self.trainer_gpus}",
+        )
+        _check(
+            self.total_gpus % self.rollout_tp == 0,
+            "total_gpus",
+            f"{self.total_gpus} is not a multiple of rollout_tp = {self.rollout_tp}",
+        )
+        _check(
+            (self.total_gpus - self.trainer_gpus) % self.rollout_tp == 0,
+            "trainer_gpus",
+            f"total_gpus - trainer_gpus = {self.total_gpus - self.trainer_gpus} is not a "
+            f"multiple of rollout_tp = {self.rollout_tp}",
+        )
+
+    def rollout_groups(self, placement: str) -> int:
+        gpus = self.total_gpus if placement == "colocated" else self.total_gpus - self.trainer_gpus
+        return gpus // self.rollout_tp
+
+    def training_gpus(self, placement: str) -> int:
+        return self.total_gpus if placement == "colocated" else self.trainer_gpus
+
+
+@dataclass(frozen=True)
+class EfficiencyConfig:
+    """Achieved fractions of peak and fixed latencies: the cost model's free parameters. Each
+    default is argued in ``docs/simulator.md``; none is fitted to the paper's results."""
+
+    hbm: float = 0.8  # decode HBM bandwidth achieved (FlashMLA: 3000 of 3350 GB/s on H800)
+    decode_mfu: float = 0.5  # FLOP/s achieved when a decode step is compute-bound
+    prefill_mfu: float = 0.5  # FLOP/s achieved by prefill
+    train_mfu: float = 0.35  # trainer MFU (Megatron-Core's best case on H100 is 0.47)
+    comm: float = 0.8  # achieved / spec link bandwidth (DeepSeek-V3: 160 of 200 GB/s NVLink)
+    step_overhead_s: float = 0.002  # per engine step: scheduling, sampling, launch
+    allreduce_latency_s: float = 1e-5  # per TP all-reduce
+    weight_sync_latency_s: float = 0.5  # per weight transfer: setup, resharding
+    kv_transfer_latency_s: float = 0.005  # per migration call: RPC + handshake
+    prefill_chunk_tokens: int = 8192  # tokens per prefill forward (verl max_num_batched_tokens)
+    train_step_overhead_s: float = 5.0  # optimizer step, gradient sync, bookkeeping
+    exp_prep_forwards: int = 1  # forward passes before training (old log-probs; +1 with a KL ref)
+
+    def __post_init__(self):
+        _fraction(self, "hbm", "decode_mfu", "prefill_mfu", "train_mfu", "comm")
+        for n in (
+            "step_overhead_s",
+            "allreduce_latency_s",
+            "weight_sync_latency_s",
+            "kv_transfer_latency_s",
+            "train_step_overhead_s",
+        ):
+            _check(getattr(self, n) >= 0, n, f"must be >= 0, got {getattr(self, n)}")
+        _positive(self, "prefill_chunk_tokens")
+        _check(self.exp_prep_forwards >= 0, "exp_prep_forwards", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ResponseConfig:
+    """Response lengths (tokens). ``lognormal``: ``median`` and ``p99_ratio`` = p99 / median;
+    ``mixture``: that body plus a share ``tail_weight`` from a second log-normal
+    (``tail_median``, ``tail_p99_ratio``); ``file``: measured lengths, one integer per line.
+    ``prompt_corr``: share of the log-length variance common to a prompt group (its
+    difficulty: hard prompts get long answers from all ``G`` samples). Capped at ``max_tokens``."""
+
+    kind: Literal["lognormal", "mixture", "file"] = "lognormal"
+    median: float = 1400.0
+    p99_ratio: float = 12.0
+    max_tokens: int = 20480
+    tail_weight: float = 0.0
+    tail_median: float = 8000.0
+    tail_p99_ratio: float = 3.0
+    path: str | None = None
+    prompt_corr: float = 0.5
+
+    def __post_init__(self):
+        _positive(self, "median", "max_tokens", "tail_median")
+        _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
+        _check(self.tail_p99_ratio >= 1, "tail_p99_ratio", "must be >= 1")
+        _check(
+            0 <= self.tail_weight < 1, "tail_weight", f"must be in [0, 1), got {self.tail_weight}"
+        )
+        _check(0 <= self.prompt_corr <= 1, "prompt_corr", "must be in [0, 1]")
+        _check(self.kind != "file" or bool(self.path), "path", "kind 'file' needs a path")
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """Prompt lengths (tokens): log-normal, clipped to ``[min_tokens, max_tokens]``."""
+
+    median: float = 200.0
+    p99_ratio: float = 3.0
+    min_tokens: int = 16
+    max_tokens: int = 2048  # DAPO recipe max_prompt_length
+
+    def __post_init__(self):
+        _positive(self, "median", "min_tokens")
+        _check(self.p99_ratio >= 1, "p99_ratio", "must be >= 1")
+        _check(self.max_tokens >= self.min_tokens, "max_tokens", "must be >= min_tokens")
+
+
+@dataclass(frozen=True)
+class OrchestrationConfig:
+    """Control-plane settings shared by every mode (``sync``/``oversample`` use K = 0 and
+    ``one_step`` K = 1 whatever ``staleness_k`` says), in modeled seconds where time is involved.
+    """
+
+    staleness_k: int = 2
+    train_batch_prompts: int = 512  # TBS (DAPO recipe train_prompt_bsz)
+    rollout_batch_prompts: int = 768  # RBS
+    group_size: int = 16  # G (DAPO recipe n_resp_per_prompt)
+    plan_period_s: float = 30.0
+    kv_pressure_threshold: float = 0.95
+    kv_admit_watermark: float = 0.85  # admit while the KV a group reserves stays under this share
+    kv_admit_reserve_tokens: int = 2048  # room to grow each request reserves at admission
+    legacy_fill: bool = True
+    plan_on_idle: bool = True
+
+    def __post_init__(self):
+        _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
+        _positive(
+            self, "train_batch_prompts", "group_size", "plan_period_s", "kv_admit_reserve_tokens"
+        )
+        _check(
+            self.rollout_batch_prompts >= self.train_batch_prompts,
+            "rollout_batch_prompts",
+            f"must be >= train_batch_prompts ({self.train_batch_prompts})",
+        )
+        _fraction(self, "kv_pressure_threshold", "kv_admit_watermark")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 30  # train steps per mode
+    warmup_steps: int = 5  # the figures are taken over steps warmup+1 .. steps
+    tick_s: float = 1.0  # modeled seconds per tick (see docs/simulator.md, "Time")
+    seed: int = 0
+    modes: tuple[str, ...] = MODES  # run disaggregated
+    colocated: tuple[str, ...] = ("sync", "partial")  # also run colocated
+    timeline_steps: int = 6  # train steps shown in each timeline plot, after the warm-up
+    max_ticks: int = 5_000_000
+
+    def __post_init__(self):
+        _positive(self, "steps", "tick_s", "max_ticks")
+        _check(0 <= self.warmup_steps < self.steps, "warmup_steps", "must be in [0, steps)")
+        for m in self.modes:
+            _check(m in MODES, "modes", f"unknown mode {m!r}; expected some of {MODES}")
+        for m in self.colocated:
+            _check(
+                m in COLOCATABLE,
+                "colocated",
+                f"{m!r} cannot run colocated; only "
+                f"{COLOCATABLE} (their rollout may pause while training)",
+            )
+        _check(self.timeline_steps >= 0, "timeline_steps", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    name: str = "sim"
+    description: str = ""
+    model: str = "qwen2.5-32b"
+    paper_key: str | None = None  # e.g. "dense_32b.gpus_64" in paper_figures.yaml
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    efficiency: EfficiencyConfig = field(default_factory=EfficiencyConfig)
+    response: ResponseConfig = field(default_factory=ResponseConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        _check(
+            self.model in MODELS,
+            "model",
+            f"unknown preset {self.model!r}; expected one of {', '.join(MODELS)}",
+        )
+
+    def variants(self) -> list[tuple[str, str]]:
+        """(mode, placement) pairs to run, in table order."""
+        out = []
+        for m in self.run.modes:
+            if m in self.run.colocated:
+                out.append((m, "colocated"))
+            out.append((m, "disaggregated"))
+        out += [(m, "colocated") for m in self.run.colocated if m not in self.run.modes]
+        return out
+
+
+def _tuple_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[list[str], object]]]:
+    """Split off overrides of list fields (``run.modes=[sync,dora]``): the generic loader keeps
+    the raw text of fields that may hold strings, so these are parsed as YAML here."""
+    plain, lists = [], []
+    for text in overrides:
+        key, _, raw = text.partition("=")
+        node, hint = SimConfig, None
+        for part in key.strip().split("."):
+            hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+            hint = hints.get(part)
+            node = hint
+        if typing.get_origin(hint) is tuple:
+            lists.append((key.strip().split("."), yaml.safe_load(raw) if raw.strip() else []))
+        else:
+            plain.append(text)
+    return plain, lists
+
+
+def load_sim_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> SimConfig:
+    """Defaults, then the YAML file at ``path``, then dotted ``overrides`` (``run.steps=10``)."""
+    data = load_yaml(path) if path is not None else {}
+    plain, lists = _tuple_overrides(list(overrides or ()))
+    data = apply_overrides(data, plain, SimConfig)
+    for parts, value in lists:
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    try:
+        return from_dict(SimConfig, data)
+    except ConfigError as e:
+        if path is not None:
+            raise ConfigError(e.path, f"{e.reason} (in {path})") from None
+        raise

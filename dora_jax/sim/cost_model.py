@@ -1,0 +1,151 @@
+"""How long things take on a modeled cluster: roofline formulas over a model and a device preset.
+
+A rollout *group* is ``tp`` devices running one engine (tensor parallel inside). Notation: P
+total / active parameters (bytes per parameter ``b``), ``kvb`` KV bytes per token, ``A`` attention
+FLOPs per (query, key) pair, ``L`` all-reduces per forward, ``D`` hidden size; device peak ``F``,
+HBM bandwidth ``B``, scale-up link ``W``, scale-out link ``N``; efficiencies ``e_*``.
+
+- **Decode step** with ``n`` requests holding ``C`` context tokens in all::
+
+      t = max(mem, compute) + comm + overhead
+      mem     = (weight bytes streamed(n) + C * kvb) / (tp * B * e_hbm)
+      compute = (2 * P_active * n + A * C) / (tp * F * e_decode)
+      comm    = L * (lat + 2 (tp-1)/tp * n * D * 2 bytes / (W * e_comm))   (tp > 1)
+
+  Dense: every weight is streamed once per step; MoE: the shared part plus the experts the batch
+  touches, ``1 - (1 - a/E)^n`` of them (``a`` active of ``E`` experts per token).
+- **Prefill** of ``T`` tokens with ``Q`` causal (query, key) pairs (``(b^2 - a^2)/2`` for a
+  request going from ``a`` to ``b`` cached tokens), in ``ceil(T / chunk)`` forwards::
+
+      t = max((2 * P_active * T + A * Q) / (tp * F * e_prefill), chunks * weight bytes / (tp * B))
+          + chunks * L * lat + L * 2 (tp-1)/tp * T * D * 2 / (W * e_comm)
+
+- **Weight transfer** into a group: ``lat_w + P_total * b / (tp * N * e_comm)`` (each of the
+  ``tp`` ranks receives its shard over its own link). **KV migration** of ``C`` tokens:
+  ``lat_kv + C * kvb / (tp * N * e_comm)``.
+- **Train step** on ``g`` devices, sequences of ``S_i`` tokens (prompt + response)::
+
+      t = sum_i [ (6 + 2 f) P_active S_i + (3 + f) A S_i^2 / 2 ] / (g * F * e_train) + overhead
+
+  ``f`` forward passes of experience preparation (old log-probs, reference), 6 = forward and
+  backward (PaLM, Chowdhery et al. 2022, appendix B: 6N per token plus attention).
+- **KV capacity** of a group: ``(tp * HBM * mem_util - P_total * b) / kvb`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dora_jax.sim.config import EfficiencyConfig
+from dora_jax.sim.hardware import Hardware
+from dora_jax.sim.models import ModelSpec
+
+ACT_BYTES = 2  # bf16 activations in TP all-reduces
+
+
+@dataclass(frozen=True)
+class CostModel:
+    model: ModelSpec
+    hw: Hardware
+    tp: int
+    eff: EfficiencyConfig
+    mem_util: float = 0.8
+
+    def __post_init__(self):
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.kv_capacity_tokens < 1:
+            need = self.model.weight_bytes / (self.hw.hbm_bytes * self.mem_util)
+            raise ValueError(
+                f"{self.model.name} does not fit on {self.tp} x {self.hw.name} at mem_util "
+                f"{self.mem_util}: its weights alone need {need:.1f} devices"
+            )
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        free = self.tp * self.hw.hbm_bytes * self.mem_util - self.model.weight_bytes
+        return int(free // self.model.kv_bytes_per_token)
+
+    def weight_bytes_streamed(self, n: np.ndarray | float) -> np.ndarray:
+        """Weight bytes one decode step reads for a batch of ``n`` requests."""
+        m = self.model
+        n = np.asarray(n, dtype=np.float64)
+        if not m.is_moe:
+            return np.full_like(n, m.weight_bytes)
+        touched = 1.0 - (1.0 - m.active_experts / m.num_experts) ** np.maximum(n, 0.0)
+        shared = (m.params_total - m.expert_params) * m.bytes_per_param
+        return shared + m.expert_params * m.bytes_per_param * touched
+
+    # -- rollout -----------------------------------------------------------------------------------
+
+    def _allreduce_s(self, tokens: np.ndarray | float, count: float) -> np.ndarray:
+        """``count`` TP all-reduces of ``tokens`` hidden vectors each (0 when tp == 1)."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if self.tp == 1:
+            return np.zeros_like(tokens)
+        ring = 2.0 * (self.tp - 1) / self.tp
+        bw = self.hw.intra_bw * self.eff.comm
+        per = ring * tokens * self.model.hidden * ACT_BYTES / bw
+        return count * self.eff.allreduce_latency_s + self.model.allreduces_per_forward * per
+
+    def decode_step_s(self, n: np.ndarray | float, ctx: np.ndarray | float) -> np.ndarray:
+        """Seconds of one decode step for ``n`` requests holding ``ctx`` context tokens in all."""
+        m, hw, e = self.model, self.hw, self.eff
+        n = np.asarray(n, dtype=np.float64)
+        ctx = np.asarray(ctx, dtype=np.float64)
+        mem = (self.weight_bytes_streamed(n) + ctx * m.kv_bytes_per_token) / (
+            self.tp * hw.hbm_bw * e.hbm
+        )
+        compute = (2.0 * m.params_active * n + m.attn_flops_per_pair * ctx) / (
+            self.tp * hw.peak_flops * e.decode_mfu
+        )
+        comm = self._allreduce_s(n, m.allreduces_per_forward)
+        return np.maximum(mem, compute) + comm + e.step_overhead_s
+
+    def prefill_s(self, tokens: np.ndarray | float, pairs: np.ndarray | float) -> np.ndarray:
+        """Seconds to prefill ``tokens`` new tokens with ``pairs`` causal attention pairs."""
+        m, hw, e = self.model, self.hw, self.eff
+        tokens = np.asarray(tokens, dtype=np.float64)
+        pairs = np.asarray(pairs, dtype=np.float64)
+        chunks = np.ceil(tokens / e.prefill_chunk_tokens)
+        compute = (2.0 * m.params_active * tokens + m.attn_flops_per_pair * pairs) / (
+            self.tp * hw.peak_flops * e.prefill_mfu
+        )
+        mem = chunks * m.weight_bytes / (self.tp * hw.hbm_bw)
+        comm = self._allreduce_s(tokens, chunks * m.allreduces_per_forward)
+        return np.where(tokens > 0, np.maximum(compute, mem) + comm, 0.0)
+
+    @staticmethod
+    def causal_pairs(start: np.ndarray | float, end: np.ndarray | float) -> np.ndarray:
+        """(query, key) pairs computed when a sequence's cache grows from ``start`` to ``end``."""
+        start = np.asarray(start, dtype=np.float64)
+        end = np.asarray(end, dtype=np.float64)
+        return (end * end - start * start) / 2.0
+
+    # -- moves -------------------------------------------------------------------------------------
+
+    def weight_transfer_s(self) -> float:
+        """Seconds to load a full set of weights into a group (from the trainer or a peer)."""
+        bw = self.tp * self.hw.inter_bw * self.eff.comm
+        return self.eff.weight_sync_latency_s + self.model.weight_bytes / bw
+
+    def kv_transfer_s(self, tokens: float) -> float:
+        """Seconds to move the KV cache of ``tokens`` cached tokens between two groups."""
+        bw = self.tp * self.hw.inter_bw * self.eff.comm
+        return self.eff.kv_transfer_latency_s + tokens * self.model.kv_bytes_per_token / bw
+
+    # -- training ----------------------------------------------------------------------------------
+
+    def train_step_s(self, seq_lens: np.ndarray, devices: int) -> float:
+        """Seconds of one train step (experience preparation included) on ``devices`` devices."""
+        m, e = self.model, self.eff
+        s = np.asarray(seq_lens, dtype=np.float64)
+        f = e.exp_prep_forwards
+        flops = (6.0 + 2.0 * f) * m.params_active * s.sum() + (3.0 + f) * m.attn_flops_per_pair * (
+            (s * s).sum() / 2.0
+        )
+        return flops / (devices * self.hw.peak_flops * e.train_mfu) + e.train_step_overhead_s

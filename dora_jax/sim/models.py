@@ -1,0 +1,144 @@
+"""Model presets for the cluster simulator: what the cost model needs to know about a model.
+
+- ``params_total``: every weight (what a weight transfer moves and decode streams from HBM);
+- ``params_active``: weights a token multiplies (the FLOPs: 2 per parameter forward, 6 with the
+  backward); the input embedding is a lookup, so it is left out; MoE: the experts a token uses;
+- ``kv_bytes_per_token``: KV cache bytes one token holds over all layers;
+- ``attn_flops_per_pair``: attention FLOPs per (query, key) position pair over all layers
+  (QK^T and AV: ``4 * heads * head_dim`` per layer for GQA);
+- ``allreduces_per_forward``: tensor-parallel all-reduces per forward pass (2 per block);
+- MoE only: ``expert_params`` (all routed experts), ``num_experts``, ``active_experts`` (routed
+  experts a token uses on average): decode streams only the experts its batch touches.
+
+Dense Qwen2 parameter counts are computed from the architecture (``qwen2_dense``) and checked in
+the tests against the model cards (7.61B and 32.5B, huggingface.co/Qwen/Qwen2.5-{7B,32B}).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BF16 = 2  # bytes per parameter and per KV element
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    params_total: float
+    params_active: float
+    num_layers: int  # attention blocks
+    hidden: int
+    kv_bytes_per_token: int
+    attn_flops_per_pair: float
+    allreduces_per_forward: int
+    expert_params: float = 0.0
+    num_experts: int = 0
+    active_experts: float = 0.0
+    bytes_per_param: int = BF16
+
+    def __post_init__(self):
+        if not 0 < self.params_active <= self.params_total:
+            raise ValueError(f"{self.name}: need 0 < params_active <= params_total")
+        if self.expert_params and not (self.num_experts and 0 < self.active_experts):
+            raise ValueError(f"{self.name}: an MoE needs num_experts and active_experts")
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_total * self.bytes_per_param
+
+    @property
+    def is_moe(self) -> bool:
+        return self.expert_params > 0
+
+
+def qwen2_dense(
+    name: str,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    vocab: int,
+    head_dim: int = 128,
+    tied: bool = False,
+) -> ModelSpec:
+    """A Qwen2-family dense decoder (QKV bias, SwiGLU, RMSNorm) from its ``config.json``."""
+    kv = kv_heads * head_dim
+    q = heads * head_dim
+    per_layer = (
+        hidden * q
+        + q  # q_proj (+ bias)
+        + 2 * (hidden * kv + kv)  # k_proj, v_proj (+ bias)
+        + q * hidden  # o_proj
+        + 3 * hidden * ffn  # gate, up, down
+        + 2 * hidden  # two RMSNorms
+    )
+    embed = vocab * hidden
+    total = layers * per_layer + embed * (1 if tied else 2) + hidden
+    return ModelSpec(
+        name=name,
+        params_total=float(total),
+        params_active=float(total - embed) if not tied else float(total),
+        num_layers=layers,
+        hidden=hidden,
+        kv_bytes_per_token=2 * layers * kv * BF16,
+        attn_flops_per_pair=4.0 * layers * q,
+        allreduces_per_forward=2 * layers,
+    )
+
+
+def _longcat_flash() -> ModelSpec:
+    # LongCat-Flash (the base of LongCat-Flash-Thinking, the ~500B MoE the paper trains):
+    # - 560B total, 18.6B-31.3B activated per token, 27B on average: LongCat-Flash technical
+    #   report (arXiv 2509.01322) abstract; HF transformers docs "LongCatFlash".
+    # - config.json (huggingface.co/meituan-longcat/LongCat-Flash-Chat, mirrored by
+    #   mlx-community/LongCat-Flash-Chat-bf16): num_layers 28 with two MLA blocks each (the HF port
+    #   counts num_hidden_layers = 2 * num_layers), hidden 6144, 64 heads, kv_lora_rank 512,
+    #   qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, 512 routed FFN experts (plus 256
+    #   zero-computation ones), expert_ffn_hidden_size 2048, moe_topk 12.
+    layers, mla_blocks, hidden, heads = 28, 56, 6144, 64
+    experts, expert_ffn = 512, 2048
+    expert_params = float(layers * experts * 3 * hidden * expert_ffn)  # 541.2B
+    total, active = 560e9, 27e9
+    dense_part = total - expert_params
+    # real FFN experts a token uses on average (the rest of its top-12 are zero experts)
+    active_experts = (active - dense_part) / (expert_params / experts)
+    return ModelSpec(
+        name="longcat-flash-560b",
+        params_total=total,
+        params_active=active,
+        num_layers=mla_blocks,
+        hidden=hidden,
+        kv_bytes_per_token=mla_blocks * (512 + 64) * BF16,  # MLA caches the latent + rope key
+        attn_flops_per_pair=2.0 * mla_blocks * heads * (128 + 64 + 128),
+        allreduces_per_forward=2 * mla_blocks,
+        expert_params=expert_params,
+        num_experts=experts,
+        active_experts=active_experts,
+    )
+
+
+MODELS: dict[str, ModelSpec] = {
+    # Qwen2.5-7B config.json (huggingface.co/Qwen/Qwen2.5-7B): 28 layers, hidden 3584, 28 Q / 4
+    # KV heads, intermediate 18944, vocab 152064, tie_word_embeddings false -> 7.62B parameters
+    # (model card: "Number of Parameters: 7.61B").
+    "qwen2.5-7b": qwen2_dense(
+        "qwen2.5-7b", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064
+    ),
+    # Qwen2.5-32B config.json (huggingface.co/Qwen/Qwen2.5-32B): 64 layers, hidden 5120, 40 Q / 8
+    # KV heads, intermediate 27648, vocab 152064, untied -> 32.76B parameters (model card: 32.5B;
+    # the card rounds differently, the architecture gives 32,763,876,352).
+    "qwen2.5-32b": qwen2_dense(
+        "qwen2.5-32b", layers=64, hidden=5120, heads=40, kv_heads=8, ffn=27648, vocab=152064
+    ),
+    "longcat-flash-560b": _longcat_flash(),
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    """The preset called ``name`` (see :data:`MODELS`)."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; presets: {', '.join(MODELS)}") from None

@@ -1,0 +1,189 @@
+"""The simulated backend: its contract errors and its time model against the cost model."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dora_jax.orchestrator.backend import TRAINER, BackendError, PartialRequest, RequestSpec
+from dora_jax.sim.backend import CATEGORIES, DECODE, IDLE, SimBackend
+from dora_jax.sim.config import EfficiencyConfig, ResponseConfig
+from dora_jax.sim.cost_model import CostModel
+from dora_jax.sim.hardware import get_hardware
+from dora_jax.sim.models import get_model
+
+COST = CostModel(get_model("qwen2.5-7b"), get_hardware("h100"), 2, EfficiencyConfig())
+G = 4
+
+
+class FixedLengths:
+    """Response length = scale * (request id % 10 + 1) (a ResponseLengths stand-in)."""
+
+    group_size = G
+    cfg = ResponseConfig()
+
+    def __init__(self, scale: int = 100):
+        self.scale = scale
+
+    def lengths(self, pg, members):
+        return self.scale * ((np.asarray(pg) * G + np.asarray(members)) % 10 + 1)
+
+
+def backend(groups=2, slots=8, tick_s=0.5, scale=100, **kw) -> SimBackend:
+    lengths = FixedLengths(scale)
+    return SimBackend(COST, groups, lengths, tick_s=tick_s, max_slots=slots, **kw)
+
+
+def spec(rid: int, version: int = 0, plen: int = 64, resume=None) -> RequestSpec:
+    return RequestSpec(rid, rid // G, version, plen, resume=resume)
+
+
+def run_until_done(b: SimBackend, limit: int = 10_000) -> dict[int, tuple[int, int]]:
+    out = {}
+    while b.live_requests() and b.tick < limit:
+        ev = b.step()
+        for f in ev.finished:
+            out[f.request_id] = (ev.tick, f.response_len)
+    return out
+
+
+def test_contract_errors_change_nothing():
+    b = backend()
+    b.submit(0, [spec(0)])
+    with pytest.raises(BackendError, match="already submitted"):
+        b.submit(1, [spec(0)])
+    with pytest.raises(BackendError, match="version"):
+        b.submit(1, [spec(1, version=1)])
+    with pytest.raises(BackendError, match="prompt_len"):
+        b.submit(1, [spec(1, plen=5000)])
+    with pytest.raises(BackendError, match="slots"):
+        b.submit(1, [spec(i) for i in range(10, 19)])
+    with pytest.raises(BackendError, match="still holds"):
+        b.set_version(0, 1, TRAINER)
+    with pytest.raises(BackendError, match="trainer only holds"):
+        b.set_version(1, 1, TRAINER)
+    with pytest.raises(BackendError, match="not on group"):
+        b.migrate([0], 1, 0)
+    with pytest.raises(BackendError, match="not running"):
+        b.interrupt([7])
+    with pytest.raises(BackendError, match="not interrupted"):
+        b.submit(1, [spec(0, resume=PartialRequest(0, 0, 64, 0, ()))])
+    assert b.live_requests() == 1 and b.n.tolist() == [1, 0]
+    b.publish(1)
+    b.set_version(1, 1, TRAINER)
+    with pytest.raises(BackendError, match="holds v0"):
+        b.migrate([0], 0, 1)
+    with pytest.raises(BackendError, match="publish"):
+        b.publish(3)
+
+
+def test_a_lone_request_decodes_at_the_cost_model_rate():
+    b = backend(tick_s=0.25)
+    b.submit(0, [spec(0)])  # 100 tokens
+    done = run_until_done(b)
+    ctx = np.arange(64, 64 + 100)
+    want = float(COST.prefill_s(64, 64 * 64 / 2)) + float(COST.decode_step_s(1, ctx).sum())
+    tick, n = done[0]
+    assert n == 100
+    assert (tick + 1) * 0.25 == pytest.approx(want, abs=0.25 + 1e-9)
+    secs = np.sum(b.seconds, axis=0)
+    assert secs[DECODE] == pytest.approx(float(COST.decode_step_s(1, ctx).sum()), rel=0.02)
+
+
+def test_batched_decode_rate_and_time_conservation():
+    b = backend(groups=1, slots=64, tick_s=1.0, scale=10_000)
+    b.submit(0, [spec(i) for i in range(64)])
+    ev = b.step()  # prefill, then decode in the rest of the tick
+    tokens = [ev.groups[0].tokens]
+    for _ in range(3):
+        tokens.append(b.step().groups[0].tokens)
+    ctx = float((b.plen[0, :64] + b.gen[0, :64]).sum())
+    rate = 64 / float(COST.decode_step_s(64, ctx))
+    assert tokens[-1] == pytest.approx(rate, rel=0.05)
+    spent = np.sum(b.seconds, axis=0).sum()
+    assert spent == pytest.approx(4.0 - b.carry[0], abs=1e-9)
+    assert set(CATEGORIES) >= {"decode", "prefill", "idle", "transfer", "migrate"}
+
+
+def test_weight_transfer_takes_its_time_and_requests_wait():
+    b = backend(tick_s=0.25)
+    b.publish(1)
+    b.set_version(1, 1, TRAINER)
+    need = math.ceil(COST.weight_transfer_s() / 0.25 - 1e-9)
+    assert b.groups()[1].busy_ticks == need
+    b.submit(1, [spec(0, version=1)])
+    for _ in range(need - 1):
+        assert b.step().groups[1].activity == "transfer"
+        assert b.gen[1, 0] == 0 and b.pf[1, 0] == 64  # the request waits
+    b.step()
+    assert b.busy[1] == 0
+    b.set_version(0, 1, 1)  # from a peer: after its own transfer ends
+    assert b.busy[0] == pytest.approx(b.busy[1] + COST.weight_transfer_s())
+
+
+def test_migration_keeps_progress_and_charges_the_destination():
+    b = backend(tick_s=0.02)
+    b.submit(0, [spec(i) for i in range(4)])
+    for _ in range(3):
+        b.step()
+    gen = {int(r): int(g) for r, g in zip(b.rid[0, :4], b.gen[0, :4], strict=True)}
+    cached = int((b.plen[0, :2] + b.gen[0, :2]).sum())
+    ids = [int(b.rid[0, 0]), int(b.rid[0, 1])]
+    b.migrate(ids, 0, 1)
+    assert b.n.tolist() == [2, 2] and b.rid[1, :2].tolist() == ids
+    assert [int(x) for x in b.gen[1, :2]] == [gen[i] for i in ids]
+    assert b.mig[1] == pytest.approx(COST.kv_transfer_s(cached))
+    assert b.migrated_requests == 2 and b.migrated_tokens == cached
+    done = run_until_done(b)
+    assert {r: n for r, (_, n) in done.items()} == {r: 100 * (r + 1) for r in range(4)}
+    assert sum(g.reprefill_tokens for g in b.step().groups) == 0
+
+
+def test_interrupt_and_resume_reprefills_and_records_versions():
+    b = backend(tick_s=0.25)
+    b.submit(0, [spec(1)])  # 200 tokens
+    for _ in range(4):
+        b.step()
+    (p,) = b.interrupt([1])
+    assert p.generated > 0 and p.versions == (0,) and b.live_requests() == 0
+    b.publish(1)
+    b.set_version(0, 1, TRAINER)
+    b.submit(0, [RequestSpec(1, 0, 1, 64, resume=p)])
+    reprefill = 0
+    done = {}
+    while b.live_requests():
+        ev = b.step()
+        reprefill += sum(g.reprefill_tokens for g in ev.groups)
+        done.update({f.request_id: f for f in ev.finished})
+    assert reprefill == 64 + p.generated  # everything it had cached is computed again
+    assert done[1].response_len == 200 and done[1].versions == (0, 1)
+
+
+def test_kv_overflow_parks_the_newest_and_admission_uses_the_watermark():
+    b = backend(groups=1, slots=8, tick_s=0.02, kv_capacity_tokens=500, admit_reserve_tokens=100)
+    assert b.groups()[0].free_slots == 4  # floor(0.85 * 500 / 100)
+    b.submit(0, [spec(i) for i in (5, 6, 7)])  # 600, 700, 800 tokens: they outgrow 500
+    assert b.groups()[0].free_slots == 0  # 3 x (64 + 100) reserved > 425
+    for _ in range(30):
+        b.step()
+    info = b.groups()[0]
+    assert info.kv_pages_used > info.kv_pages_total  # held pages include parked ones
+    assert b.gen[0, 0] > b.gen[0, 2]  # the newest waits
+    assert info.free_slots == 0
+    done = run_until_done(b)
+    assert sorted(done) == [5, 6, 7]
+
+
+def test_freeze_stops_rollout_and_counts_training():
+    b = backend(tick_s=0.5)
+    b.submit(0, [spec(3)])
+    b.step()
+    g0 = int(b.gen[0, 0])
+    b.freeze(b.tick + 3)
+    for _ in range(3):
+        ev = b.step()
+    assert int(b.gen[0, 0]) == g0 and ev.groups[0].tokens == 0
+    assert np.sum(b.seconds, axis=0)[CATEGORIES.index("train")] == pytest.approx(3 * 2 * 0.5)
+    b.step()
+    assert int(b.gen[0, 0]) > g0
+    assert np.sum(b.seconds, axis=0)[IDLE] > 0  # group 1 idled when not frozen

@@ -1,0 +1,108 @@
+"""Presets and cost-model formulas of the simulator, checked by hand."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dora_jax.sim.config import EfficiencyConfig
+from dora_jax.sim.cost_model import CostModel
+from dora_jax.sim.hardware import HARDWARE, get_hardware
+from dora_jax.sim.models import MODELS, get_model
+
+EFF = EfficiencyConfig()
+
+
+def test_qwen_parameter_counts_match_the_model_cards():
+    q7, q32 = get_model("qwen2.5-7b"), get_model("qwen2.5-32b")
+    assert q32.params_total == 32_763_876_352  # the architecture of config.json, exactly
+    assert abs(q32.params_total / 32.5e9 - 1) < 0.01  # model card: 32.5B
+    assert abs(q7.params_total / 7.61e9 - 1) < 0.005  # model card: 7.61B
+    assert q32.params_active == q32.params_total - 152064 * 5120  # the input embedding is a lookup
+    assert q32.kv_bytes_per_token == 2 * 64 * 8 * 128 * 2
+    assert q7.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+    assert q32.attn_flops_per_pair == 4 * 64 * 40 * 128
+
+
+def test_moe_preset_is_consistent():
+    m = get_model("longcat-flash-560b")
+    assert m.is_moe and m.params_total == 560e9 and m.params_active == 27e9
+    assert m.expert_params == 28 * 512 * 3 * 6144 * 2048
+    # the non-expert part is close to the paper's minimum activation (18.6B: no FFN expert used)
+    assert 18e9 < m.params_total - m.expert_params < 19.5e9
+    assert 5 < m.active_experts < 12  # of top-12, the rest are zero-computation experts
+    assert m.kv_bytes_per_token == 56 * 576 * 2
+
+
+def test_presets_are_positive_and_named():
+    for name, hw in HARDWARE.items():
+        assert hw.peak_flops > 0 and hw.hbm_bw > 0 and hw.inter_bw > 0, name
+    assert get_hardware("h800").intra_bw == 200e9 and get_hardware("h100").intra_bw == 450e9
+    assert set(MODELS) >= {"qwen2.5-7b", "qwen2.5-32b", "longcat-flash-560b"}
+    with pytest.raises(KeyError, match="unknown hardware"):
+        get_hardware("h9000")
+    with pytest.raises(KeyError, match="unknown model"):
+        get_model("gpt-5")
+
+
+def test_decode_step_by_hand():
+    m, hw = get_model("qwen2.5-32b"), get_hardware("h800")
+    cm = CostModel(m, hw, 4, EFF)
+    # one request, no context: memory-bound (the weights), plus 128 all-reduces and the overhead
+    mem = m.weight_bytes / (4 * hw.hbm_bw * EFF.hbm)
+    ar = 128 * (EFF.allreduce_latency_s + 1.5 * 5120 * 2 / (hw.intra_bw * EFF.comm))
+    assert math.isclose(float(cm.decode_step_s(1, 0)), mem + ar + EFF.step_overhead_s)
+    # KV read grows the step linearly with context
+    extra = float(cm.decode_step_s(1, 100_000) - cm.decode_step_s(1, 0))
+    assert math.isclose(extra, 100_000 * m.kv_bytes_per_token / (4 * hw.hbm_bw * EFF.hbm))
+    # a large batch is compute-bound: 2 P n / (tp F e)
+    n = 4096
+    comp = 2 * m.params_active * n / (4 * hw.peak_flops * EFF.decode_mfu)
+    assert comp > mem
+    step = float(cm.decode_step_s(n, 0))
+    assert math.isclose(step, comp + float(cm._allreduce_s(n, 128)) + EFF.step_overhead_s)
+    # monotone in batch and context
+    s = cm.decode_step_s(np.arange(1, 600, 7), 0)
+    assert np.all(np.diff(s) >= 0)
+    # tp = 1: no all-reduce
+    assert float(CostModel(m, get_hardware("h200"), 1, EFF)._allreduce_s(64, 128)) == 0.0
+
+
+def test_moe_streams_only_touched_experts():
+    m = get_model("longcat-flash-560b")
+    cm = CostModel(m, get_hardware("h800"), 32, EFF)
+    w = cm.weight_bytes_streamed(np.array([1, 8, 64, 512, 10_000]))
+    assert np.all(np.diff(w) > 0) and w[-1] <= m.weight_bytes
+    assert w[0] < 0.1 * m.weight_bytes  # one token touches ~8 of 512 experts per layer
+    assert w[-1] > 0.99 * m.weight_bytes
+
+
+def test_prefill_moves_and_training_by_hand():
+    m, hw = get_model("qwen2.5-7b"), get_hardware("h100")
+    cm = CostModel(m, hw, 2, EFF)
+    t, pairs = 16_384, 16_384**2 / 2
+    comp = (2 * m.params_active * t + m.attn_flops_per_pair * pairs) / (2 * hw.peak_flops * 0.5)
+    want = comp + float(cm._allreduce_s(t, 2 * m.allreduces_per_forward))  # 2 chunks of 8192
+    assert math.isclose(float(cm.prefill_s(t, pairs)), want)
+    assert float(cm.prefill_s(0, 0)) == 0.0
+    assert np.allclose(cm.prefill_s(np.array([t, t]), np.array([pairs, pairs])), want)
+    assert float(cm.causal_pairs(100, 300)) == (300**2 - 100**2) / 2
+    wt = EFF.weight_sync_latency_s + m.weight_bytes / (2 * hw.inter_bw * EFF.comm)
+    assert math.isclose(cm.weight_transfer_s(), wt)
+    kv = EFF.kv_transfer_latency_s + 10_000 * m.kv_bytes_per_token / (2 * hw.inter_bw * EFF.comm)
+    assert math.isclose(cm.kv_transfer_s(10_000), kv)
+    seqs = np.array([1000, 3000])
+    f = EFF.exp_prep_forwards
+    flops = (6 + 2 * f) * m.params_active * 4000 + (3 + f) * m.attn_flops_per_pair * (
+        (1000**2 + 3000**2) / 2
+    )
+    train = flops / (16 * hw.peak_flops * EFF.train_mfu) + EFF.train_step_overhead_s
+    assert math.isclose(cm.train_step_s(seqs, 16), train)
+
+
+def test_kv_capacity_and_what_does_not_fit():
+    m, hw = get_model("qwen2.5-32b"), get_hardware("h800")
+    cm = CostModel(m, hw, 4, EFF, mem_util=0.8)
+    assert cm.kv_capacity_tokens == int((4 * 80e9 * 0.8 - m.weight_bytes) // 262_144)
+    with pytest.raises(ValueError, match="does not fit"):
+        CostModel(m, get_hardware("a100"), 1, EFF, mem_util=0.8)  # 65.5 GB > 64 GB usable
