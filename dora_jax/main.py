@@ -167,21 +167,31 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     bar = progress(cfg.train.total_steps, f"GRPO ({o.mode})", enabled=cfg.logging.progress)
     t_run = time.perf_counter()
     tokens_seen = 0
+    solved_curve: list[tuple[int, float]] = []
 
     def on_step(log) -> None:
         nonlocal tokens_seen
         m = {k: np.asarray(v).tolist() for k, v in log.metrics.items()}
         reward = float(np.mean(log.rewards))
+        solved = float(np.mean([r >= 1.0 for r in log.rewards]))  # full marks: exact answers
         rewards.append((log.version, reward))
+        solved_curve.append((log.version, solved))
         tokens_seen += int(m["num_tokens"])
         elapsed = time.perf_counter() - t_run
         writer.write(
             log.version,
-            {**m, "reward": reward, "elapsed_s": elapsed, "reward_errors": exp.reward.errors},
+            {
+                **m,
+                "reward": reward,
+                "solved": solved,
+                "elapsed_s": elapsed,
+                "reward_errors": exp.reward.errors,
+            },
         )
         bar.update(1)
         bar.set_postfix(
             reward=f"{reward:.2f}",
+            solved=f"{solved:.2f}",
             stale=f"{m['staleness_mean']:.1f}",
             tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}",
         )
@@ -189,7 +199,7 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
             return
         if log.version % cfg.logging.every_steps == 0:
             print(
-                f"step {log.version}: reward {reward:.3f} loss {m['loss']:.4f} "
+                f"step {log.version}: reward {reward:.3f} solved {solved:.2f} loss {m['loss']:.4f} "
                 f"staleness {m['staleness_mean']:.2f} len {m['response_len_mean']:.1f}",
                 flush=True,
             )
@@ -197,6 +207,9 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     stop = _StopFlag()
     stop.install()
     rewards.extend((sl.version, float(np.mean(sl.rewards))) for sl in exp.grpo.log)
+    solved_curve.extend(
+        (sl.version, float(np.mean([r >= 1.0 for r in sl.rewards]))) for sl in exp.grpo.log
+    )
     bar.update(len(exp.grpo.log))
     result = run(
         exp,
@@ -220,7 +233,11 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
         run_dir / "timeline_start.png",
         title=f"{o.mode}: the first 300 ticks",
     )
-    reward_curve_plot({o.mode: rewards}, run_dir / "reward.png", xlabel="train step")
+    reward_curve_plot(
+        {"reward": rewards, "solved (exact answer)": solved_curve},
+        run_dir / "reward.png",
+        xlabel="train step",
+    )
     write_summary(
         run_dir,
         summary=result.summary,
@@ -246,15 +263,20 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
             f"continue with: python launch/train.py --resume run_dir={cfg.run_dir}"
         )
     s = result.summary
-    n = max(1, min(5, len(rewards) // 4))
-    r0 = float(np.mean([r for _, r in rewards[:n]]))
-    r1 = float(np.mean([r for _, r in rewards[-n:]]))
     print(
         f"done in {wall:.0f} s: {s.steps} steps, {s.trajectories} trajectories, "
         f"bubble {s.bubble:.1%}, staleness mean {s.staleness_mean:.2f} max {s.staleness_max}, "
         f"{s.migrated} migrated, {s.reprefill_tokens} re-prefill tokens"
     )
-    print(f"mean reward: first {n} steps {r0:.3f} -> last {n} steps {r1:.3f}")
+    k = max(1, len(rewards) // 5)
+    first = float(np.mean([r for _, r in rewards[:k]]))
+    last = float(np.mean([r for _, r in rewards[-k:]]))
+    s0 = float(np.mean([x for _, x in solved_curve[:k]]))
+    s1 = float(np.mean([x for _, x in solved_curve[-k:]]))
+    print(
+        f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
+        f"solved (exact answer): {s0:.3f} -> {s1:.3f}"
+    )
     print(
         f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
     )

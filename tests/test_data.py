@@ -25,13 +25,17 @@ def test_arithmetic_task_is_deterministic_long_tailed_and_tokenizable():
     assert np.percentile(lengths, 99) / np.median(lengths) >= 10
     tok = CharTokenizer()
     for i in range(50):
-        prompt, answer = task.problem(i)
+        prompt, reference = task.problem(i)
         solution = task.solution(i)
+        assert reference == solution
         tok.encode(prompt + solution)  # every character is in the alphabet
-        assert task.reward(solution, answer) == 1.0
-        assert task.reward(solution.rsplit("#", 1)[0] + "#" + answer + "0", answer) == 0.0
-        assert task.reward(solution.replace("#", ","), answer) == 0.0
+        assert task.reward(solution, reference) == 1.0
     assert ArithmeticTask.render(23, 5) == ("23-5=", "23,18,13,8,3#3", "3")
+    ref = "23,18,13,8,3#3"
+    assert task.reward("23,18,13,8,3#3", ref) == 1.0
+    assert task.reward("23,18,12,7,2#2", ref) == 0.5 * 2 / 5  # two leading values right
+    assert task.reward("23,18,13,8,3#4", ref) == 0.5  # the whole countdown, a wrong answer
+    assert task.reward("9,4#4", ref) == 0.0 and task.reward("", ref) == 0.0
 
 
 def test_prompt_source_resumes_exactly():

@@ -47,8 +47,10 @@ class ArithmeticTask:
         return f"{n}-{s}=", ",".join(map(str, steps)) + f"#{answer}", answer
 
     def problem(self, index: int) -> tuple[str, str]:
-        prompt, _, answer = self.render(*self.numbers(index))
-        return prompt, answer
+        """``(prompt, reference)``: the reference is the worked solution, so the reward can give
+        credit for scratchpad progress as well as for the answer."""
+        prompt, solution, _ = self.render(*self.numbers(index))
+        return prompt, solution
 
     def solution(self, index: int) -> str:
         return self.render(*self.numbers(index))[1]
@@ -57,8 +59,18 @@ class ArithmeticTask:
         return PromptSource(self.problem, f"arithmetic(seed={self.seed})")
 
     @staticmethod
-    def reward(response: str, answer: str) -> float:
-        """1 for the right remainder after the last ``#``, else 0."""
-        if "#" not in response:
-            return 0.0
-        return 1.0 if response.rsplit("#", 1)[1].strip() == answer else 0.0
+    def reward(response: str, reference: str) -> float:
+        """1 for the right remainder after the last ``#``; otherwise partial credit for
+        scratchpad progress: 0.5 x (leading countdown values that match the reference) / (values
+        in the reference). A dense signal for long problems that are rarely solved outright."""
+        ref_steps, _, answer = reference.rpartition("#")
+        if "#" in response and response.rsplit("#", 1)[1].strip() == answer:
+            return 1.0
+        want = ref_steps.split(",")
+        got = response.split("#", 1)[0].split(",")
+        matched = 0
+        for w, g in zip(want, got, strict=False):
+            if w != g.strip():
+                break
+            matched += 1
+        return 0.5 * matched / len(want)
