@@ -33,6 +33,13 @@ def test_string_fields_keep_raw_override_text(tmp_path):
         load_config(p)
 
 
+def test_tuple_of_str_override_is_parsed_as_a_list():
+    from dora_jax.config.loading import _is_str_field
+
+    assert _is_str_field(str) and _is_str_field(str | None)
+    assert not _is_str_field(tuple[str, ...]) and not _is_str_field(int | None)
+
+
 def test_yaml_round_trip(tmp_path):
     cfg = load_config(None, ["train.length_buckets=[32, 64]", "model.family=llama"])
     dump_yaml(cfg, tmp_path / "c.yaml")

@@ -187,7 +187,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> di
 
 
 def _is_str_field(tp: Any) -> bool:
-    return tp is str or str in typing.get_args(tp)
+    """``str`` or ``str | None`` (not ``tuple[str, ...]``, whose values are YAML lists)."""
+    origin = typing.get_origin(tp)
+    return tp is str or (origin in (Union, types.UnionType) and str in typing.get_args(tp))
 
 
 def _is_optional(tp: Any) -> bool:
