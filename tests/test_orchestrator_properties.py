@@ -12,11 +12,10 @@ dispatched is consumed), and checks:
    be admitted anywhere in the cluster.
 """
 
-from collections import Counter
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from invariants import assert_run_invariants  # tests/invariants.py
 
 from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator import MODES, FakeBackendConfig, policy_for, run_fake
@@ -74,47 +73,12 @@ def check_invariants(cfg: OrchestratorConfig, backend: FakeBackendConfig, run: d
         cfg, G, backend, num_steps=run["num_steps"], step_ticks=run["step_ticks"],
         prompt_len=(1, 32), drain=True, max_ticks=200_000,
     )  # fmt: skip
-    rt, rec, ledger = out.runtime, out.result.records, out.result.ledger
-
-    # 1. every dispatched request ends exactly once
-    assert len(ledger) == rt.manager.dispatched_prompt_groups * G > 0
-    states = Counter(ledger.values())
-    allowed = {"consumed", "discarded"} if cfg.mode == "oversample" else {"consumed"}
-    assert set(states) <= allowed, states
-    fed = [rid for _, ids in out.trainer.batches for rid in ids]
-    assert len(fed) == len(set(fed)) == states["consumed"]
-    assert set(fed) == {rid for rid, s in ledger.items() if s == "consumed"}
-    assert sum(n for _, n in rec.discards) == states["discarded"]
-    assert out.backend.live_requests() == 0
-
-    # 2. staleness <= K; at most K + 1 versions coexist
-    assert len(rec.consumed) == len(fed)
-    assert all(0 <= c.staleness <= k for c in rec.consumed)
-    assert all(c.trainer_version - c.staleness == c.version for c in rec.consumed)
-    assert all(c.window_versions <= k + 1 for c in rec.cluster)
-    for row in rec.groups:
-        assert len({g.version for g in row if g.active}) <= k + 1
-
-    # 3. version span
-    spans = [c.version_span for c in rec.consumed]
-    if cfg.mode == "partial":
-        assert all(1 <= s <= k + 1 for s in spans)
-    else:
-        assert all(s == 1 for s in spans)
-
-    # 4. no re-prefill outside partial
-    reprefill = sum(g.reprefill_tokens for row in rec.groups for g in row)
-    if cfg.mode != "partial":
-        assert reprefill == 0
-
-    # 5. dora: an idle group never waits more than a planning period while requests wait
-    if cfg.mode == "dora":
-        streak = [0] * backend.num_groups
-        for row, c in zip(rec.groups, rec.cluster, strict=True):
-            for g in row:
-                starving = g.activity == "idle" and g.active == 0 and c.pending > 0
-                streak[g.group] = streak[g.group] + 1 if starving else 0
-                assert streak[g.group] <= cfg.plan_period_ticks, (g, c)
+    assert_run_invariants(
+        mode=cfg.mode, k=k, group_size=G, num_groups=backend.num_groups,
+        plan_period_ticks=cfg.plan_period_ticks, runtime=out.runtime,
+        records=out.result.records, ledger=out.result.ledger,
+        trainer_batches=out.trainer.batches, live_requests=out.backend.live_requests(),
+    )  # fmt: skip
 
 
 @given(workloads())
