@@ -216,7 +216,7 @@ class Engine:
         budget = self.alloc.pages_free
         # Parked requests go first: no admission while any wait for pages (no starvation).
         while self.pending and not self.parked and len(admitted) < free_slots:
-            need = self.alloc.pages_for(self._prefill_len(self.pending[0]) + 1)
+            need = self.alloc.pages_for(self.pending[0].cached_tokens + 1)
             if need > budget:
                 break
             budget -= need
@@ -252,11 +252,7 @@ class Engine:
         """Take running requests out with their KV pages packed into one buffer on this mesh.
         Their slots and pages are freed here; nothing is recomputed at the destination."""
         reqs = [self._running(i) for i in ids]
-        page_counts = [self.alloc.pages_for(r.cached_tokens) for r in reqs]
-        page_ids = [
-            p for r, n in zip(reqs, page_counts, strict=True) for p in self.alloc.table(r.id)[:n]
-        ]
-        kv = _pack(self.cache, self._page_ids(page_ids), self.impl, self.interpret)
+        page_counts, kv = self._pack_requests(reqs)
         for r in reqs:
             self.free_resource(self.slots.index(r))
         return ExportedRequests(reqs, page_counts, kv)
@@ -265,17 +261,20 @@ class Engine:
         """A host copy of everything in flight (request records and the KV pages of running
         ones), taken without disturbing the engine: what a checkpoint stores."""
         running = [r for r in self.slots if r is not None]
-        counts = [self.alloc.pages_for(r.cached_tokens) for r in running]
-        pages = [
-            p for r, n in zip(running, counts, strict=True) for p in self.alloc.table(r.id)[:n]
-        ]
-        kv = np.asarray(_pack(self.cache, self._page_ids(pages), self.impl, self.interpret))
+        counts, kv = self._pack_requests(running)
+        kv = np.asarray(kv)
         return EngineSnapshot(
             version=self.version,
             running=ExportedRequests(copy.deepcopy(running), counts, kv),
             pending=copy.deepcopy(list(self.pending)),
             parked=copy.deepcopy(list(self.parked)),
         )
+
+    def _pack_requests(self, reqs: Sequence[Request]) -> tuple[list[int], jax.Array]:
+        """(pages per request, pack buffer of their cached KV), in request order."""
+        counts = [self.alloc.pages_for(r.cached_tokens) for r in reqs]
+        pages = [p for r, n in zip(reqs, counts, strict=True) for p in self.alloc.table(r.id)[:n]]
+        return counts, _pack(self.cache, self._page_ids(pages), self.impl, self.interpret)
 
     def restore(self, snap: EngineSnapshot) -> None:
         """Continue from a snapshot: the engine must be empty and serve ``snap.version``. Running
@@ -393,12 +392,6 @@ class Engine:
         padded[: len(ids)] = ids
         return jax.device_put(np.asarray(self.cache.global_pages(padded), np.int32), self._rep)
 
-    @staticmethod
-    def _prefill_len(r: Request) -> int:
-        """Tokens to prefill: the prompt, plus all but the last generated token when a request
-        is re-prefilled (partial-rollout baseline)."""
-        return r.cached_tokens
-
     def _block_tables(self, reqs: Sequence[Request], rows: int) -> np.ndarray:
         """``int32[rows, width]`` page tables (padding page 0), width bucketed by the longest."""
         tables = [self.alloc.table(r.id) for r in reqs]
@@ -436,7 +429,7 @@ class Engine:
             slot = self._free_slot()
             if slot is None:
                 raise EngineError("no free slot to prefill into")
-            self.alloc.ensure(r.id, self._prefill_len(r) + 1)
+            self.alloc.ensure(r.id, r.cached_tokens + 1)
             self.slots[slot] = r
         seqs = [list(r.prompt) + list(r.tokens[:-1]) for r in reqs]
         C = self.rcfg.prefill_chunk
