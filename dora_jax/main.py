@@ -163,19 +163,14 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
     if resume:  # metrics.jsonl continues; drop lines past the checkpoint
         _truncate_metrics(run_dir / "metrics.jsonl", len(exp.grpo.log))
-    rewards: list[tuple[int, float]] = []
     bar = progress(cfg.train.total_steps, f"GRPO ({o.mode})", enabled=cfg.logging.progress)
     t_run = time.perf_counter()
     tokens_seen = 0
-    solved_curve: list[tuple[int, float]] = []
 
     def on_step(log) -> None:
         nonlocal tokens_seen
         m = {k: np.asarray(v).tolist() for k, v in log.metrics.items()}
-        reward = float(np.mean(log.rewards))
-        solved = float(np.mean([r >= 1.0 for r in log.rewards]))  # full marks: exact answers
-        rewards.append((log.version, reward))
-        solved_curve.append((log.version, solved))
+        reward, solved = _reward(log), _solved(log)
         tokens_seen += int(m["num_tokens"])
         elapsed = time.perf_counter() - t_run
         writer.write(
@@ -206,10 +201,6 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
 
     stop = _StopFlag()
     stop.install()
-    rewards.extend((sl.version, float(np.mean(sl.rewards))) for sl in exp.grpo.log)
-    solved_curve.extend(
-        (sl.version, float(np.mean([r >= 1.0 for r in sl.rewards]))) for sl in exp.grpo.log
-    )
     bar.update(len(exp.grpo.log))
     result = run(
         exp,
@@ -221,6 +212,8 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     )
     bar.close()
     writer.close()
+    rewards = [(sl.version, _reward(sl)) for sl in exp.grpo.log]  # the whole run, resumes too
+    solved_curve = [(sl.version, _solved(sl)) for sl in exp.grpo.log]
     wall = time.perf_counter() - t_start
     oh = exp.backend.overheads
     plot_timeline(
@@ -294,3 +287,12 @@ def _truncate_metrics(path: Path, keep: int) -> None:
     if path.is_file():
         lines = path.read_text().splitlines(keepends=True)
         path.write_text("".join(lines[:keep]))
+
+
+def _reward(log) -> float:
+    return float(np.mean(log.rewards))
+
+
+def _solved(log) -> float:
+    """Share of full-mark trajectories (exact answers) in a step."""
+    return float(np.mean([r >= 1.0 for r in log.rewards]))

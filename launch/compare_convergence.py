@@ -9,15 +9,14 @@ Writes ``OUT/reward_vs_samples.png``, ``OUT/convergence.json`` and one run direc
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dora_jax.platform import fake_cpu_devices  # noqa: E402
+
+fake_cpu_devices(8)
 
 import argparse  # noqa: E402
 import json  # noqa: E402

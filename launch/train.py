@@ -4,15 +4,14 @@ Only sets up the environment (8 fake CPU devices unless XLA_FLAGS says otherwise
 affects the CPU platform) and hands over to :func:`dora_jax.main.main`.
 """
 
-import os
 import sys
 from pathlib import Path
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
+
+from dora_jax.platform import fake_cpu_devices  # noqa: E402
+
+fake_cpu_devices(8)
 
 from dora_jax.main import main  # noqa: E402
 

@@ -182,11 +182,12 @@ def run(
             if on_step is not None:
                 on_step(grpo.log[seen])
             seen += 1
-        grpo.forget(_live_versions(exp))
+        published = rt.steps_done > before
+        if published:  # versions are only added on publish; free the unreferenced ones then
+            grpo.forget(_live_versions(exp))
         if should_stop is not None and should_stop():
             exp.stopped = True
             break
-        published = rt.steps_done > before
         if (
             checkpointer is not None
             and every_steps
