@@ -38,6 +38,33 @@ def test_arithmetic_task_is_deterministic_long_tailed_and_tokenizable():
     assert task.reward("9,4#4", ref) == 0.0 and task.reward("", ref) == 0.0
 
 
+def test_answer_reward_checks_only_the_remainder():
+    ref = "23,18,13,8,3#3"
+    assert ArithmeticTask.answer_reward("23,18,13,8,3#3", ref) == 1.0
+    assert ArithmeticTask.answer_reward("#3", ref) == 1.0  # a bare answer counts if right
+    assert ArithmeticTask.answer_reward("23,18,12,7,2#2", ref) == 0.0
+    assert ArithmeticTask.answer_reward("23,18,13,8,3", ref) == 0.0  # no answer given
+    assert (
+        ArithmeticTask.answer_reward("#33", ref) == 0.0
+        and ArithmeticTask.answer_reward("", ref) == 0.0
+    )
+
+
+def test_teacher_demonstrations_mix_bare_answers_at_the_asked_rate():
+    task = ArithmeticTask(seed=3)
+    for frac in (0.0, 0.3, 1.0):
+        demos = [task.demonstration(i, frac) for i in range(2000)]
+        bare = [resp.startswith("#") for _, resp in demos]
+        assert abs(np.mean(bare) - frac) < 0.04
+        for i, (prompt, resp) in enumerate(demos):
+            assert prompt == task.problem(i)[0]
+            assert ArithmeticTask.answer_reward(resp, task.solution(i)) == 1.0  # always right
+            assert resp == (
+                f"#{task.solution(i).rpartition('#')[2]}" if bare[i] else task.solution(i)
+            )
+    assert task.demonstration(5, 0.5) == ArithmeticTask(seed=3).demonstration(5, 0.5)
+
+
 def test_prompt_source_resumes_exactly():
     src = ArithmeticTask(seed=1).source()
     first = src.take(5)

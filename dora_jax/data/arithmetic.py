@@ -55,12 +55,29 @@ class ArithmeticTask:
     def solution(self, index: int) -> str:
         return self.render(*self.numbers(index))[1]
 
+    def demonstration(self, index: int, direct_frac: float) -> tuple[str, str]:
+        """``(prompt, response)`` of the warm-start teacher: with probability ``direct_frac``
+        (a pure function of ``(seed, index)``) the bare answer ``#r`` without the scratchpad,
+        otherwise the worked solution. The bare answer is a shortcut a small model cannot take
+        reliably (it would have to divide in one token), so a policy imitating this teacher
+        starts out mixing the two, and RL has a visible thing to learn: work on the scratchpad."""
+        prompt, solution, answer = self.render(*self.numbers(index))
+        direct = np.random.default_rng((self.seed, index, 1)).random() < direct_frac
+        return prompt, f"#{answer}" if direct else solution
+
     def source(self) -> PromptSource:
         return PromptSource(self.problem, f"arithmetic(seed={self.seed})")
 
     @staticmethod
+    def answer_reward(response: str, reference: str) -> float:
+        """1 for the right remainder after the last ``#``, else 0 (``data.reward: exact``)."""
+        answer = reference.rpartition("#")[2]
+        return float("#" in response and response.rsplit("#", 1)[1].strip() == answer)
+
+    @staticmethod
     def reward(response: str, reference: str) -> float:
-        """1 for the right remainder after the last ``#``; otherwise partial credit for
+        """``data.reward: partial_credit``. 1 for the right remainder after the last ``#``;
+        otherwise partial credit for
         scratchpad progress: 0.5 x (leading countdown values that match the reference) / (values
         in the reference). A dense signal for long problems that are rarely solved outright."""
         ref_steps, _, answer = reference.rpartition("#")

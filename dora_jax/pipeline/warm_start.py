@@ -20,32 +20,44 @@ from dora_jax.model import forward
 from dora_jax.model.hf_checkpoint import load_hf_params, save_hf_checkpoint
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer
+from dora_jax.model.transformer import default_positions
 
 Example = Callable[[int], tuple[str, str]]  # index -> (prompt, worked solution)
 
 
 def make_batch(
     example: Example, tokenizer: Tokenizer, start: int, cfg: WarmStartConfig
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``tokens, segment_ids int32[B, T]`` and ``loss_mask float32[B, T]`` (on the positions
-    that predict a response token or the final EOS)."""
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], int]:
+    """Packs worked examples ``start, start + 1, ...`` into ``batch_size`` rows of ``seq_len``
+    tokens until the next one does not fit; returns ``((tokens, segment_ids, loss_mask), next)``.
+    ``tokens, segment_ids`` are int32[B, T] (segments count from 1 within a row, 0 is padding);
+    ``loss_mask`` float32[B, T] marks the positions that predict a response token or the final
+    EOS. An example longer than a row is cut to ``seq_len``. Packing keeps the shape fixed (one
+    compile) while most of the heavy-tailed examples are short, so a step costs a fraction of
+    padding every example to the longest."""
     B, T = cfg.batch_size, cfg.seq_len
     tokens = np.zeros((B, T), np.int32)
     seg = np.zeros((B, T), np.int32)
     mask = np.zeros((B, T), np.float32)
-    for b in range(B):
-        prompt, solution = example(start + b)
+    row, col, index = 0, 0, start
+    while row < B:
+        prompt, solution = example(index)
         p = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
         seq = (p + tokenizer.encode(solution) + [tokenizer.eos_id])[:T]
-        tokens[b, : len(seq)] = seq
-        seg[b, : len(seq)] = 1
-        mask[b, len(p) - 1 : len(seq) - 1] = 1.0
-    return tokens, seg, mask
+        if col and col + len(seq) > T:  # a cut example always fits an empty row
+            row, col = row + 1, 0
+            continue
+        n = int(seg[row, col - 1]) + 1 if col else 1
+        tokens[row, col : col + len(seq)] = seq
+        seg[row, col : col + len(seq)] = n
+        mask[row, col + len(p) - 1 : col + len(seq) - 1] = 1.0
+        col += len(seq)
+        index += 1
+    return (tokens, seg, mask), index
 
 
 def _loss(params: Params, tokens, seg, mask, cfg: ModelConfig):
-    T = tokens.shape[1]
-    logits = forward(params, tokens, jnp.broadcast_to(jnp.arange(T), tokens.shape), seg, cfg)
+    logits = forward(params, tokens, default_positions(seg), seg, cfg)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     m = mask[:, :-1]
@@ -79,8 +91,9 @@ def warm_start(
         return optax.apply_updates(params, updates), opt_state, loss
 
     losses = []
+    index = 0
     for i in range(cfg.steps):
-        batch = make_batch(example, tokenizer, i * cfg.batch_size, cfg)
+        batch, index = make_batch(example, tokenizer, index, cfg)
         params, opt_state, loss = step(params, opt_state, *batch)
         losses.append(float(loss))
         if on_step is not None:
