@@ -7,6 +7,8 @@ A run directory gets: ``config.yaml`` (resolved), ``warm_start/`` (cached), ``me
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -163,6 +165,8 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
     if resume:  # metrics.jsonl continues; drop lines past the checkpoint
         _truncate_metrics(run_dir / "metrics.jsonl", len(exp.grpo.log))
+    evals = _HeldOutEval(exp, run_dir, cfg, resume)
+    evals.maybe(exp.runtime.steps_done)  # before the first step (or where a resume starts)
     bar = progress(cfg.train.total_steps, f"GRPO ({o.mode})", enabled=cfg.logging.progress)
     t_run = time.perf_counter()
     tokens_seen = 0
@@ -183,6 +187,8 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
                 "reward_errors": exp.reward.errors,
             },
         )
+        if log.version % cfg.eval.every_steps == 0:
+            evals.maybe(log.version, echo=bar.write if not bar.disable else print)
         bar.update(1)
         bar.set_postfix(
             reward=f"{reward:.2f}",
@@ -212,6 +218,9 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     )
     bar.close()
     writer.close()
+    if not exp.stopped:
+        evals.maybe(exp.runtime.steps_done)
+    evals.close()
     rewards = [(sl.version, _reward(sl)) for sl in exp.grpo.log]  # the whole run, resumes too
     solved_curve = [(sl.version, _solved(sl)) for sl in exp.grpo.log]
     wall = time.perf_counter() - t_start
@@ -241,7 +250,9 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
             "weight_transfer_s": oh.weight_transfer_s,
             "migration_s": oh.migration_s,
             "warm_start_s": t_run - t_start,
+            "eval_s": evals.seconds,
         },
+        held_out=[dataclasses.asdict(r) for r in evals.results],
         extra={
             "reward_errors": exp.reward.errors,
             "config": "config.yaml",
@@ -270,10 +281,69 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
         f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
         f"solved (exact answer): {s0:.3f} -> {s1:.3f}"
     )
+    if len(evals.results) >= 2:
+        e0, e1 = evals.results[0], evals.results[-1]
+        n = len(exp.evaluator.prompts)
+        print(
+            f"held-out eval ({n} problems, one sample each): solved {e0.solved:.3f} at step "
+            f"{e0.step} -> {e1.solved:.3f} at step {e1.step} (+-{_binomial_se(e1.solved, n):.3f}); "
+            f"mean response {e0.response_len:.1f} -> {e1.response_len:.1f} tokens"
+        )
     print(
         f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+class _HeldOutEval:
+    """Runs the experiment's held-out evaluation when due and appends it to ``eval.jsonl``
+    (a resumed run keeps the evaluations up to its checkpoint)."""
+
+    FILE = "eval.jsonl"
+
+    def __init__(self, exp, run_dir: Path, cfg: ExperimentConfig, resume: bool):
+        from dora_jax.metrics import MetricsWriter, read_metrics
+        from dora_jax.pipeline.evaluation import EvalResult
+
+        self.exp, self.results, self.seconds = exp, [], 0.0
+        self.writer = None
+        if exp.evaluator is None:
+            return
+        path = run_dir / self.FILE
+        if resume and path.is_file():
+            kept = [r for r in read_metrics(path) if r["step"] <= exp.runtime.steps_done]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.results = [
+                EvalResult(r["step"], r["eval/reward"], r["eval/solved"],
+                           r["eval/response_len"], r["eval/seconds"])
+                for r in kept
+            ]  # fmt: skip
+        elif path.is_file():
+            path.unlink()
+        self.writer = MetricsWriter(
+            run_dir, cfg.logging.tensorboard, filename=self.FILE, tb_dir="tb/eval"
+        )
+
+    def maybe(self, step: int, *, echo=print) -> None:
+        """Evaluate the trainer's current params at ``step`` unless that step has a result."""
+        if self.writer is None or any(r.step == step for r in self.results):
+            return
+        r = self.exp.evaluator(self.exp.trainer.export_params(), step)
+        self.results.append(r)
+        self.seconds += r.seconds
+        self.writer.write(step, r.metrics())
+        echo(
+            f"held-out eval at step {step}: solved {r.solved:.3f} reward {r.reward:.3f} "
+            f"response {r.response_len:.1f} tokens ({r.seconds:.1f} s)"
+        )
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _binomial_se(p: float, n: int) -> float:
+    return float(np.sqrt(max(p * (1 - p), 0.0) / max(n, 1)))
 
 
 def _counts(ledger: dict) -> dict[str, int]:

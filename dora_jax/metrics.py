@@ -114,10 +114,17 @@ def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 class MetricsWriter:
     """Appends metric records to ``run_dir/metrics.jsonl`` and, optionally, TensorBoard events."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        *,
+        filename: str = METRICS_FILE,
+        tb_dir: str = TB_DIR,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / METRICS_FILE
+        self.path = self.run_dir / filename
         self._file = self.path.open("a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -129,7 +136,7 @@ class MetricsWriter:
                     stacklevel=2,
                 )
             else:
-                self._tb = SummaryWriter(logdir=str(self.run_dir / TB_DIR))
+                self._tb = SummaryWriter(logdir=str(self.run_dir / tb_dir))
 
     @property
     def tensorboard(self) -> bool:

@@ -250,6 +250,7 @@ def write_summary(
     overheads: dict[str, float] | None = None,
     extra: dict | None = None,
     tick_seconds: list[float] | None = None,
+    held_out: list[dict] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``summary.json`` and ``summary.md`` to ``run_dir``; return their paths.
 
@@ -296,6 +297,7 @@ def write_summary(
         "reprefill_tokens": summary.reprefill_tokens,
         "discarded": summary.discarded,
         "reward": reward,
+        "held_out_eval": held_out or [],
         "overheads": {**oh, **oh_frac},
         "summary": asdict(summary),
         "extra": extra or {},
@@ -314,6 +316,12 @@ def _f(x: Any, pct: bool = False) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
     return str(x)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list | tuple) and len(v) > 10:
+        return f"{len(v)} items (see summary.json)"
+    return str(v)
 
 
 def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
@@ -339,6 +347,13 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
         (f"reward start -> end (mean of {rw['n_avg']} steps)",
          f"{_f(rw['start'])} -> {_f(rw['end'])}"),
     ]  # fmt: skip
+    ev = d["held_out_eval"]
+    if ev:
+        rows.append(
+            (f"held-out solved, step {ev[0]['step']} -> {ev[-1]['step']}",
+             f"{_f(ev[0]['solved'])} -> {_f(ev[-1]['solved'])} "
+             f"(evaluations: {', '.join(_f(e['solved']) for e in ev)})")
+        )  # fmt: skip
     rows += [(f"overhead: {k[:-5]}", f"{_f(v, True)} of wall time") for k, v in oh_frac.items()]
     out = [f"# Run summary: {s.mode}", "", "| metric | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
@@ -347,7 +362,7 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
     out += ["| staleness | trajectories | share |", "|---|---|---|"]
     out += [f"| {k} | {c} | {_f(c / n, True)} |" for k, c in d["staleness_hist"].items()]
     if d["extra"]:
-        out += ["", "## Extra", ""] + [f"- {k}: {v}" for k, v in d["extra"].items()]
+        out += ["", "## Extra", ""] + [f"- {k}: {_short(v)}" for k, v in d["extra"].items()]
     out += [
         "",
         "## Definitions",

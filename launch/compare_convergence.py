@@ -1,10 +1,12 @@
-"""Convergence side by side: `sync`, `dora` K=1 and `dora` K=3 on the default task, same seed,
-same warm start; mean reward against consumed samples, plotted and tabulated.
+"""Convergence side by side: `sync`, `dora` K=1 and `dora` K=3 on the default task, same
+seed, same warm start; mean training reward and held-out solved share (the experiment's
+evaluator: the same problems and sampling keys for every variant) against consumed samples,
+plotted and tabulated.
 
     python launch/compare_convergence.py [--steps N] [--out runs/convergence] [key=value ...]
 
-Writes ``OUT/reward_vs_samples.png``, ``OUT/convergence.json`` and one run directory per variant
-(each with its own summary and timeline).
+Writes ``OUT/reward_vs_samples.png``, ``OUT/held_out_vs_samples.png``, ``OUT/convergence.json``
+and one run directory per variant (each with its own summary and timeline).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=10, help="steps per smoothing window")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    curves, table = {}, {}
+    curves, eval_curves, table = {}, {}, {}
     for name, extra in VARIANTS.items():
         slug = name.replace(" ", "_").replace("=", "")
         cfg = load_config(
@@ -49,18 +51,30 @@ def main() -> int:
         )
         exp = build(cfg, args.out / slug, warm_start_dir=args.out / "warm_start")
         points: list[tuple[int, float]] = []
+        ev = exp.evaluator
+        held_out = [(0, ev(exp.trainer.export_params(), 0).solved)] if ev else []
         seen = 0
 
-        def on_step(log, points=points):
+        def on_step(log, points=points, held_out=held_out, ev=ev, exp=exp):
             nonlocal seen
             seen += len(log.rewards)
             points.append((seen, float(np.mean(log.rewards))))
+            if ev and (log.version % exp.cfg.eval.every_steps == 0 or log.version == args.steps):
+                held_out.append((seen, ev(exp.trainer.export_params(), log.version).solved))
 
         result = run(exp, args.steps, on_step)
         r = np.array([p[1] for p in points])
         w = args.window
         curves[name] = points
+        if held_out:
+            eval_curves[f"{name} (held-out solved)"] = held_out
+        n_eval = len(ev.prompts) if ev else 0
         table[name] = {
+            "held_out_solved": [x for _, x in held_out],
+            "held_out_solved_se_end": (
+                float(np.sqrt(held_out[-1][1] * (1 - held_out[-1][1]) / n_eval)) if ev else None
+            ),
+            "held_out_problems": n_eval,
             "first_window_reward": float(r[:w].mean()),
             "last_window_reward": float(r[-w:].mean()),
             "reward_sem_last_window": float(r[-w:].std(ddof=1) / np.sqrt(w)),
@@ -73,16 +87,30 @@ def main() -> int:
         print(
             f"{name:9s} reward {t['first_window_reward']:.3f} -> {t['last_window_reward']:.3f} "
             f"(+- {t['reward_sem_last_window']:.3f}), {seen} samples, "
-            f"{result.summary.ticks} ticks, {exp.wall_s:.0f} s",
+            f"{result.summary.ticks} ticks, {exp.wall_s:.0f} s"
+            + (
+                f"; held-out solved {held_out[0][1]:.3f} -> {held_out[-1][1]:.3f} "
+                f"(+- {t['held_out_solved_se_end']:.3f})"
+                if held_out
+                else ""
+            ),
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)
     reward_curve_plot(curves, args.out / "reward_vs_samples.png", xlabel="consumed samples")
+    if eval_curves:
+        reward_curve_plot(
+            eval_curves,
+            args.out / "held_out_vs_samples.png",
+            xlabel="consumed samples",
+            ylabel="held-out solved share",
+        )
     out = {
         "command": "python launch/compare_convergence.py " + " ".join(sys.argv[1:]),
         "steps": args.steps,
         "variants": table,
         "curves": {k: v for k, v in curves.items()},
+        "held_out_curves": eval_curves,
     }
     (args.out / "convergence.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out / 'reward_vs_samples.png'} and {args.out / 'convergence.json'}")

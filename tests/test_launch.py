@@ -11,6 +11,7 @@ TINY = [
     "warm_start.steps=10", "warm_start.batch_size=8", "train.total_steps=3",
     "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
     "train.group_size=4", "rollout.max_new_tokens=48", "logging.progress=false",
+    "eval.num_prompts=8", "eval.every_steps=2",
 ]  # fmt: skip
 
 
@@ -38,6 +39,12 @@ def test_train_command_writes_the_run_directory(tmp_path):
     assert summary["mode"] == "dora" and summary["steps"] == 3
     assert (run_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "warm_start" / "config.json").is_file()  # the cached warm start
+    # held-out evaluation before the first step, every 2 steps and after the last
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 3]
+    assert all(0.0 <= e["eval/solved"] <= e["eval/reward"] + 1e-9 <= 1.0 + 1e-9 for e in evals)
+    assert [e["step"] for e in summary["held_out_eval"]] == [0, 2, 3]
+    assert "held-out eval (8 problems" in out.stdout
 
 
 def test_bad_input_is_a_clear_error(tmp_path):

@@ -318,7 +318,10 @@ class DataConfig:
     path: str | None = None
     prompt_field: str = "prompt"
     answer_field: str = "answer"
-    reward: Literal["exact", "boxed_math"] = "exact"
+    # exact: the answer (arithmetic: the remainder after '#') equals the reference; boxed_math:
+    # the last \\boxed{} (JSONL only); partial_credit: arithmetic only, also credits a correct
+    # countdown prefix
+    reward: Literal["exact", "boxed_math", "partial_credit"] = "exact"
     tokenizer: Literal["char", "hf"] = "char"
 
     def __post_init__(self):
@@ -326,6 +329,12 @@ class DataConfig:
             self.task != "jsonl" or bool(self.path),
             "path",
             "must be set when task is 'jsonl'",
+        )
+        _check(
+            (self.task, self.reward)
+            not in {("arithmetic", "boxed_math"), ("jsonl", "partial_credit")},
+            "reward",
+            f"{self.reward!r} does not apply to task {self.task!r}",
         )
 
 
@@ -335,15 +344,23 @@ class WarmStartConfig:
     directory, so a tiny random policy starts with a non-zero, non-perfect pass rate."""
 
     steps: int = 300  # 0: no warm start
-    batch_size: int = 32
+    batch_size: int = 32  # rows of seq_len tokens per step, each packed with whole examples
     lr: float = 3e-3
     seq_len: int = 192
+    # share of the teacher's demonstrations that give the bare answer without the scratchpad
+    # (see ArithmeticTask.demonstration); 0: every demonstration is worked out
+    direct_frac: float = 0.0
 
     def __post_init__(self):
         _check(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
         _check(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(self.seq_len > 0, "seq_len", f"must be > 0, got {self.seq_len}")
+        _check(
+            0.0 <= self.direct_frac <= 1.0,
+            "direct_frac",
+            f"must be in [0, 1], got {self.direct_frac}",
+        )
 
 
 @dataclass(frozen=True)
@@ -368,6 +385,22 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation between train steps: one sampled response (rollout temperature) per
+    fixed problem, the same sampling keys every time, so evaluations compare paired. The built-in
+    task draws its held-out problems from a seed of its own; a JSONL run evaluates on ``path``
+    (same fields as ``data``) and skips evaluation without it."""
+
+    num_prompts: int = 256  # 0: no evaluation
+    every_steps: int = 100  # also before the first step and after the last
+    path: str | None = None
+
+    def __post_init__(self):
+        _check(self.num_prompts >= 0, "num_prompts", f"must be >= 0, got {self.num_prompts}")
+        _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """The whole experiment; written, resolved, next to every run."""
 
@@ -380,6 +413,7 @@ class ExperimentConfig:
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     data: DataConfig = field(default_factory=DataConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

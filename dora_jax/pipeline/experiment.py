@@ -26,6 +26,7 @@ from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, load_tokenizer
 from dora_jax.orchestrator.engine_backend import EngineBackend
 from dora_jax.orchestrator.runtime import RunResult, Runtime
+from dora_jax.pipeline.evaluation import Evaluator
 from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts
 from dora_jax.pipeline.warm_start import warm_start
 from dora_jax.sharding import trainer_rules, tree_shardings
@@ -47,6 +48,7 @@ class Experiment:
     backend: EngineBackend
     runtime: Runtime
     warm_start_losses: list[float] = field(default_factory=list)
+    evaluator: Evaluator | None = None  # held-out evaluation (eval.num_prompts > 0)
     wall_s: float = 0.0
     stopped: bool = False  # the last run() ended early on a stop request
 
@@ -61,11 +63,26 @@ def _task_parts(cfg: ExperimentConfig):
     if d.task == "arithmetic":
         task = ArithmeticTask(cfg.seed)
         sft = ArithmeticTask(cfg.seed + 1_000_003)  # warm-start problems differ from RL prompts
-        example = lambda i: (sft.problem(i)[0], sft.solution(i))  # noqa: E731
-        return task.source(), task.reward, example
+        example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
+        reward = task.answer_reward if d.reward == "exact" else task.reward
+        return task.source(), reward, example
     items = load_jsonl_prompts(d.path, d.prompt_field, d.answer_field)
     reward = {"exact": exact_reward, "boxed_math": boxed_math_reward}[d.reward]
     return PromptSource(shuffled_epochs(items, cfg.seed), f"jsonl:{d.path}"), reward, None
+
+
+def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]]:
+    """Held-out ``(prompt, reference)`` pairs: the built-in task's come from a seed no training
+    or warm-start problem uses; a JSONL run's from ``eval.path`` (none without it)."""
+    e, d = cfg.eval, cfg.data
+    if e.num_prompts == 0:
+        return []
+    if d.task == "arithmetic":
+        held_out = ArithmeticTask(cfg.seed + 2_000_003)
+        return [held_out.problem(i) for i in range(e.num_prompts)]
+    if e.path is None:
+        return []
+    return load_jsonl_prompts(e.path, d.prompt_field, d.answer_field)[: e.num_prompts]
 
 
 def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -150,7 +167,24 @@ def build(
     )
     prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len)
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, grpo, prompts)
-    return Experiment(cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses)
+    problems = _eval_problems(cfg)
+    evaluator = None
+    if problems:
+        try:
+            evaluator = Evaluator(
+                cfg.model,
+                cfg.rollout,
+                meshes.trainer.devices.flat[0],
+                tokenizer,
+                problems,
+                safe_reward(reward_fn),  # its own error count: eval errors are not the run's
+                cfg.seed,
+            )
+        except ValueError as e:
+            raise ExperimentError(f"eval: {e}") from None
+    return Experiment(
+        cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses, evaluator=evaluator
+    )
 
 
 def run(
