@@ -104,3 +104,6 @@ def test_sigterm_mid_rollout_then_resume(tmp_path):
     assert set(partial["extra"]["consumed_request_ids"]) <= set(ids)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    # held-out evaluations: before the first step and after the last, none repeated
+    evals = (run_dir / "eval.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in evals] == [0, 6]
