@@ -13,6 +13,9 @@ from dora_jax.model.transformer import default_positions
 from dora_jax.pipeline.warm_start import make_batch, warm_start
 
 TOK = CharTokenizer()
+MODEL = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
+)
 TASK = ArithmeticTask(seed=3)
 
 
@@ -60,14 +63,7 @@ def test_packed_batch_holds_consecutive_examples_intact(rows, seq_len):
 
 def test_packed_loss_equals_separate_sequences():
     """Packing changes nothing a segment sees: per-segment logits equal running it alone."""
-    cfg_m = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-    )
+    cfg_m = MODEL
     params = init_params(cfg_m, jax.random.key(0))
     start = 0
     while True:  # a row holding at least three examples
@@ -90,14 +86,7 @@ def test_packed_loss_equals_separate_sequences():
 
 
 def test_warm_start_lowers_the_loss():
-    cfg_m = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-    )
+    cfg_m = MODEL
     params = init_params(cfg_m, jax.random.key(0))
     _, losses = warm_start(
         params, cfg_m, WarmStartConfig(steps=30, batch_size=2, seq_len=96), example, TOK
