@@ -166,7 +166,8 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     if resume:  # metrics.jsonl continues; drop lines past the checkpoint
         _truncate_metrics(run_dir / "metrics.jsonl", len(exp.grpo.log))
     evals = _HeldOutEval(exp, run_dir, cfg, resume)
-    evals.maybe(exp.runtime.steps_done)  # before the first step (or where a resume starts)
+    if exp.runtime.steps_done == 0:
+        evals.maybe(0)  # before the first step
     bar = progress(cfg.train.total_steps, f"GRPO ({o.mode})", enabled=cfg.logging.progress)
     t_run = time.perf_counter()
     tokens_seen = 0
