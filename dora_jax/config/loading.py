@@ -220,18 +220,26 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
-) -> ExperimentConfig:
-    """The experiment config: defaults, then the YAML file at ``path``, then ``overrides``."""
+def load_dataclass(
+    cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> T:
+    """A config of type ``cls``: defaults, then the YAML file at ``path``, then ``overrides``;
+    an error names the field (and the file it came from)."""
     data = load_yaml(path) if path is not None else {}
-    data = apply_overrides(data, list(overrides), ExperimentConfig)
+    data = apply_overrides(data, list(overrides), cls)
     try:
-        return from_dict(ExperimentConfig, data)
+        return from_dict(cls, data)
     except ConfigError as e:
         if path is not None:
             raise ConfigError(e.path, f"{e.reason} (in {path})") from None
         raise
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> ExperimentConfig:
+    """The experiment config: defaults, then the YAML file at ``path``, then ``overrides``."""
+    return load_dataclass(ExperimentConfig, path, overrides)
 
 
 def dump_yaml(cfg: Any, path: str | Path) -> None:

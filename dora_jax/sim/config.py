@@ -8,15 +8,11 @@ project's generic loader (:func:`dora_jax.config.loading.from_dict`).
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from dora_jax.config.loading import apply_overrides, from_dict, load_yaml
+from dora_jax.config.loading import load_dataclass
 from dora_jax.config.schema import ConfigError
 from dora_jax.orchestrator.modes import MODES
 from dora_jax.sim.hardware import HARDWARE
@@ -251,39 +247,9 @@ class SimConfig:
         return out
 
 
-def _tuple_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[list[str], object]]]:
-    """Split off overrides of list fields (``run.modes=[sync,dora]``): the generic loader keeps
-    the raw text of fields that may hold strings, so these are parsed as YAML here."""
-    plain, lists = [], []
-    for text in overrides:
-        key, _, raw = text.partition("=")
-        node, hint = SimConfig, None
-        for part in key.strip().split("."):
-            hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
-            hint = hints.get(part)
-            node = hint
-        if typing.get_origin(hint) is tuple:
-            lists.append((key.strip().split("."), yaml.safe_load(raw) if raw.strip() else []))
-        else:
-            plain.append(text)
-    return plain, lists
-
-
 def load_sim_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> SimConfig:
-    """Defaults, then the YAML file at ``path``, then dotted ``overrides`` (``run.steps=10``)."""
-    data = load_yaml(path) if path is not None else {}
-    plain, lists = _tuple_overrides(list(overrides or ()))
-    data = apply_overrides(data, plain, SimConfig)
-    for parts, value in lists:
-        node = data
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    try:
-        return from_dict(SimConfig, data)
-    except ConfigError as e:
-        if path is not None:
-            raise ConfigError(e.path, f"{e.reason} (in {path})") from None
-        raise
+    """Defaults, then the YAML file at ``path``, then dotted ``overrides`` (``run.steps=10``,
+    ``run.modes=[sync,dora]``)."""
+    return load_dataclass(SimConfig, path, overrides or ())
