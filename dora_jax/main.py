@@ -113,6 +113,7 @@ class _StopFlag:
 def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     from dora_jax.metrics import MetricsWriter, progress
     from dora_jax.model import count_params
+    from dora_jax.pipeline.evaluation import binomial_se
     from dora_jax.pipeline.experiment import build, run
     from dora_jax.report import head, plot_timeline, reward_curve_plot, write_summary
 
@@ -287,7 +288,7 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
         n = len(exp.evaluator.prompts)
         print(
             f"held-out eval ({n} problems, one sample each): solved {e0.solved:.3f} at step "
-            f"{e0.step} -> {e1.solved:.3f} at step {e1.step} (+-{_binomial_se(e1.solved, n):.3f}); "
+            f"{e0.step} -> {e1.solved:.3f} at step {e1.step} (+-{binomial_se(e1.solved, n):.3f}); "
             f"mean response {e0.response_len:.1f} -> {e1.response_len:.1f} tokens"
         )
     print(
@@ -314,11 +315,7 @@ class _HeldOutEval:
         if resume and path.is_file():
             kept = [r for r in read_metrics(path) if r["step"] <= exp.runtime.steps_done]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            self.results = [
-                EvalResult(r["step"], r["eval/reward"], r["eval/solved"],
-                           r["eval/response_len"], r["eval/seconds"])
-                for r in kept
-            ]  # fmt: skip
+            self.results = [EvalResult.from_metrics(r["step"], r) for r in kept]
         elif path.is_file():
             path.unlink()
         self.writer = MetricsWriter(
@@ -329,7 +326,7 @@ class _HeldOutEval:
         """Evaluate the trainer's current params at ``step`` unless that step has a result."""
         if self.writer is None or any(r.step == step for r in self.results):
             return
-        r = self.exp.evaluator(self.exp.trainer.export_params(), step)
+        r = self.exp.evaluate(step)
         self.results.append(r)
         self.seconds += r.seconds
         self.writer.write(step, r.metrics())
@@ -341,10 +338,6 @@ class _HeldOutEval:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def _binomial_se(p: float, n: int) -> float:
-    return float(np.sqrt(max(p * (1 - p), 0.0) / max(n, 1)))
 
 
 def _counts(ledger: dict) -> dict[str, int]:

@@ -26,6 +26,7 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dora_jax.config import load_config  # noqa: E402
+from dora_jax.pipeline.evaluation import binomial_se  # noqa: E402
 from dora_jax.pipeline.experiment import build, run  # noqa: E402
 from dora_jax.report import reward_curve_plot  # noqa: E402
 
@@ -52,15 +53,17 @@ def main() -> int:
         exp = build(cfg, args.out / slug, warm_start_dir=args.out / "warm_start")
         points: list[tuple[int, float]] = []
         ev = exp.evaluator
-        held_out = [(0, ev(exp.trainer.export_params(), 0).solved)] if ev else []
+        held_out = [(0, exp.evaluate(0).solved)] if ev else []
         seen = 0
 
-        def on_step(log, points=points, held_out=held_out, ev=ev, exp=exp):
+        def on_step(log, points=points, held_out=held_out, exp=exp):
             nonlocal seen
             seen += len(log.rewards)
             points.append((seen, float(np.mean(log.rewards))))
-            if ev and (log.version % exp.cfg.eval.every_steps == 0 or log.version == args.steps):
-                held_out.append((seen, ev(exp.trainer.export_params(), log.version).solved))
+            if exp.evaluator and (
+                log.version % exp.cfg.eval.every_steps == 0 or log.version == args.steps
+            ):
+                held_out.append((seen, exp.evaluate(log.version).solved))
 
         result = run(exp, args.steps, on_step)
         r = np.array([p[1] for p in points])
@@ -71,9 +74,7 @@ def main() -> int:
         n_eval = len(ev.prompts) if ev else 0
         table[name] = {
             "held_out_solved": [x for _, x in held_out],
-            "held_out_solved_se_end": (
-                float(np.sqrt(held_out[-1][1] * (1 - held_out[-1][1]) / n_eval)) if ev else None
-            ),
+            "held_out_solved_se_end": (binomial_se(held_out[-1][1], n_eval) if ev else None),
             "held_out_problems": n_eval,
             "first_window_reward": float(r[:w].mean()),
             "last_window_reward": float(r[-w:].mean()),

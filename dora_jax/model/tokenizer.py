@@ -136,6 +136,16 @@ class HFTokenizer:
         )
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as the user's message, through the tokenizer's chat template."""
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def response_ids(tokenizer: Tokenizer, ids: Sequence[int]) -> list[int]:
+    """A generated response without its EOS tokens (what a reward function reads)."""
+    return [t for t in ids if t != tokenizer.eos_id]
+
+
 def render_chat_template(
     template: str, messages: Sequence[Message], add_generation_prompt: bool, **extra: Any
 ) -> str:

@@ -12,6 +12,7 @@ never touches the rollout groups, their requests or any random stream of the run
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import numpy as np
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.mesh import make_mesh
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer
+from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.requests import Request, request_key
 
@@ -37,6 +38,12 @@ class EvalResult:
     response_len: float  # mean response tokens
     seconds: float
 
+    @classmethod
+    def from_metrics(cls, step: int, m: dict[str, float]) -> EvalResult:
+        """The inverse of :meth:`metrics` (a line of ``eval.jsonl``)."""
+        return cls(step, m["eval/reward"], m["eval/solved"], m["eval/response_len"],
+                   m["eval/seconds"])  # fmt: skip
+
     def metrics(self) -> dict[str, float]:
         return {
             "eval/reward": self.reward,
@@ -44,6 +51,11 @@ class EvalResult:
             "eval/response_len": self.response_len,
             "eval/seconds": self.seconds,
         }
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of a share ``p`` measured on ``n`` independent problems."""
+    return float(np.sqrt(max(p * (1 - p), 0.0) / max(n, 1)))
 
 
 class Evaluator:
@@ -61,10 +73,7 @@ class Evaluator:
             raise ValueError("an evaluation needs at least one problem")
         self.tokenizer, self.reward_fn, self.seed = tokenizer, reward_fn, seed
         self.references = [ref for _, ref in problems]
-        self.prompts = [
-            tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-            for p, _ in problems
-        ]
+        self.prompts = [encode_prompt(tokenizer, p) for p, _ in problems]
         longest = max(len(p) for p in self.prompts)
         if longest > rollout_cfg.max_prompt_len:
             raise ValueError(
@@ -75,17 +84,10 @@ class Evaluator:
         # (nothing migrates), so the engine may use its cheaper shape buckets.
         slots = min(64, len(problems))
         pages_per_request = -(-(longest + rollout_cfg.max_new_tokens) // rollout_cfg.page_size)
-        cfg = RolloutConfig(
+        cfg = dataclasses.replace(
+            rollout_cfg,
             max_slots=slots,
-            page_size=rollout_cfg.page_size,
             num_pages=slots * pages_per_request + 1,
-            max_prompt_len=rollout_cfg.max_prompt_len,
-            max_new_tokens=rollout_cfg.max_new_tokens,
-            prefill_chunk=rollout_cfg.prefill_chunk,
-            temperature=rollout_cfg.temperature,
-            top_k=rollout_cfg.top_k,
-            top_p=rollout_cfg.top_p,
-            attention_impl=rollout_cfg.attention_impl,
             batch_invariant=False,
             decode_steps=max(rollout_cfg.decode_steps, 8),
         )
@@ -102,7 +104,7 @@ class Evaluator:
         responses: dict[int, list[int]] = {}
         while self.engine.num_requests:
             for f in self.engine.step().finished:
-                responses[f.id] = [t for t in f.tokens if t != self.tokenizer.eos_id]
+                responses[f.id] = response_ids(self.tokenizer, f.tokens)
         rewards = [
             self.reward_fn(self.tokenizer.decode(responses[i]), ref)
             for i, ref in enumerate(self.references)

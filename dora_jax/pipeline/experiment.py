@@ -26,7 +26,7 @@ from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, load_tokenizer
 from dora_jax.orchestrator.engine_backend import EngineBackend
 from dora_jax.orchestrator.runtime import RunResult, Runtime
-from dora_jax.pipeline.evaluation import Evaluator
+from dora_jax.pipeline.evaluation import EvalResult, Evaluator
 from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts
 from dora_jax.pipeline.warm_start import warm_start
 from dora_jax.sharding import trainer_rules, tree_shardings
@@ -55,6 +55,12 @@ class Experiment:
     @property
     def trainer(self) -> Trainer:
         return self.grpo.trainer
+
+    def evaluate(self, step: int) -> EvalResult:
+        """The held-out evaluation of the trainer's current params (needs ``evaluator``)."""
+        if self.evaluator is None:
+            raise ExperimentError("this experiment has no evaluation (eval.num_prompts is 0)")
+        return self.evaluator(self.trainer.export_params(), step)
 
 
 def _task_parts(cfg: ExperimentConfig):

@@ -17,7 +17,7 @@ import numpy as np
 
 from dora_jax.data.prompts import PromptSource
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer
+from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids
 from dora_jax.orchestrator.engine_backend import Completion, PromptPayload
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.orchestrator.transfer_queue import ReadyGroup
@@ -36,8 +36,7 @@ class TokenizedPrompts:
 
     def next_prompt(self) -> PromptSpec:
         (p,) = self.source.take(1)
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
-        tokens = tuple(self.tokenizer.encode(text))
+        tokens = tuple(encode_prompt(self.tokenizer, p.text))
         if not tokens or len(tokens) > self.max_prompt_len:
             raise PromptTooLong(
                 f"prompt {p.index} has {len(tokens)} tokens; rollout.max_prompt_len is "
@@ -72,8 +71,8 @@ class GRPOTrainer:
         self.consumed: list[tuple[int, int, Completion]] = []  # (request id, version, completion)
 
     def score(self, comp: Completion) -> float:
-        tokens = [t for t in comp.tokens if t != self.tokenizer.eos_id]
-        return self.reward_fn(self.tokenizer.decode(tokens), comp.prompt.answer)
+        text = self.tokenizer.decode(response_ids(self.tokenizer, comp.tokens))
+        return self.reward_fn(text, comp.prompt.answer)
 
     def step(self, batch: list[ReadyGroup]) -> int:
         trajectories, rewards, ids = [], [], []

@@ -19,7 +19,7 @@ from dora_jax.config import ModelConfig, WarmStartConfig
 from dora_jax.model import forward
 from dora_jax.model.hf_checkpoint import load_hf_params, save_hf_checkpoint
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer
+from dora_jax.model.tokenizer import Tokenizer, encode_prompt
 from dora_jax.model.transformer import default_positions
 
 Example = Callable[[int], tuple[str, str]]  # index -> (prompt, worked solution)
@@ -42,7 +42,7 @@ def make_batch(
     row, col, index = 0, 0, start
     while row < B:
         prompt, solution = example(index)
-        p = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+        p = encode_prompt(tokenizer, prompt)
         seq = (p + tokenizer.encode(solution) + [tokenizer.eos_id])[:T]
         if col and col + len(seq) > T:  # a cut example always fits an empty row
             row, col = row + 1, 0

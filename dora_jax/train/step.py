@@ -75,15 +75,12 @@ def _microbatch_loss(
     if uses_master(mcfg, tcfg):
         params = jax.tree.map(lambda w: w.astype(dtype_of(mcfg.param_dtype)), params)
     toks = {k: constrain(mb[k], ("batch", "seq")) for k in TOKEN_FIELDS}
-    logp, ent = token_logprobs(
-        params,
-        toks["tokens"],
-        toks["positions"],
-        toks["segment_ids"],
-        toks["targets"],
-        mcfg,
-        chunk=tcfg.logprob_chunk,
-    )
+
+    def logprobs_of(p: Params) -> tuple[jax.Array, jax.Array]:
+        return token_logprobs(p, toks["tokens"], toks["positions"], toks["segment_ids"],
+                              toks["targets"], mcfg, chunk=tcfg.logprob_chunk)  # fmt: skip
+
+    logp, ent = logprobs_of(params)
     mask, w = toks["loss_mask"], mb["weights"]
     sur = clipped_surrogate(
         logp,
@@ -97,15 +94,7 @@ def _microbatch_loss(
     loss = pg_loss
     kl_ref = jnp.zeros_like(logp)
     if tcfg.kl_beta > 0:
-        ref_logp, _ = token_logprobs(
-            jax.lax.stop_gradient(ref_params),
-            toks["tokens"],
-            toks["positions"],
-            toks["segment_ids"],
-            toks["targets"],
-            mcfg,
-            chunk=tcfg.logprob_chunk,
-        )
+        ref_logp, _ = logprobs_of(jax.lax.stop_gradient(ref_params))
         kl_ref = kl_k3(logp, jax.lax.stop_gradient(ref_logp))
         loss = loss + tcfg.kl_beta * aggregate(kl_ref, w)
     lp = jax.lax.stop_gradient(logp)
