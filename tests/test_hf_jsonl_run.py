@@ -1,11 +1,11 @@
 """The real-data path end to end: a Hugging Face checkpoint (tiny, random, built offline), its
 tokenizer.json with a chat template, JSONL prompts and the boxed-math reward, one GRPO step."""
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_tokenizer_files import write_word_tokenizer  # tests/hf_tokenizer_files.py
 
 from dora_jax.config import load_config
 from dora_jax.pipeline.experiment import build, run
@@ -19,19 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def hf_dir(tmp_path):
     words = ["what", "is", "7", "times", "8", "?", "put", "the", "final", "answer", "in",
              "\\", "boxed", "{", "}", ".", "user", "assistant", "56", "2"]  # fmt: skip
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-    vocab = {w: i for i, w in enumerate(specials + words)}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tk.add_special_tokens(specials)
-    tk.save(str(tmp_path / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")  # fmt: skip
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {"chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-        )
-    )
+    write_word_tokenizer(tmp_path, words)
     config = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=48,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip

@@ -4,17 +4,13 @@ against transformers' own tokenizer on a small tokenizer built offline."""
 import json
 
 import pytest
+from hf_tokenizer_files import write_word_tokenizer  # tests/hf_tokenizer_files.py
 
 from dora_jax.config import ModelConfig
 from dora_jax.model.tokenizer import CharTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def test_char_tokenizer_round_trip_and_fits_default_model():
@@ -34,20 +30,7 @@ def test_char_tokenizer_round_trip_and_fits_default_model():
 def hf_dir(tmp_path):
     words = ["hello", "world", "what", "is", "2", "+", "3", "?", "5", "user", "assistant",
              "system", "be", "brief"]  # fmt: skip
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-    vocab = {w: i for i, w in enumerate(specials + words)}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tk.add_special_tokens(specials)
-    tk.save(str(tmp_path / "tokenizer.json"))
-    config = {
-        "chat_template": TEMPLATE,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    return tmp_path
+    return write_word_tokenizer(tmp_path, words)
 
 
 def test_hf_tokenizer_matches_transformers(hf_dir):
