@@ -1,14 +1,15 @@
 """The real-data path end to end: a Hugging Face checkpoint (tiny, random, built offline), its
 tokenizer.json with a chat template, JSONL prompts and the boxed-math reward, one GRPO step."""
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hf_tokenizer_files import write_word_tokenizer  # tests/hf_tokenizer_files.py
 
-from dora_jax.config import load_config
-from dora_jax.pipeline.experiment import build, run
+from dora_jax.config import EvalConfig, load_config
+from dora_jax.pipeline.experiment import _eval_problems, build, run
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -34,8 +35,12 @@ def test_hf_checkpoint_jsonl_prompts_boxed_reward(hf_dir, tmp_path):
         "rollout.max_prompt_len=64", "rollout.max_new_tokens=16", "train.group_size=4",
         "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
         "train.length_buckets=[96]", f"run_dir={tmp_path / 'run'}",
+        f"eval.path={ROOT / 'configs' / 'examples' / 'math.jsonl'}", "eval.num_prompts=2",
     ])  # fmt: skip
     exp = build(cfg, tmp_path / "run")
+    # a JSONL run evaluates on eval.path (its first num_prompts lines), and skips without it
+    assert len(exp.evaluator.prompts) == 2 and exp.evaluate(0).step == 0
+    assert _eval_problems(dataclasses.replace(cfg, eval=EvalConfig())) == []
     assert exp.cfg.model.vocab_size == 32 and exp.cfg.model.hidden_size == 32  # from config.json
     logs = []
     run(exp, 1, logs.append)

@@ -77,13 +77,12 @@ class ArithmeticTask:
     @staticmethod
     def reward(response: str, reference: str) -> float:
         """``data.reward: partial_credit``. 1 for the right remainder after the last ``#``;
-        otherwise partial credit for
-        scratchpad progress: 0.5 x (leading countdown values that match the reference) / (values
-        in the reference). A dense signal for long problems that are rarely solved outright."""
-        ref_steps, _, answer = reference.rpartition("#")
-        if "#" in response and response.rsplit("#", 1)[1].strip() == answer:
+        otherwise partial credit for scratchpad progress: 0.5 x (leading countdown values that
+        match the reference) / (values in the reference). A dense signal for long problems that
+        are rarely solved outright."""
+        if ArithmeticTask.answer_reward(response, reference):
             return 1.0
-        want = ref_steps.split(",")
+        want = reference.rpartition("#")[0].split(",")
         got = response.split("#", 1)[0].split(",")
         matched = 0
         for w, g in zip(want, got, strict=False):
