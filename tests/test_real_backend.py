@@ -8,7 +8,7 @@ import pytest
 from dora_jax.config import load_config
 from dora_jax.mesh import build_meshes, make_mesh
 from dora_jax.model import init_params
-from dora_jax.orchestrator.engine_backend import EngineBackend, PromptPayload
+from dora_jax.execution import EngineBackend, PromptPayload
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.orchestrator.runtime import Runtime
 from dora_jax.pipeline.grpo import GRPOTrainer

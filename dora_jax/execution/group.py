@@ -1,0 +1,256 @@
+"""Handles on one rollout group's engine: run at once on the caller's thread, or on its own thread.
+
+The backend (:mod:`dora_jax.execution.backend`) talks to every group through the same handle
+API, whichever clock drives the run:
+
+- :class:`SyncGroup` (logical clock): each call runs on the caller's thread before it returns, and
+  :meth:`SyncGroup.step` advances the engine by one step. Deterministic.
+- :class:`ThreadGroup` (wall clock): a worker thread owns the engine. It applies the calls in the
+  order they were made (they return at once, except :meth:`interrupt`), steps the engine whenever
+  it holds a request, and posts a :class:`GroupEvent` to the run's bus for every engine step,
+  weight load and KV move, stamped with the run's clock. A weight load or a migration stalls
+  only the groups it involves; the others keep decoding.
+
+Migration: the source packs the requests' KV (``Engine.move_out``) and hands it to the
+destination's queue (``deliver``), which unpacks it into its cache (``Engine.move_in``); nothing
+is re-prefilled. A weight load from another group waits for that group's own load of the version.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from dora_jax.orchestrator.backend import GroupTick
+from dora_jax.rollout import Engine, Request
+from dora_jax.rollout import FinishedRequest as EngineFinished
+from dora_jax.rollout.engine import Handover
+
+Params = Any
+ParamsSource = Params | Future  # params, or the future params of a group still loading them
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """An engine's requests and KV use, as of its last change (read from any thread)."""
+
+    pages: dict[Hashable, int]  # every request it holds -> device KV pages it holds now
+    pages_used: int
+
+
+@dataclass(frozen=True)
+class GroupEvent:
+    """What a group did: one span (engine step, weight load, KV move), its finished requests,
+    the ids that landed by migration, or the error that stopped its worker."""
+
+    group: int
+    span: GroupTick | None = None
+    finished: tuple[EngineFinished, ...] = ()
+    landed: tuple[Hashable, ...] | None = None  # a handover unpacked here (ends a migration)
+    error: BaseException | None = None
+
+
+def _resolve(source: ParamsSource, timeout: float) -> Params:
+    return source.result(timeout) if isinstance(source, Future) else source
+
+
+class _Core:
+    """The operations on one engine, shared by both drivers; each returns the events it made."""
+
+    def __init__(self, group: int, engine: Engine, now: Callable[[], float]):
+        self.group, self.engine, self.now = group, engine, now
+        self.params: Future = Future()  # the params of the version this group serves (or gets)
+        self.params.set_result(engine.params)
+
+    def _span(self, activity: str, t0: float, active: int = 0, **counts) -> GroupTick:
+        t1 = self.now()
+        return GroupTick(
+            self.group, self.engine.version, activity, active,
+            counts.get("tokens", 0), counts.get("prefill", 0), counts.get("reprefill", 0),
+            t1 - t0, t0, t1,
+        )  # fmt: skip
+
+    def do_load(self, source: ParamsSource, version: int, done: Future, timeout: float):
+        t0 = self.now()
+        self.engine.load_params(_resolve(source, timeout), version)
+        jax.block_until_ready(self.engine.params)
+        done.set_result(self.engine.params)
+        return [GroupEvent(self.group, self._span("transfer", t0))]
+
+    def do_move_out(self, ids: list[Hashable]) -> tuple[Handover, list[GroupEvent]]:
+        t0 = self.now()
+        out = self.engine.move_out(ids)
+        if out.running is not None:
+            jax.block_until_ready(out.running.kv)
+        return out, [GroupEvent(self.group, self._span("migrate", t0))]
+
+    def do_move_in(self, handover: Handover) -> list[GroupEvent]:
+        t0 = self.now()
+        self.engine.move_in(handover)
+        jax.block_until_ready(self.engine.cache)
+        span = self._span("migrate", t0, self.engine.num_requests)
+        return [GroupEvent(self.group, span, landed=tuple(handover.ids))]
+
+    def do_interrupt(self, ids: Iterable[Hashable]) -> list[Request]:
+        held = set(self.engine.request_ids())
+        mine = [i for i in ids if i in held]  # the others finished meanwhile
+        return self.engine.interrupt(mine) if mine else []
+
+    def do_step(self) -> GroupEvent:
+        t0 = self.now()
+        ld = self.engine.load()
+        rep = self.engine.step()
+        kind = "prefill" if rep.prefill_tokens else "decode" if rep.decode_tokens else "idle"
+        span = self._span(
+            kind, t0, ld.active + ld.pending + ld.parked, tokens=rep.sampled_tokens,
+            prefill=rep.prefill_tokens, reprefill=rep.reprefill_tokens,
+        )  # fmt: skip
+        return GroupEvent(self.group, span, tuple(rep.finished))
+
+    def snapshot(self) -> GroupStatus:
+        return GroupStatus(self.engine.held_pages(), self.engine.load().pages_used)
+
+
+class SyncGroup(_Core):
+    """Every call runs before it returns (logical clock); :meth:`step` is one engine step."""
+
+    def __init__(self, group: int, engine: Engine, now: Callable[[], float], wait_s: float = 60):
+        super().__init__(group, engine, now)
+        self.events: list[GroupEvent] = []  # spans of loads and moves since the last step
+        self.wait_s = wait_s
+        self.status = self.snapshot()
+
+    def load(self, source: ParamsSource, version: int) -> Future:
+        self.params = Future()
+        self.events += self.do_load(source, version, self.params, self.wait_s)
+        self.status = self.snapshot()
+        return self.params
+
+    def submit(self, requests: list[Request]) -> None:
+        self.engine.submit(requests)
+        self.status = self.snapshot()
+
+    def migrate(self, ids: list[Hashable], dst: SyncGroup) -> None:
+        handover, events = self.do_move_out(ids)
+        self.events += events
+        dst.deliver(handover)
+        self.status = self.snapshot()
+
+    def deliver(self, handover: Handover) -> None:
+        self.events += self.do_move_in(handover)
+        self.status = self.snapshot()
+
+    def interrupt(self, ids: list[Hashable]) -> list[Request]:
+        out = self.do_interrupt(ids)
+        self.status = self.snapshot()
+        return out
+
+    def step(self) -> list[GroupEvent]:
+        events, self.events = self.events, []
+        if self.engine.has_work:  # an empty engine's step is free: skip the call
+            events.append(self.do_step())
+        else:
+            events.append(GroupEvent(self.group, self._span("idle", self.now())))
+        self.status = self.snapshot()
+        return events
+
+
+class ThreadGroup(_Core):
+    """A worker thread owns the engine; calls are queued and applied in order (module docs)."""
+
+    POLL_S = 0.05  # how long an idle worker waits for a command before looking again
+
+    def __init__(self, group: int, engine: Engine, now: Callable[[], float], post, wait_s=600):
+        super().__init__(group, engine, now)
+        self.post, self.wait_s = post, wait_s
+        self.status = self.snapshot()  # replaced after every change
+        self._q: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._pausing = False
+        self._paused = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=f"group-{group}", daemon=True)
+
+    # -- calls from the control loop's thread -----------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def load(self, source: ParamsSource, version: int) -> Future:
+        done = self.params = Future()
+        self._q.put(lambda: self._emit(self.do_load(source, version, done, self.wait_s)))
+        return done
+
+    def submit(self, requests: list[Request]) -> None:
+        self._q.put(lambda: self.engine.submit(requests))
+
+    def migrate(self, ids: list[Hashable], dst: ThreadGroup) -> None:
+        def run():
+            handover, events = self.do_move_out(ids)
+            self._emit(events)
+            dst.deliver(handover)
+
+        self._q.put(run)
+
+    def deliver(self, handover: Handover) -> None:
+        self._q.put(lambda: self._emit(self.do_move_in(handover)))
+
+    def interrupt(self, ids: list[Hashable]) -> list[Request]:
+        fut: Future = Future()
+        self._q.put(lambda: fut.set_result(self.do_interrupt(ids)))
+        return fut.result(self.wait_s)
+
+    def pause(self) -> None:
+        """Stop stepping once every call made before this one is applied (see :meth:`paused`);
+        handovers that arrive while paused are still unpacked."""
+        self._paused.clear()
+
+        def mark():
+            self._pausing = True
+
+        self._q.put(mark)
+
+    def paused(self) -> bool:
+        return self._paused.is_set()
+
+    def resume(self) -> None:
+        def unmark():
+            self._pausing = False
+            self._paused.clear()
+
+        self._q.put(unmark)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._q.put(lambda: None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the worker thread ------------------------------------------------------------------------
+    def _emit(self, events: list[GroupEvent]) -> None:
+        self.status = self.snapshot()
+        for e in events:
+            self.post(e)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                idle = self._pausing or not self.engine.has_work
+                try:
+                    call = self._q.get(timeout=self.POLL_S) if idle else self._q.get_nowait()
+                except queue.Empty:
+                    call = None
+                if call is not None:
+                    call()
+                    self.status = self.snapshot()
+                    continue
+                if self._pausing:
+                    self._paused.set()
+                elif self.engine.has_work:
+                    self._emit([self.do_step()])
+        except BaseException as e:  # noqa: BLE001 - handed to the control loop, which raises it
+            self.post(GroupEvent(self.group, error=e))
