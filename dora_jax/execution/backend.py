@@ -20,6 +20,7 @@ it there: no request is prefilled twice.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,7 +110,6 @@ class EngineBackend:
         self._members: list[dict[int, None]] = [{} for _ in range(n)]  # ids in arrival order
         self._where: dict[int, int] = {}  # request id -> its group
         self._meta: dict[int, tuple[int, PromptPayload, list[int]]] = {}  # pg, prompt, versions
-        self._in_transit = 0  # migrations issued and not yet unpacked (wall clock)
         self._held: list[GroupEvent] = []  # reports pulled while pausing, for the next step()
         self._closed = False
 
@@ -224,7 +224,6 @@ class EngineBackend:
         for rid in request_ids:
             self._leave(rid)
             self._join(rid, dst)
-        self._in_transit += self.wall
         self.overheads.migrated_requests += len(request_ids)
         self.handles[src].migrate(list(request_ids), self.handles[dst])
 
@@ -256,7 +255,8 @@ class EngineBackend:
         ticks, finished = [], []
         for e in events:
             if e.error is not None:
-                raise BackendError(f"group {e.group}'s worker failed: {e.error!r}") from e.error
+                where = "".join(traceback.format_exception(e.error)[-6:])
+                raise BackendError(f"group {e.group}'s worker failed:\n{where}") from e.error
             if e.span is not None:
                 self._account(e.span)
                 if self.wall or e.span.activity not in ("transfer", "migrate"):
@@ -267,15 +267,14 @@ class EngineBackend:
         return out
 
     def pause(self, timeout: float = 600.0) -> None:
-        """Wall clock: stop every worker once it has carried out every call made so far and every
-        migration in flight has landed (their reports wait for the next :meth:`step`). A no-op
-        on the logical clock."""
+        """Wall clock: stop every worker once it has carried out every call made so far (moves
+        included; their reports wait for the next :meth:`step`). A no-op on the logical clock."""
         if not self.wall:
             return
         for h in self.handles:
             h.pause()
         deadline = time.monotonic() + timeout
-        while not (all(h.paused() for h in self.handles) and self._in_transit == 0):
+        while not all(h.paused() for h in self.handles):
             if time.monotonic() > deadline:
                 raise BackendError(f"groups did not quiesce within {timeout:.0f} s")
             self._held += self._pull(0.01)
@@ -345,11 +344,8 @@ class EngineBackend:
             self._members[g].pop(rid, None)
 
     def _pull(self, timeout: float) -> list[GroupEvent]:
-        """The workers' reports from the bus (wake-ups of other senders dropped), counting the
-        migrations that landed."""
-        out = [e for e in self.bus.collect(timeout) if isinstance(e, GroupEvent)]
-        self._in_transit -= sum(e.landed is not None for e in out)
-        return out
+        """The workers' reports from the bus (wake-ups from other senders dropped)."""
+        return [e for e in self.bus.collect(timeout) if isinstance(e, GroupEvent)]
 
     def _account(self, span: GroupTick) -> None:
         o = self.overheads

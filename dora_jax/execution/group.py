@@ -11,9 +11,12 @@ API, whichever clock drives the run:
   weight load and KV move, stamped with the run's clock. A weight load or a migration stalls
   only the groups it involves; the others keep decoding.
 
-Migration: the source packs the requests' KV (``Engine.move_out``) and hands it to the
-destination's queue (``deliver``), which unpacks it into its cache (``Engine.move_in``); nothing
-is re-prefilled. A weight load from another group waits for that group's own load of the version.
+Migration: the source packs the requests' KV (``Engine.move_out``) and the destination unpacks
+it into its cache (``Engine.move_in``); nothing is re-prefilled. Both ends take their place in
+their queues when the move is asked for, so calls are applied in the order the control plane
+made them on every group (the destination waits for the source's packing, which never waits on
+anything: no cycle of waits can form). A weight load from another group likewise waits for that
+group's own load of the version, which was asked for earlier.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from dora_jax.rollout.engine import Handover
 Params = Any
 ParamsSource = Params | Future  # params, or the future params of a group still loading them
 
+# Weight loads read arrays that other threads may be reading at the same moment (one published
+# version loaded into several groups at once). Splitting a sharded array into its shards for a
+# copy is not safe from several threads at once in jax 0.10 (a copy saw 3 of 4 shards), so the
+# copies are started one at a time; waiting for them to land is not serialised.
+_LOAD_LOCK = threading.Lock()
+
 
 @dataclass(frozen=True)
 class GroupStatus:
@@ -46,13 +55,12 @@ class GroupStatus:
 
 @dataclass(frozen=True)
 class GroupEvent:
-    """What a group did: one span (engine step, weight load, KV move), its finished requests,
-    the ids that landed by migration, or the error that stopped its worker."""
+    """What a group did: one span (engine step, weight load, KV move) and its finished requests,
+    or the error that stopped its worker."""
 
     group: int
     span: GroupTick | None = None
     finished: tuple[EngineFinished, ...] = ()
-    landed: tuple[Hashable, ...] | None = None  # a handover unpacked here (ends a migration)
     error: BaseException | None = None
 
 
@@ -78,7 +86,9 @@ class _Core:
 
     def do_load(self, source: ParamsSource, version: int, done: Future, timeout: float):
         t0 = self.now()
-        self.engine.load_params(_resolve(source, timeout), version)
+        params = _resolve(source, timeout)
+        with _LOAD_LOCK:
+            self.engine.load_params(params, version)
         jax.block_until_ready(self.engine.params)
         done.set_result(self.engine.params)
         return [GroupEvent(self.group, self._span("transfer", t0))]
@@ -95,7 +105,7 @@ class _Core:
         self.engine.move_in(handover)
         jax.block_until_ready(self.engine.cache)
         span = self._span("migrate", t0, self.engine.num_requests)
-        return [GroupEvent(self.group, span, landed=tuple(handover.ids))]
+        return [GroupEvent(self.group, span)]
 
     def do_interrupt(self, ids: Iterable[Hashable]) -> list[Request]:
         held = set(self.engine.request_ids())
@@ -139,12 +149,8 @@ class SyncGroup(_Core):
     def migrate(self, ids: list[Hashable], dst: SyncGroup) -> None:
         handover, events = self.do_move_out(ids)
         self.events += events
-        dst.deliver(handover)
-        self.status = self.snapshot()
-
-    def deliver(self, handover: Handover) -> None:
-        self.events += self.do_move_in(handover)
-        self.status = self.snapshot()
+        dst.events += dst.do_move_in(handover)
+        self.status, dst.status = self.snapshot(), dst.snapshot()
 
     def interrupt(self, ids: list[Hashable]) -> list[Request]:
         out = self.do_interrupt(ids)
@@ -189,15 +195,22 @@ class ThreadGroup(_Core):
         self._q.put(lambda: self.engine.submit(requests))
 
     def migrate(self, ids: list[Hashable], dst: ThreadGroup) -> None:
-        def run():
-            handover, events = self.do_move_out(ids)
+        """Queue the move on both ends at once: the destination's place in its own queue is taken
+        now, so every later call to either group sees the requests where the control plane
+        put them (a request moved on before it landed follows in order)."""
+        handover: Future = Future()
+
+        def send():
+            try:
+                out, events = self.do_move_out(ids)
+            except BaseException as e:
+                handover.set_exception(e)
+                raise
+            handover.set_result(out)
             self._emit(events)
-            dst.deliver(handover)
 
-        self._q.put(run)
-
-    def deliver(self, handover: Handover) -> None:
-        self._q.put(lambda: self._emit(self.do_move_in(handover)))
+        dst._q.put(lambda: dst._emit(dst.do_move_in(handover.result(dst.wait_s))))
+        self._q.put(send)
 
     def interrupt(self, ids: list[Hashable]) -> list[Request]:
         fut: Future = Future()
@@ -205,8 +218,7 @@ class ThreadGroup(_Core):
         return fut.result(self.wait_s)
 
     def pause(self) -> None:
-        """Stop stepping once every call made before this one is applied (see :meth:`paused`);
-        handovers that arrive while paused are still unpacked."""
+        """Stop stepping once every call made before this one is applied (see :meth:`paused`)."""
         self._paused.clear()
 
         def mark():

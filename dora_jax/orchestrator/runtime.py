@@ -453,6 +453,8 @@ class Runtime:
         wall = self.clock.kind == "wall"
         self.stopped = False
         self._step_limit = target if wall and not drain else None
+        if wall and self.tick_index == 0:
+            self.clock.start()  # the run's time starts with its first round
         if self._held:
             self._release()
         progress = self._progress()
