@@ -90,9 +90,10 @@ class Setup:
         self.kind, self.closers = kind, []
         G = 4
         if kind == "fake":
-            self.backend = FakeBackend(FakeBackendConfig(
-                num_groups=4, max_slots=4, max_prompt_len=16, max_new_tokens=96,
-                length_median=8, length_p99_ratio=12.0, weight_transfer_ticks=1, seed=3))  # fmt: skip
+            fake = FakeBackendConfig(num_groups=4, max_slots=4, max_prompt_len=16,
+                                     max_new_tokens=96, length_median=8, length_p99_ratio=12.0,
+                                     weight_transfer_ticks=1, seed=3)  # fmt: skip
+            self.backend = FakeBackend(fake)
             trainer, prompts, clock = FakeTrainer(step_ticks=3), LongTailPrompts(0), None
             self.batches = lambda: trainer.batches
         elif kind == "sim":

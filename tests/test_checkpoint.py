@@ -74,10 +74,11 @@ def test_corrupt_latest_falls_back_and_shape_change_is_refused(tmp_path, caplog)
 
 
 @pytest.mark.slow  # two training subprocesses: about 2-4 minutes on 2 cores
-def test_sigterm_mid_rollout_then_resume(tmp_path):
+@pytest.mark.parametrize("clock", ["logical", "wall"])
+def test_sigterm_mid_rollout_then_resume(tmp_path, clock):
     run_dir = tmp_path / "run"
     args = [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *TINY,
-            "train.total_steps=6", "logging.tensorboard=false"]  # fmt: skip
+            "train.total_steps=6", "logging.tensorboard=false", f"orchestrator.clock={clock}"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
