@@ -150,8 +150,8 @@ def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
 def _relink(exp, state: dict[str, Any]) -> None:
     from dora_jax.pipeline.grpo import StepLog
 
+    exp.runtime.load_state_dict(state["runtime"])  # first: a wall clock continues its timeline
     exp.backend.load_state_dict(state["backend"], exp.grpo.params_for)
-    exp.runtime.load_state_dict(state["runtime"])
     exp.source.cursor = state["prompt_cursor"]
     exp.reward.errors = state["reward_errors"]
     exp.grpo.log = [StepLog(v, m, r, t) for v, m, r, t in state["grpo_log"]]

@@ -96,7 +96,6 @@ class EngineBackend:
                 h.start()
         else:
             self.handles = [SyncGroup(g, e, self.clock.now) for g, e in enumerate(engines)]
-        self.engines = engines  # read them only at a tick boundary or while paused
         self.seed = seed
         self.max_slots = rollout_cfg.max_slots
         self.tokens_per_slot_tick = rollout_cfg.decode_steps  # for utilisation figures
@@ -304,14 +303,14 @@ class EngineBackend:
             "members": [list(m) for m in self._members],
             "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
             "overheads": self.overheads,
-            "engines": [e.snapshot() for e in self.engines],
+            "engines": [h.call(lambda e: e.snapshot()) for h in self.handles],
         }
 
     def load_state_dict(self, state: dict[str, Any], params_for: Callable[[int], Params]) -> None:
         """Continue from :meth:`state_dict` on a freshly built backend (same groups)."""
-        if len(state["engines"]) != len(self.engines):
+        if len(state["engines"]) != len(self.handles):
             raise BackendError(
-                f"the state has {len(state['engines'])} groups, this backend {len(self.engines)}"
+                f"the state has {len(state['engines'])} groups, this backend {len(self.handles)}"
             )
         self.published, self._tick = state["published"], state["tick"]
         self.overheads = state["overheads"]
@@ -324,10 +323,14 @@ class EngineBackend:
                 raise BackendError(
                     f"group {g}: snapshot of v{snap.version}, state v{self._version[g]}"
                 )
-            h.engine.load_params(params_for(snap.version), snap.version)
-            h.engine.restore(snap)
-            h.params = _done(h.engine.params)
-            h.status = h.snapshot()
+            params = params_for(snap.version)
+
+            def restore(engine, params=params, snap=snap):
+                engine.load_params(params, snap.version)
+                engine.restore(snap)
+                return engine.params
+
+            h.params = _done(h.call(restore))  # on the worker's thread (wall clock)
 
     # -- internals -------------------------------------------------------------------------------
     def _check_group(self, group) -> None:

@@ -157,6 +157,12 @@ class SyncGroup(_Core):
         self.status = self.snapshot()
         return out
 
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` now (snapshots and restores for checkpoints)."""
+        out = fn(self.engine)
+        self.status = self.snapshot()
+        return out
+
     def step(self) -> list[GroupEvent]:
         events, self.events = self.events, []
         if self.engine.has_work:  # an empty engine's step is free: skip the call
@@ -213,8 +219,20 @@ class ThreadGroup(_Core):
         self._q.put(send)
 
     def interrupt(self, ids: list[Hashable]) -> list[Request]:
+        return self.call(lambda engine: self.do_interrupt(ids))
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` on the worker thread, in order with the other calls; waits for it (also
+        while paused: snapshots and restores for checkpoints)."""
         fut: Future = Future()
-        self._q.put(lambda: fut.set_result(self.do_interrupt(ids)))
+
+        def run():
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                fut.set_exception(e)
+
+        self._q.put(run)
         return fut.result(self.wait_s)
 
     def pause(self) -> None:

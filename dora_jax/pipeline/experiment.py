@@ -247,14 +247,15 @@ def run(
 
 
 class _StepLogs:
-    """Hands each new step log of the trainer to ``on_step`` (metrics, progress)."""
+    """Hands the step log of each published version to ``on_step`` (a logical run's step runs
+    when its batch is taken, a few ticks before it is published)."""
 
     def __init__(self, exp: Experiment, on_step: Callable[[StepLog], None] | None):
-        self.exp, self.on_step, self.seen = exp, on_step, len(exp.grpo.log)
+        self.exp, self.on_step, self.seen = exp, on_step, exp.runtime.steps_done
 
     def on_publish(self, runtime: Runtime, version: int) -> None:
         log = self.exp.grpo.log
-        while self.seen < len(log):
+        while self.seen < len(log) and log[self.seen].version <= version:
             if self.on_step is not None:
                 self.on_step(log[self.seen])
             self.seen += 1

@@ -36,14 +36,15 @@ class MetricsLog:
     def __init__(self, exp: Experiment, run_dir: Path, resume: bool):
         cfg = exp.cfg
         self.exp, self.cfg = exp, cfg
+        done = exp.runtime.steps_done  # published steps; a logical step may have run already
         if resume:  # metrics.jsonl continues; drop lines past the checkpoint
-            _truncate(run_dir / "metrics.jsonl", len(exp.grpo.log))
+            _truncate(run_dir / "metrics.jsonl", done)
         self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
         self.bar = progress(
             cfg.train.total_steps, f"GRPO ({cfg.orchestrator.mode})", enabled=cfg.logging.progress
         )
-        self.bar.update(len(exp.grpo.log))
-        self.seen = len(exp.grpo.log)
+        self.bar.update(done)
+        self.seen = done
         self.t0 = time.perf_counter()
         self.tokens = 0
 
@@ -52,7 +53,7 @@ class MetricsLog:
 
     def on_publish(self, runtime, version: int) -> None:
         log = self.exp.grpo.log
-        while self.seen < len(log):
+        while self.seen < len(log) and log[self.seen].version <= version:
             self.write(log[self.seen])
             self.seen += 1
 
