@@ -121,6 +121,16 @@ def _microbatch_loss(
 
 def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
     """One GRPO optimizer step on ``batch``; see the module docstring."""
+    new_state, metrics, _ = train_step_with_grads(state, batch)
+    return new_state, metrics
+
+
+def train_step_with_grads(
+    state: TrainState, batch: TrainBatch
+) -> tuple[TrainState, Metrics, Params]:
+    """:func:`train_step` that also returns the accumulated float32 gradients of the loss (before
+    clipping), for gradient checks in tests. Under ``jit``, :func:`train_step` is this function
+    with the gradients dropped, so both compute the same update."""
     tcfg = state.train_cfg
     S, G, M = batch.rewards.shape[0], tcfg.group_size, tcfg.microbatches
     B = batch.tokens.shape[0]
@@ -173,8 +183,8 @@ def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metric
 
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-    updates, new_opt = make_optimizer(tcfg).update(grads, state.opt_state, state.params)
+    cast = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    updates, new_opt = make_optimizer(tcfg).update(cast, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
 
     def keep_if_ok(new: Any, old: Any) -> Any:
@@ -189,7 +199,7 @@ def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metric
     metrics = _metrics(state, batch, adv, loss, sums, grad_norm, ok)
     metrics["version"] = new_state.version
     metrics["skipped_total"] = new_state.skipped
-    return new_state, metrics
+    return new_state, metrics, grads
 
 
 def _metrics(
