@@ -75,7 +75,9 @@ class RunCheckpointer:
             primary_host=0, active_processes={0} if jax.process_count() > 1 else None
         )
         opts = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, multiprocessing_options=mp,
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            multiprocessing_options=mp,
             create=False,
         )
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -158,7 +160,6 @@ class RunCheckpointer:
         trainer.state = arrays["train_state"]
         exp.grpo.params = {int(k[1:]): v for k, v in arrays["versions"].items()}
         _relink(exp, state)
-
 
     def _out(self, tree):
         return jax.device_get(tree) if self.host_copies else tree

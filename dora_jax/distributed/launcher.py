@@ -4,7 +4,8 @@ testing and for users without a scheduler.
 Starts N processes of the same command with the run's settings in the environment (coordinator
 on a free loopback port, process count and id, ``--devices-per-process`` fake CPU devices each),
 optionally each pinned to its own CPU core (``--pin-cores``), forwards process 0's output to the
-terminal and every process's to ``run_dir/logs/process_<i>.log``, passes SIGINT/SIGTERM on to
+terminal and every process's to ``run_dir/logs/process_<i>.log`` (its pid in ``process_<i>.pid``),
+passes SIGINT/SIGTERM on to
 process 0 (which stops the run and the others cleanly), and ends the others when one fails.
 """
 
@@ -52,6 +53,7 @@ def launch_local(n: int, argv: list[str], run_dir: Path, *, devices_per_process:
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, bufsize=1)  # fmt: skip
         procs.append(p)
+        (logs / f"process_{i}.pid").write_text(str(p.pid))
         t = threading.Thread(target=_pump, args=(p, logs / f"process_{i}.log", i == 0),
                              daemon=True)  # fmt: skip
         t.start()

@@ -139,6 +139,12 @@ class Process:
             self.client.wait_at_barrier("dora/end", int(timeout_s * 1e3))
         except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to wait for
             print(f"process {self.index}: the last barrier failed ({e}); leaving", file=sys.stderr)
+        if not self.is_main:
+            # Leave without the runtime's own shutdown call: process 0 may already have closed
+            # the service (which the others' disconnect would need), and there is nothing left.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         jax.distributed.shutdown()
 
     def lost(self, what: str) -> None:

@@ -98,7 +98,6 @@ class HostLink:
             self.post(GroupEvent(msg["group"], error=wire.RemoteError(
                 f"on process {host}: {msg['error']}")))  # fmt: skip
 
-
     def _statuses(self, statuses: dict) -> None:
         for g, st in statuses.items():
             if int(g) in self.groups:  # (handles are made one by one at the start)

@@ -89,8 +89,10 @@ class EngineBackend:
         self.cluster = cluster  # multi-process: groups on other processes get remote handles
         transfers = cluster.transfers if cluster is not None else None
         self.handles: list[Any] = []
+        self._hosts: list[int] = []
         for g, m in enumerate(meshes):
             host = cluster.owner(m, f"rollout group {g}") if cluster is not None else 0
+            self._hosts.append(host)
             if cluster is not None and host != cluster.index:
                 h = cluster.remote(g, host, not self.wall, rollout_cfg.num_pages - 1)
             else:
@@ -138,6 +140,7 @@ class EngineBackend:
                     kv_pages_total=st.pages_total,
                     requests=ids,
                     request_pages=tuple(st.pages.get(r, 0) for r in ids),
+                    host=self._hosts[g],
                 )
             )
         return out
