@@ -167,9 +167,11 @@ def initialize(spec: ProcessSpec, *, heartbeat_s: int = 10, timeout_s: int = 300
                 initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_s
             )
         else:
+            port = spec.coordinator.rsplit(":", 1)[1]
             jax.distributed.initialize(
                 spec.coordinator, spec.num_processes, spec.process_id,
                 initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_s,
+                coordinator_bind_address=f"{spec.bind}:{port}",
             )  # fmt: skip
     except Exception as e:
         raise ProcessError(f"could not join the run at {spec.coordinator or 'auto'}: {e}") from e
