@@ -68,6 +68,9 @@ class HostLink:
         uid = self.transfers.new_id()
 
         def run() -> None:
+            if self.transfers.via_store:  # host copies: any layout will do
+                self.transfers.serve(uid, jax.tree.leaves(params))
+                return
             with self._lock:
                 if version not in self._staged:
                     self._staged = {v: p for v, p in self._staged.items() if v >= version - 1}

@@ -108,6 +108,11 @@ class GRPOTrainer:
         self.log.append(StepLog(version, metrics, rewards, ids))
         return version
 
+    def wait(self, version: int) -> None:
+        """Block until ``version``'s params exist (``step`` returns once the step is dispatched;
+        a worker thread calls this so that "the step has ended" means computed)."""
+        jax.block_until_ready(self.params[version])
+
     def duration_ticks(self, batch: list[ReadyGroup]) -> int:
         return self.train_ticks
 
