@@ -284,8 +284,12 @@ class OrchestratorConfig:
     kv_pressure_threshold: float = 0.9
     # dora: supplement older versions with prompts that fill their idle slots (tiered injection)
     legacy_fill: bool = True
-    # dora: also plan when a ready group idles while requests of another version wait
+    # dora: also plan when a ready group idles with nothing admissible while requests of another
+    # version wait or another group could share its load
     plan_on_idle: bool = True
+    # dora: a KV-pressure or idle trigger whose plan moved nothing stays quiet until what it
+    # looks at changes (groups' versions, idle or hot groups, room, pending versions)
+    plan_hysteresis: bool = True
     # wall clock: stop with an error after this many seconds without progress (no train step,
     # no trajectory, no dispatch)
     stall_s: float = 600.0
@@ -298,7 +302,7 @@ class OrchestratorConfig:
             f"must be 'logical' or 'wall', got {self.clock!r}",
         )
         _check(self.stall_s > 0, "stall_s", f"must be > 0, got {self.stall_s}")
-        for name in ("legacy_fill", "plan_on_idle"):
+        for name in ("legacy_fill", "plan_on_idle", "plan_hysteresis"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(

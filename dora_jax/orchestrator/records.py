@@ -15,7 +15,8 @@ their tick. On the wall clock every engine step, weight load and KV move of a gr
   tokens per slot and tick).
 - throughput: trajectories (and their response tokens) consumed by training per tick.
 - staleness mean / max of consumed trajectories, re-prefilled tokens, discarded requests,
-  migrated requests, weight transfers, plans and their planning time.
+  migrated requests, weight transfers, plans and their planning time, plans per trigger and how
+  many of them moved anything.
 - ``overlap``: the share of the trainer's busy time (its steps' spans) during which at least one
   group was prefilling or decoding; ``group_idle``: each group's idle share of the horizon (no
   engine step, weight load or KV move). On the wall clock ``bubble`` is their mean.
@@ -90,6 +91,8 @@ class Summary:
     tokens_per_s: float = 0.0
     overlap: float = 0.0  # share of trainer-busy time with some group prefilling or decoding
     group_idle: tuple[float, ...] = ()  # per group, idle share of the horizon
+    plans_by_trigger: dict[str, int] = field(default_factory=dict)  # plans per trigger
+    plans_moving: int = 0  # plans that moved weights or requests (the others changed nothing)
 
 
 @dataclass
@@ -191,6 +194,7 @@ class Records:
             max_live_versions=max_live,
             overlap=_overlap(self.steps, end, busy_ticks),
             group_idle=group_idle,
+            **_plan_counts(plans),
         )
 
     def _wall_summary(self, steps: int | None) -> Summary:
@@ -249,6 +253,7 @@ class Records:
             tokens_per_s=ntok / span,
             overlap=_overlap(steps_in, end, rolling),
             group_idle=group_idle,
+            **_plan_counts(plans),
         )
 
     def timeline(self, every: int = 1, end: int | None = None) -> list[str]:
@@ -266,6 +271,17 @@ class Records:
                     chars.append({"prefill": "^", "transfer": "~"}.get(x.activity, "."))
             lines.append(f"g{g:<3d}" + "".join(chars))
         return lines
+
+
+def _plan_counts(plans: list[PlanRecord]) -> dict:
+    """Plans per trigger (in order of first use) and how many moved weights or requests."""
+    by: dict[str, int] = {}
+    for p in plans:
+        by[p.trigger] = by.get(p.trigger, 0) + 1
+    return {
+        "plans_by_trigger": by,
+        "plans_moving": sum(1 for p in plans if p.transfers or p.migrated),
+    }
 
 
 def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

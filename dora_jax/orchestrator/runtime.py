@@ -41,11 +41,14 @@ from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend
 from dora_jax.orchestrator.clock import LogicalClock, WallClock
 from dora_jax.orchestrator.modes import ModePolicy, policy_for
 from dora_jax.orchestrator.planner import (
+    MUTABLE_TRIGGERS,
     PlanPolicy,
     Snapshot,
+    idle_group_waiting,
     latest_supplement,
     plan,
     plan_trigger,
+    trigger_key,
 )
 from dora_jax.orchestrator.records import ClusterTick, PlanRecord, Records, StepRecord, Summary
 from dora_jax.orchestrator.rollout_manager import DISCARDED, PromptSource, RolloutManager
@@ -160,6 +163,8 @@ class Runtime:
         self._last_plan: float | None = None
         self._engine_steps = 0  # wall clock: engine steps reported by all groups
         self._new_version = True  # the initial version counts as new: plan at the first tick
+        # triggers whose last plan moved nothing, with what must change before they fire again
+        self._muted: dict[str, object] = {}
 
     # -- one tick --------------------------------------------------------------------------------
 
@@ -309,13 +314,8 @@ class Runtime:
     def _plan_or_top_up(self, t: int, infos: list[GroupInfo]) -> list[GroupInfo]:
         now = self._period_clock()
         since = now - self._last_plan if self._last_plan is not None else now + 1
-        idle_waiting = False
-        if self.policy.plan_on_idle and self.manager.pending_count():
-            waiting = self.manager.pending_by_version()
-            idle_waiting = any(
-                not g.requests and not g.busy_ticks and any(v != g.version for v in waiting)
-                for g in infos
-            )
+        waiting = self.manager.pending_by_version()
+        idle_waiting = self.policy.plan_on_idle and idle_group_waiting(infos, waiting)
         trigger = plan_trigger(
             new_version=self._new_version,
             groups=infos,
@@ -323,6 +323,8 @@ class Runtime:
             ticks_since_plan=since,
             period=self.cfg.plan_period_ticks,
             idle_waiting=idle_waiting,
+            muted=self._muted,
+            pending=waiting,
         )
         if trigger is None:
             self._dispatch()
@@ -341,6 +343,8 @@ class Runtime:
             room={v: w.room(v) for v in range(max(w.oldest, w.first), w.latest + 1)},
             group_size=self.group_size,
             trigger=trigger,
+            ready=self.queue.num_ready,
+            train_batch=self.cfg.train_batch_prompts,
         )
         t0 = time.perf_counter()
         p = plan(snap, self.plan_policy)
@@ -357,6 +361,12 @@ class Runtime:
                 n_sup += n
         if p.migrations:
             self.records.migrations.append((t, p.migrated_requests))
+        if p.moves:
+            self._muted.clear()  # the cluster changed: every trigger may fire again
+        elif trigger in MUTABLE_TRIGGERS and self.cfg.plan_hysteresis:
+            self._muted[trigger] = trigger_key(
+                trigger, infos, snap.pending, self.cfg.kv_pressure_threshold
+            )
         self.records.plans.append(
             PlanRecord(t, trigger, ms, len(p.transfers), p.migrated_requests, n_sup)
         )
@@ -393,6 +403,7 @@ class Runtime:
             "train_job": job,
             "last_plan": self._last_plan,
             "new_version": self._new_version,
+            "muted": dict(self._muted),
             "engine_steps": self._engine_steps,
             "window": self.window.state_dict(),
             "queue": self.queue.state_dict(),
@@ -409,6 +420,7 @@ class Runtime:
         self.tick_index, self.steps_done = state["tick_index"], state["steps_done"]
         self.dispatching, self._train = state["dispatching"], state["train"]
         self._last_plan, self._new_version = state["last_plan"], state["new_version"]
+        self._muted = dict(state.get("muted", {}))
         self._engine_steps = state["engine_steps"]
         if isinstance(self.trainer, TickedTrainer):
             self.trainer._job = state["train_job"]
