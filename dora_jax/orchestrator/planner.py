@@ -240,18 +240,64 @@ def allocate(num_groups: int, work: Mapping[int, int], cap: Mapping[int, int]) -
 class _Load:
     """Mutable per-group load while a plan is being built."""
 
-    __slots__ = ("info", "free", "kv", "reqs")
+    __slots__ = ("info", "free", "kv", "gone")
 
     def __init__(self, g: GroupInfo):
         self.info = g
         self.free = g.free_slots
         self.kv = g.kv_pages_used
-        self.reqs: dict[int, int] | None = None  # request id -> pages, materialised on demand
+        self.gone: set[int] = set()  # its requests this plan moves away
 
-    def requests(self) -> dict[int, int]:
-        if self.reqs is None:
-            self.reqs = dict(zip(self.info.requests, self.info.request_pages, strict=True))
-        return self.reqs
+
+class _Pool:
+    """The groups a version keeps, as destinations for requests: the most KV room first, with
+    the version's free slots and KV room in total (a quick refusal when they do not suffice)."""
+
+    def __init__(self, dsts: list[_Load], limit: float):
+        self.limit = limit
+        ok = [d for d in dsts if d.free > 0 and d.kv < limit]
+        self.heap = [(d.kv - limit, d.info.group, d) for d in ok]
+        heapq.heapify(self.heap)
+        self.free = sum(d.free for d in ok)
+        self.room = sum(limit - d.kv for d in ok)
+
+    def take(self, src: _Load) -> list[Migration] | None:
+        """Migrations moving every request of ``src`` here (each destination takes a contiguous
+        run that fits its free slots and its room under ``limit``); None, and nothing changed,
+        if they do not all fit."""
+        ids, pages = src.info.requests, src.info.request_pages
+        cum = list(accumulate(pages, initial=0))
+        if len(ids) > self.free or cum[-1] > self.room:
+            return None
+        popped: list[_Load] = []
+        runs: list[tuple[int, int, _Load]] = []
+        i = 0
+        while i < len(ids):
+            if not self.heap:
+                break
+            d = heapq.heappop(self.heap)[2]
+            popped.append(d)
+            j = min(bisect_right(cum, cum[i] + self.limit - d.kv) - 1, i + d.free, len(ids))
+            if j > i:
+                runs.append((i, j, d))
+                i = j
+        if i < len(ids):
+            runs = []
+        out = []
+        for a, b, d in runs:
+            d.free -= b - a
+            d.kv += cum[b] - cum[a]
+            self.free -= b - a
+            self.room -= cum[b] - cum[a]
+            out.append(Migration(tuple(ids[a:b]), src.info.group, d.info.group))
+        for d in popped:
+            if d.free > 0 and d.kv < self.limit:
+                heapq.heappush(self.heap, (d.kv - self.limit, d.info.group, d))
+        if not runs:
+            return None
+        src.kv, src.free = 0, src.free + len(ids)
+        src.gone.update(ids)
+        return out
 
 
 def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
@@ -336,6 +382,7 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
     transfers: list[WeightTransfer] = []
     migrations: list[Migration] = []
     moved: set[int] = set()
+    pools: dict[int, _Pool] = {}
     for v in sorted(deficit, key=lambda v: (current.get(v, 0) > 0, -v)):
         if v == s.latest:
             source: Source = TRAINER
@@ -351,8 +398,10 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
             if used[j] or (u != s.latest and u in work and len(kept[u]) == 1):
                 continue  # taken, or the last holder of an older version with work
             if n_req:
-                dsts = [loads[i] for i in kept[u] if i not in leaving and i not in moved]
-                out = _empty(loads[gid], dsts, limit)
+                if u not in pools:
+                    dsts = [loads[i] for i in kept[u] if i not in leaving and i not in moved]
+                    pools[u] = _Pool(dsts, limit)
+                out = pools[u].take(loads[gid])
                 if out is None:
                     continue  # its requests would not fit in the groups its version keeps
                 migrations += out
@@ -396,42 +445,6 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
     )
 
 
-def _empty(src: _Load, dsts: list[_Load], limit: float) -> list[Migration] | None:
-    """Migrations that move every request of ``src`` into ``dsts`` (the most KV room first, in
-    contiguous runs), each destination within its free slots and under ``limit`` pages; None
-    (and nothing changed) if they do not all fit."""
-    ids, pages = src.info.requests, src.info.request_pages
-    room = sorted(((limit - d.kv, d.free, d) for d in dsts if d.free > 0 and d.kv < limit),
-                  key=lambda x: (-x[0], x[2].info.group))  # fmt: skip
-    if sum(f for _, f, _ in room) < len(ids) or sum(r for r, _, _ in room) < sum(pages):
-        return None
-    cum = list(accumulate(pages, initial=0))
-    out: list[tuple[int, int, _Load]] = []  # (start, end, dst)
-    i, k = 0, 0
-    while i < len(ids):
-        if k == len(room):
-            return None
-        r, f, d = room[k]
-        # the longest run from i whose pages fit the room and whose count fits the free slots
-        j = min(bisect_right(cum, cum[i] + r) - 1, i + f, len(ids))
-        if j > i:
-            out.append((i, j, d))
-            i = j
-        k += 1
-    migrations = []
-    for a, b, d in out:
-        moved_pages = cum[b] - cum[a]
-        d.free -= b - a
-        d.kv += moved_pages
-        if d.reqs is not None:
-            d.reqs.update(zip(ids[a:b], pages[a:b], strict=True))
-        migrations.append(Migration(tuple(ids[a:b]), src.info.group, d.info.group))
-    src.kv = 0
-    src.free += len(ids)
-    src.reqs = {}
-    return migrations
-
-
 def _rebalance(
     group_loads: list[_Load],
     pressure: float,
@@ -455,20 +468,39 @@ def _rebalance(
             if x.kv <= level and x.free > 0 and not x.info.busy_ticks]  # fmt: skip
     heapq.heapify(heap)
     for src in over:
+        if not heap:
+            break
         moves: dict[int, list[int]] = {}
-        reqs = src.requests()
-        for rid, p in sorted(reqs.items(), key=lambda kv: -kv[1]):
+        ids, pages = src.info.requests, src.info.request_pages
+        for i in _biggest_first(pages, src.kv - level):
             if src.kv <= level or not heap:
                 break
+            rid, p = ids[i], pages[i]
             _, gid, dst = heap[0]
-            if dst.kv + p >= src.kv or dst.kv + p > limit:
-                continue  # too big to even anything out here: try a smaller request
+            if rid in src.gone or dst.kv + p >= src.kv or dst.kv + p > limit:
+                continue  # moved already, or too big to even anything out here: a smaller one
             heapq.heappop(heap)
-            del reqs[rid]
-            dst.requests()[rid] = p
+            src.gone.add(rid)
             src.kv, dst.kv = src.kv - p, dst.kv + p
             src.free, dst.free = src.free + 1, dst.free - 1
             if dst.free > 0 and dst.kv <= level:
                 heapq.heappush(heap, (dst.kv, gid, dst))
             moves.setdefault(gid, []).append(rid)
         out += [Migration(tuple(r), src.info.group, d) for d, r in moves.items()]
+
+
+def _biggest_first(pages: tuple[int, ...], need: float) -> list[int]:
+    """Indices of the biggest entries of ``pages``, biggest first: enough of them to add up to
+    twice ``need`` and a few more (room to skip some), without sorting indices of them all."""
+    srt = sorted(pages, reverse=True)
+    total, k = 0, 0
+    while k < len(srt) and total < 2 * need:
+        total += srt[k]
+        k += 1
+    k = min(len(srt), k + 8)
+    if k == len(srt):
+        return sorted(range(len(pages)), key=pages.__getitem__, reverse=True)
+    cut = srt[k - 1]
+    out = [i for i, p in enumerate(pages) if p >= cut]
+    out.sort(key=pages.__getitem__, reverse=True)
+    return out

@@ -176,9 +176,16 @@ class OrchestrationConfig:
     kv_admit_reserve_tokens: int = 2048  # room to grow each request reserves at admission
     legacy_fill: bool = True
     plan_on_idle: bool = True
+    plan_hysteresis: bool = True  # mute a KV-pressure / idle trigger whose plan moved nothing
+    # planner v2 features (orchestrator.planner.PlanPolicy), switchable for ablations
+    kv_aware: bool = True  # releases and moves budget KV pages, not only slots
+    consolidate: bool = True  # older versions' tails packed onto the groups their KV needs
+    spread: bool = True  # spare groups take over part of the gate version's load
+    legacy_fill_margin: int = 2  # legacy fill only at versions >= window's oldest + this
 
     def __post_init__(self):
         _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
+        _check(self.legacy_fill_margin >= 1, "legacy_fill_margin", "must be >= 1")
         _positive(
             self, "train_batch_prompts", "group_size", "plan_period_s", "kv_admit_reserve_tokens"
         )

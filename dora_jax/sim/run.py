@@ -95,6 +95,7 @@ def orchestrator_config(cfg: SimConfig, mode: str) -> OrchestratorConfig:
         kv_pressure_threshold=o.kv_pressure_threshold,
         legacy_fill=o.legacy_fill,
         plan_on_idle=o.plan_on_idle,
+        plan_hysteresis=o.plan_hysteresis,
     )
 
 
@@ -168,6 +169,13 @@ def build(
     )
     prompts = SimPrompts(cfg.prompt, r.seed)
     runtime = Runtime(orchestrator_config(cfg, mode), o.group_size, backend, trainer, prompts)
+    runtime.plan_policy = replace(
+        runtime.plan_policy,
+        kv_aware=o.kv_aware,
+        consolidate=o.consolidate,
+        spread=o.spread,
+        legacy_fill_margin=o.legacy_fill_margin,
+    )
     return runtime, backend, trainer
 
 
