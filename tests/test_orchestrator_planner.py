@@ -1,5 +1,7 @@
 """The pure planner: allocation, reassignment, weight sources, migrations, supplements."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +26,11 @@ def snap(groups, latest, *, oldest=None, pending=None, in_flight=0, room=None, G
 
 
 POLICY = PlanPolicy(rollout_batch_prompts=0)  # no latest supplement unless a test asks for one
+
+
+def _ready(s: Snapshot) -> Snapshot:
+    """``s`` with a train batch ready: the trainer waits only for the window's gate."""
+    return dataclasses.replace(s, ready=4, train_batch=4)
 
 
 # -- allocation ----------------------------------------------------------------------------------
@@ -76,10 +83,14 @@ def test_new_version_moves_the_idle_group_first_from_the_trainer():
     p = plan(snap(groups, 5, in_flight=0), PlanPolicy(rollout_batch_prompts=2))
     assert p.supplements[0] == (5, 2)  # latest version first: RBS - in flight
     assert [(t.group, t.version, t.source) for t in p.transfers] == [(3, 5, TRAINER)]
+    assert p.targets == {4: 3, 5: 1} and p.migrations == ()
+    # enough is ready for the next step, so the trainer waits only for v4 (the gate): the spare
+    # group is kept on v4 and v4's load is evened out over its three groups
+    waiting = snap(groups, 5, in_flight=0)
+    waiting = _ready(waiting)
+    p = plan(waiting, PlanPolicy(rollout_batch_prompts=2))
     assert p.targets == {4: 3, 5: 1}
-    # v5's 8 requests fit one group, so a group is spare: v4 (the trainer waits for it) keeps its
-    # three groups and is evened out over them
-    assert {(m.src, m.dst) for m in p.migrations} <= {(0, 1), (0, 2)}
+    assert {(m.src, m.dst) for m in p.migrations} == {(0, 1), (0, 2)}
     # without spreading, v4 would fit two groups, but nothing else needs its third: it stays
     p = plan(snap(groups, 5, in_flight=0), PlanPolicy(rollout_batch_prompts=2, spread=False))
     assert [(t.group, t.version) for t in p.transfers] == [(3, 5)] and p.migrations == ()
@@ -217,13 +228,14 @@ def test_spare_groups_spread_the_version_the_trainer_waits_for():
     # nothing to dispatch (no pending, no room): v3 is the gate, group 1 idles
     gate = grp(0, 3, 6, pages=[15, 12, 10, 8, 5, 5], slots=8)
     groups = [gate, grp(1, 4, 0), grp(2, 4, 1, pages=3)]
-    s = snap(groups, 4, oldest=3, room={3: 0, 4: 0})
+    s = _ready(snap(groups, 4, oldest=3, room={3: 0, 4: 0}))
+    assert plan(dataclasses.replace(s, ready=0), PlanPolicy(0)).transfers == ()  # not waiting
     p = plan(s, PlanPolicy(rollout_batch_prompts=0))
     assert [(t.group, t.version, t.source) for t in p.transfers] == [(1, 3, 0)]  # from its peer
     assert p.targets == {3: 2, 4: 1} and p.notes
     assert plan(s, PlanPolicy(rollout_batch_prompts=0, spread=False)).transfers == ()
     # once group 1 holds v3, the next plan evens the gate's pages out over both groups
-    after = snap([gate, grp(1, 3, 0), groups[2]], 4, oldest=3, room={3: 0, 4: 0})
+    after = _ready(snap([gate, grp(1, 3, 0), groups[2]], 4, oldest=3, room={3: 0, 4: 0}))
     p = plan(after, PlanPolicy(rollout_batch_prompts=0))
     moved = sum(pg for m in p.migrations for pg in (gate.request_pages[gate.requests.index(r)]
                                                     for r in m.request_ids))  # fmt: skip

@@ -15,7 +15,8 @@ in this order:
    ready for that step (the trainer would only be waiting for the gate), and grows past the
    groups it holds when they cannot hold its pages (requests parked in host memory). The groups
    left are shared in proportion to pending work (at least one for every version with pending
-   requests). Groups still left are *spare*: they go to the gate, spread over up to
+   requests). Groups still left are *spare*: while the trainer waits only for the gate (enough
+   is ready for its next step), they go to the gate, spread over up to
    ``ceil(pages / (spread_fill * pages per group))`` groups so that its requests decode in
    smaller, faster batches. Idle groups of versions without work pre-warm the newest version.
 3. **Reassignments** with the least weight traffic: only ``target - current`` groups change
@@ -28,7 +29,8 @@ in this order:
    ``kv_pressure_threshold`` of its pages): the requests of every released group to the kept
    groups of its version (most KV room first); then, per version, relief of groups over the
    threshold (biggest requests first, to the group with the least KV in use while that evens the
-   load), and for the gate an even spread of its pages over its ready groups.
+   load), and, while the trainer waits only for the gate, an even share of the gate's pages for
+   each of its ready groups.
 6. **Legacy supplement**: prompt groups at older versions only to fill their groups' idle slots
    (after migrations), newest legacy version first, only at versions that stay consumable for
    ``legacy_fill_margin`` more train steps (by default never the oldest version of the window
@@ -357,7 +359,7 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
     spare = len(s.groups) - sum(targets.values())
     notes: list[str] = []
     # with spare groups the trainer's wait for the gate is the cost to cut: spread it
-    spreading = bool(spare and policy.spread and kv and gate is not None and gate != s.latest)
+    spreading = bool(spare and policy.spread and kv and critical and gate != s.latest)
     if spreading and gate in targets:
         spread = min(running[gate], math.ceil(pages[gate] / (policy.spread_fill * pages_total)))
         extra = min(spare, max(0, spread - targets[gate]))
@@ -424,7 +426,7 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
         for v, ids in kept.items():
             ready = [loads[i] for i in sorted(ids) if i not in moved]
             if len(ready) > 1:
-                even = spreading and v == gate
+                even = policy.spread and kv and critical and v == gate and v != s.latest
                 _rebalance(ready, level, limit, pages_total, even, migrations)
 
     # -- legacy supplement: fill idle slots of older versions, newest first

@@ -10,6 +10,9 @@ their tick. On the wall clock every engine step, weight load and KV move of a gr
 
 - ``bubble``: idle group-ticks / group-ticks (a group is idle when it holds no request and is
   not receiving weights; requests in migration transit do not make a group idle).
+- ``prefill_frac``, ``weight_transfer_frac``, ``migration_frac``: group time prefilling,
+  receiving weights, and packing / unpacking the KV of moving requests (the same names as the
+  simulator's figures and the run summary's overheads).
 - ``utilisation``: sampled tokens / (slots x tokens per slot-tick x group-ticks), the slot-level
   occupancy of decode (an engine that decodes several steps per call samples up to that many
   tokens per slot and tick).
@@ -73,7 +76,7 @@ class Summary:
     bubble: float
     utilisation: float
     prefill_frac: float
-    transfer_frac: float
+    weight_transfer_frac: float  # group time receiving weights
     staleness_mean: float
     staleness_max: int
     reprefill_tokens: int
@@ -89,6 +92,7 @@ class Summary:
     seconds: float = 0.0  # wall clock: the horizon in seconds
     traj_per_s: float = 0.0
     tokens_per_s: float = 0.0
+    migration_frac: float = 0.0  # group time packing / unpacking the KV of moving requests
     overlap: float = 0.0  # share of trainer-busy time with some group prefilling or decoding
     group_idle: tuple[float, ...] = ()  # per group, idle share of the horizon
     plans_by_trigger: dict[str, int] = field(default_factory=dict)  # plans per trigger
@@ -111,6 +115,9 @@ class Records:
     migrations: list[tuple[int, int]] = field(default_factory=list)  # (tick, requests)
     discards: list[tuple[int, int]] = field(default_factory=list)  # (tick, requests)
     consumed: list[ConsumedRecord] = field(default_factory=list)
+    # adaptive K: (version published, K from then on, share of the step's interval the trainer
+    # waited for the window)
+    k_log: list[tuple[int, int, float]] = field(default_factory=list)
 
     def add_tick(self, events: StepEvents, cluster: ClusterTick) -> None:
         if self.clock == "wall":
@@ -142,7 +149,7 @@ class Records:
                     and c.trainer_version < last_step_version]  # fmt: skip
         rows = self.groups[:end]
         gt = max(1, end * self.num_groups)
-        idle = prefill = transfer = tokens = reprefill = 0
+        idle = prefill = transfer = migrate = tokens = reprefill = 0
         max_live = 0
         idle_by_group = [0] * self.num_groups
         busy_ticks: list[tuple[float, float]] = []
@@ -157,6 +164,8 @@ class Records:
                     prefill += 1
                 elif g.activity == "transfer":
                     transfer += 1
+                elif g.activity == "migrate":
+                    migrate += 1
                 if g.active:
                     live.add(g.version)
                 rolling = rolling or g.activity in ("prefill", "decode")
@@ -180,7 +189,8 @@ class Records:
             bubble=idle / gt,
             utilisation=tokens / (gt * self.max_slots * self.tokens_per_slot_tick),
             prefill_frac=prefill / gt,
-            transfer_frac=transfer / gt,
+            weight_transfer_frac=transfer / gt,
+            migration_frac=migrate / gt,
             staleness_mean=sum(st) / len(st) if st else 0.0,
             staleness_max=max(st, default=0),
             reprefill_tokens=reprefill,
@@ -206,7 +216,7 @@ class Records:
         spans = [g for g in self.spans if g.t0 < end]
         span = max(end, 1e-12)
         busy = [0.0] * self.num_groups
-        cat = dict.fromkeys(("prefill", "transfer"), 0.0)
+        cat = dict.fromkeys(("prefill", "transfer", "migrate"), 0.0)
         tokens = reprefill = engine_steps = 0
         for g in spans:
             dt = min(g.t1, end) - g.t0
@@ -235,7 +245,8 @@ class Records:
             bubble=sum(group_idle) / max(self.num_groups, 1),
             utilisation=tokens / max(engine_steps * self.max_slots * self.tokens_per_slot_tick, 1),
             prefill_frac=cat["prefill"] / gs,
-            transfer_frac=cat["transfer"] / gs,
+            weight_transfer_frac=cat["transfer"] / gs,
+            migration_frac=cat["migrate"] / gs,
             staleness_mean=sum(st) / len(st) if st else 0.0,
             staleness_max=max(st, default=0),
             reprefill_tokens=reprefill,

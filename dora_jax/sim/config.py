@@ -182,6 +182,10 @@ class OrchestrationConfig:
     consolidate: bool = True  # older versions' tails packed onto the groups their KV needs
     spread: bool = True  # spare groups take over part of the gate version's load
     legacy_fill_margin: int = 2  # legacy fill only at versions >= window's oldest + this
+    # adaptive K within [adaptive_k_min, staleness_k] (orchestrator/staleness.py; dora only)
+    adaptive_k: bool = False
+    adaptive_k_min: int = 1
+    staleness_cost: float = 0.05
 
     def __post_init__(self):
         _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")

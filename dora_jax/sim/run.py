@@ -8,22 +8,30 @@ from an empty cluster): from the end of step ``warmup`` to the end of step ``ste
   per step; ``rollout_only_frac`` = rollout_only_s / step_s.
 - ``tokens_per_s``: response tokens of the trajectories those steps consumed / the span.
 - ``bubble``: idle group-seconds / group-seconds (a group with nothing to run).
-- overheads, as shares of group-seconds: ``weight_frac`` (weight transfers), ``transfer_frac``
-  (incoming KV of migrated requests), ``reprefill_frac`` (prefilling again what was computed
-  before); ``plan_frac``: wall time of the planner / the span (the control plane's decisions).
-- staleness of the consumed trajectories, discarded requests, migrated requests.
+- overheads, as shares of group-seconds (the names of ``records.Summary`` and of a real run's
+  summary): ``weight_transfer_frac`` (weight transfers), ``migration_frac`` (incoming KV of
+  migrated requests), ``reprefill_frac`` (prefilling again what was computed before);
+  ``plan_frac``: wall time of the planner / the span (the control plane's decisions).
+- staleness of the consumed trajectories, discarded requests, migrated requests; plans per
+  trigger.
+- the **step decomposition** (``gpu_*_s``): every GPU-second of the span by what the GPU did,
+  per step and divided by the cluster's GPUs, so the six add up to ``step_s``: rollout while
+  requests wait for a slot (``gpu_rollout_full_s``: the groups run at full batch), rollout while
+  nothing waits (``gpu_rollout_tail_s``: the batch drains, finished requests are not replaced),
+  re-prefill (``gpu_reprefill_s``), training (``gpu_train_s``), weight and KV moves
+  (``gpu_moves_s``), and idle rollout or trainer GPUs (``gpu_idle_s``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator.runtime import RunResult, Runtime
-from dora_jax.sim.backend import CATEGORIES, SimBackend
+from dora_jax.sim.backend import CATEGORIES, DECODE, PREFILL, SimBackend
 from dora_jax.sim.config import SimConfig
 from dora_jax.sim.cost_model import CostModel
 from dora_jax.sim.hardware import get_hardware
@@ -45,8 +53,8 @@ class SimMetrics:
     tokens_per_s: float
     trajectories_per_s: float
     bubble: float
-    weight_frac: float
-    transfer_frac: float
+    weight_transfer_frac: float
+    migration_frac: float
     reprefill_frac: float
     prefill_frac: float
     plan_frac: float
@@ -60,6 +68,15 @@ class SimMetrics:
     weight_transfers: int
     ticks: int
     wall_s: float
+    gpus: int = 0
+    gpu_rollout_full_s: float = 0.0
+    gpu_rollout_tail_s: float = 0.0
+    gpu_reprefill_s: float = 0.0
+    gpu_train_s: float = 0.0
+    gpu_moves_s: float = 0.0
+    gpu_idle_s: float = 0.0
+    plans_by_trigger: dict = field(default_factory=dict)
+    plans_moving: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +113,9 @@ def orchestrator_config(cfg: SimConfig, mode: str) -> OrchestratorConfig:
         legacy_fill=o.legacy_fill,
         plan_on_idle=o.plan_on_idle,
         plan_hysteresis=o.plan_hysteresis,
+        adaptive_k=o.adaptive_k and mode == "dora",
+        adaptive_k_min=min(o.adaptive_k_min, o.staleness_k),
+        staleness_cost=o.staleness_cost,
     )
 
 
@@ -212,10 +232,33 @@ def metrics(
     v_hi = rec.steps[n - 1].version
     consumed = [c for c in rec.consumed if v_lo <= c.trainer_version < v_hi]
     idle_trainer = sum(1 for c in rec.cluster[t0:t1] if not c.training)
-    secs = np.sum(backend.seconds[t0:t1], axis=0) if t1 > t0 else np.zeros(len(CATEGORIES))
+    per_tick = np.asarray(backend.seconds[t0:t1]).reshape(-1, len(CATEGORIES))
+    secs = per_tick.sum(axis=0)
     gs = max(span * backend.num_groups, 1e-12)
     cat = dict(zip(CATEGORIES, secs.tolist(), strict=True))
     plans = [p for p in rec.plans if t0 <= p.tick < t1]
+    # the step decomposition: GPU-seconds by kind, per step, over the cluster's GPUs
+    tp = cfg.cluster.rollout_tp
+    gpus = cfg.cluster.total_gpus
+    trainer_gpus = 0 if placement == "colocated" else cfg.cluster.trainer_gpus
+    waiting = np.array([c.pending > 0 for c in rec.cluster[t0:t1]], bool)
+    rolling = per_tick[:, PREFILL] + per_tick[:, DECODE]
+    training = idle_trainer_ticks = 0.0
+    if trainer_gpus:
+        idle_trainer_ticks = idle_trainer
+        training = (t1 - t0 - idle_trainer) * dt * trainer_gpus
+    per = tp / (gpus * steps)
+    decomposition = {
+        "gpu_rollout_full_s": float(rolling[waiting].sum()) * per,
+        "gpu_rollout_tail_s": float(rolling[~waiting].sum()) * per,
+        "gpu_reprefill_s": cat["reprefill"] * per,
+        "gpu_train_s": cat["train"] * per + training / (gpus * steps),
+        "gpu_moves_s": (cat["transfer"] + cat["migrate"]) * per,
+        "gpu_idle_s": cat["idle"] * per + idle_trainer_ticks * dt * trainer_gpus / (gpus * steps),
+    }
+    by_trigger: dict[str, int] = {}
+    for p in plans:
+        by_trigger[p.trigger] = by_trigger.get(p.trigger, 0) + 1
     st = [c.staleness for c in consumed]
     tr = [s for s in trainer.steps if v_lo < s.version <= v_hi]
     return SimMetrics(
@@ -230,8 +273,8 @@ def metrics(
         tokens_per_s=sum(c.response_len for c in consumed) / span,
         trajectories_per_s=len(consumed) / span,
         bubble=cat["idle"] / gs,
-        weight_frac=cat["transfer"] / gs,
-        transfer_frac=cat["migrate"] / gs,
+        weight_transfer_frac=cat["transfer"] / gs,
+        migration_frac=cat["migrate"] / gs,
         reprefill_frac=cat["reprefill"] / gs,
         prefill_frac=cat["prefill"] / gs,
         plan_frac=sum(p.ms for p in plans) / 1e3 / span,
@@ -245,4 +288,8 @@ def metrics(
         weight_transfers=sum(1 for t, _, _ in rec.transfers if t0 <= t < t1),
         ticks=len(rec.groups),
         wall_s=wall_s,
+        gpus=gpus,
+        **decomposition,
+        plans_by_trigger=by_trigger,
+        plans_moving=sum(1 for p in plans if p.transfers or p.migrated),
     )
