@@ -53,9 +53,10 @@ class ClusterConfig:
 
     def __post_init__(self):
         _check(
-            self.hardware in HARDWARE,
+            self.hardware in HARDWARE or self.hardware == "cpu",
             "hardware",
-            f"unknown preset {self.hardware!r}; expected one of {', '.join(HARDWARE)}",
+            f"unknown preset {self.hardware!r}; expected one of {', '.join(HARDWARE)}, or 'cpu' "
+            "(measured constants: SimConfig.calibration)",
         )
         _positive(self, "total_gpus", "rollout_tp", "max_slots", "page_size")
         _fraction(self, "mem_util")
@@ -239,6 +240,9 @@ class SimConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # hardware 'cpu': the calibrate_cpu.json whose measured constants give every cost
+    # (benchmarks/calibrate_cpu.py; a relative path is taken from the repository root)
+    calibration: str | None = None
 
     def __post_init__(self):
         _check(
@@ -246,6 +250,17 @@ class SimConfig:
             "model",
             f"unknown preset {self.model!r}; expected one of {', '.join(MODELS)}",
         )
+        _check(
+            self.cluster.hardware != "cpu" or bool(self.calibration),
+            "calibration",
+            "hardware 'cpu' needs the calibrate_cpu.json of benchmarks/calibrate_cpu.py",
+        )
+
+    def calibration_path(self) -> Path | None:
+        if not self.calibration:
+            return None
+        p = Path(self.calibration)
+        return p if p.is_absolute() or p.exists() else Path(__file__).resolve().parents[2] / p
 
     def variants(self) -> list[tuple[str, str]]:
         """(mode, placement) pairs to run, in table order."""

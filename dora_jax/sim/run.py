@@ -33,7 +33,7 @@ from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator.runtime import RunResult, Runtime
 from dora_jax.sim.backend import CATEGORIES, DECODE, PREFILL, SimBackend
 from dora_jax.sim.config import SimConfig
-from dora_jax.sim.cost_model import CostModel
+from dora_jax.sim.cost_model import CostModel, MeasuredCost
 from dora_jax.sim.hardware import get_hardware
 from dora_jax.sim.models import get_model
 from dora_jax.sim.trainer import SimTrainer
@@ -94,8 +94,10 @@ class SimRun:
     metrics: SimMetrics
 
 
-def cost_model(cfg: SimConfig) -> CostModel:
+def cost_model(cfg: SimConfig) -> CostModel | MeasuredCost:
     c = cfg.cluster
+    if c.hardware == "cpu":
+        return MeasuredCost.from_file(cfg.calibration_path())
     return CostModel(
         get_model(cfg.model), get_hardware(c.hardware), c.rollout_tp, cfg.efficiency, c.mem_util
     )
