@@ -32,6 +32,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="continue the run in run_dir from its latest checkpoint",
     )
+    m = p.add_argument_group("several processes (one per host; see docs/multihost.md)")
+    m.add_argument(
+        "--local-processes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N processes on this machine (testing; users without a scheduler)",
+    )
+    m.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --local-processes: fake CPU devices per process (default 8 / N)",
+    )
+    m.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="with --local-processes: pin each process to its own CPU core",
+    )
+    m.add_argument("--coordinator", help="host:port of process 0 (else DORA_COORDINATOR, or the "
+                                         "scheduler's: SLURM, Open MPI, Cloud TPU)")  # fmt: skip
+    m.add_argument("--num-processes", type=int, help="processes in the run (DORA_NUM_PROCESSES)")
+    m.add_argument("--process-id", type=int, help="this process's index (DORA_PROCESS_ID)")
     p.add_argument(
         "overrides",
         nargs="*",
@@ -60,6 +84,22 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.local_processes:
+        return _launch_local(args, argv, cfg)
+    from dora_jax.distributed.process import ProcessError, initialize, spec_from
+
+    proc = None
+    try:
+        spec = spec_from(args)
+        if spec is not None:
+            proc = initialize(spec)
+    except ProcessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if proc is not None and not proc.is_main:
+        from dora_jax.distributed.host import serve
+
+        return serve(proc)
     from dora_jax.checkpoint import CheckpointError as RunCheckpointError
     from dora_jax.data.jsonl import DataError
     from dora_jax.model.hf_checkpoint import CheckpointError
@@ -67,7 +107,7 @@ def main(argv: list[str]) -> int:
     from dora_jax.pipeline.experiment import ExperimentError
 
     try:
-        return train(cfg, resume=args.resume)
+        return train(cfg, resume=args.resume, proc=proc)
     except (
         ConfigError,
         DataError,
@@ -106,7 +146,27 @@ class _StopFlag:
         signal.signal(signal.SIGINT, handler)
 
 
-def train(cfg: ExperimentConfig, resume: bool = False) -> int:
+def _launch_local(args: argparse.Namespace, argv: list[str], cfg: ExperimentConfig) -> int:
+    from dora_jax.distributed.launcher import launch_local
+
+    n = args.local_processes
+    k = args.devices_per_process or max(1, 8 // n)
+    rest, skip = [], False
+    for a in argv:  # the children get everything but the launcher's own flags
+        if skip:
+            skip = False
+            continue
+        if a in ("--local-processes", "--devices-per-process"):
+            skip = True
+            continue
+        if a.startswith(("--local-processes=", "--devices-per-process=")) or a == "--pin-cores":
+            continue
+        rest.append(a)
+    return launch_local(n, rest, Path(cfg.run_dir), devices_per_process=k,
+                        pin_cores=args.pin_cores)  # fmt: skip
+
+
+def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
     """The train command as phases: run dir, build (warm start), checkpoints (resume), the run
     loop with its observers (metrics, held-out evaluation, checkpoints), final evaluation and
     reports."""
@@ -117,7 +177,10 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     run_dir = Path(cfg.run_dir)
     t_start = time.perf_counter()
     _announce(cfg, run_dir)
-    exp = _build(cfg, run_dir)
+    if proc is not None:  # a peer that dies ends this process with a message (exit 3)
+        proc.on_peer_lost = lambda what: _resume_hint(run_dir, proc)
+        proc.start_watchdog()
+    exp = _build(cfg, run_dir, proc)
     try:
         checkpointer = _open_checkpoints(exp, run_dir, resume)
         if checkpointer is None:
@@ -144,7 +207,22 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
         write_run_report(exp, result, evals, run_dir, time.perf_counter() - t_start, warm_start_s)
     finally:
         exp.close()
+        if proc is not None:
+            proc.finish()
     return 0
+
+
+def _resume_hint(run_dir: Path, proc) -> str:
+    ckpts = sorted(int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*") if p.is_dir())
+    last = (
+        f"the last checkpoint is {run_dir / 'checkpoints' / str(ckpts[-1])}"
+        if ckpts
+        else "there is no checkpoint yet"
+    )
+    return (
+        f"Stopping; {last}. Continue with the same processes and: python launch/train.py "
+        f"--resume run_dir={run_dir}"
+    )
 
 
 def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
@@ -160,7 +238,7 @@ def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
     )
 
 
-def _build(cfg: ExperimentConfig, run_dir: Path):
+def _build(cfg: ExperimentConfig, run_dir: Path, proc=None):
     """The experiment, with a progress bar over the warm start."""
     from dora_jax.metrics import progress
     from dora_jax.pipeline.experiment import build
@@ -172,7 +250,7 @@ def _build(cfg: ExperimentConfig, run_dir: Path):
         bar.set_postfix(loss=f"{loss:.3f}")
 
     try:
-        exp = build(cfg, run_dir, on_warm)
+        exp = build(cfg, run_dir, on_warm, process=proc)
     finally:
         bar.close()
     if exp.warm_start_losses:

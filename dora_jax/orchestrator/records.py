@@ -97,6 +97,8 @@ class Summary:
     group_idle: tuple[float, ...] = ()  # per group, idle share of the horizon
     plans_by_trigger: dict[str, int] = field(default_factory=dict)  # plans per trigger
     plans_moving: int = 0  # plans that moved weights or requests (the others changed nothing)
+    cross_host_weight_transfers: int = 0  # weight loads from another process
+    cross_host_migrated: int = 0  # requests moved with their KV to another process
 
 
 @dataclass
@@ -114,6 +116,8 @@ class Records:
     transfers: list[tuple[int, int, int]] = field(default_factory=list)  # (tick, group, version)
     migrations: list[tuple[int, int]] = field(default_factory=list)  # (tick, requests)
     discards: list[tuple[int, int]] = field(default_factory=list)  # (tick, requests)
+    # moves between processes: (tick, "weights" | "kv", source group (-1: trainer), dest, n)
+    cross_host: list[tuple[float, str, int, int, int]] = field(default_factory=list)
     consumed: list[ConsumedRecord] = field(default_factory=list)
     # adaptive K: (version published, K from then on, share of the step's interval the trainer
     # waited for the window)
@@ -143,10 +147,7 @@ class Records:
         if self.clock == "wall":
             return self._wall_summary(steps)
         end = self.horizon(steps)
-        steps_in = [s for s in self.steps if s.end <= end]
-        last_step_version = steps_in[-1].version if steps_in else None
-        consumed = [c for c in self.consumed if c.tick < end and last_step_version is not None
-                    and c.trainer_version < last_step_version]  # fmt: skip
+        steps_in, common = self._common(end)
         rows = self.groups[:end]
         gt = max(1, end * self.num_groups)
         idle = prefill = transfer = migrate = tokens = reprefill = 0
@@ -174,45 +175,25 @@ class Records:
             max_live = max(max_live, len(live))
             if rolling:
                 busy_ticks.append((t, t + 1.0))
-        plans = [p for p in self.plans if p.tick < end]
-        st = [c.staleness for c in consumed]
-        ntok = sum(c.response_len for c in consumed)
-        group_idle = tuple(n / max(end, 1) for n in idle_by_group)
         return Summary(
-            mode=self.mode,
             ticks=end,
-            steps=len(steps_in),
-            trajectories=len(consumed),
-            tokens=ntok,
-            traj_per_tick=len(consumed) / end if end else 0.0,
-            tokens_per_tick=ntok / end if end else 0.0,
+            traj_per_tick=common["trajectories"] / end if end else 0.0,
+            tokens_per_tick=common["tokens"] / end if end else 0.0,
             bubble=idle / gt,
             utilisation=tokens / (gt * self.max_slots * self.tokens_per_slot_tick),
             prefill_frac=prefill / gt,
             weight_transfer_frac=transfer / gt,
             migration_frac=migrate / gt,
-            staleness_mean=sum(st) / len(st) if st else 0.0,
-            staleness_max=max(st, default=0),
             reprefill_tokens=reprefill,
-            discarded=sum(n for t, n in self.discards if t < end),
-            migrated=sum(n for t, n in self.migrations if t < end),
-            weight_transfers=sum(1 for t, _, _ in self.transfers if t < end),
-            plans=len(plans),
-            plan_ms_mean=sum(p.ms for p in plans) / len(plans) if plans else 0.0,
-            plan_ms_max=max((p.ms for p in plans), default=0.0),
-            max_version_span=max((c.version_span for c in consumed), default=0),
             max_live_versions=max_live,
             overlap=_overlap(self.steps, end, busy_ticks),
-            group_idle=group_idle,
-            **_plan_counts(plans),
+            group_idle=tuple(n / max(end, 1) for n in idle_by_group),
+            **common,
         )
 
     def _wall_summary(self, steps: int | None) -> Summary:
         end = self.horizon(steps)
-        steps_in = [s for s in self.steps if s.end <= end]
-        last = steps_in[-1].version if steps_in else None
-        consumed = [c for c in self.consumed if c.tick < end and last is not None
-                    and c.trainer_version < last]  # fmt: skip
+        steps_in, common = self._common(end)
         spans = [g for g in self.spans if g.t0 < end]
         span = max(end, 1e-12)
         busy = [0.0] * self.num_groups
@@ -230,16 +211,9 @@ class Records:
             reprefill += g.reprefill_tokens
         group_idle = tuple(max(0.0, 1.0 - b / span) for b in busy)
         rolling = [(g.t0, min(g.t1, end)) for g in spans if g.activity in ("prefill", "decode")]
-        plans = [p for p in self.plans if p.tick < end]
-        st = [c.staleness for c in consumed]
-        ntok = sum(c.response_len for c in consumed)
         gs = span * self.num_groups
         return Summary(
-            mode=self.mode,
             ticks=len(self.cluster),
-            steps=len(steps_in),
-            trajectories=len(consumed),
-            tokens=ntok,
             traj_per_tick=0.0,
             tokens_per_tick=0.0,
             bubble=sum(group_idle) / max(self.num_groups, 1),
@@ -247,25 +221,45 @@ class Records:
             prefill_frac=cat["prefill"] / gs,
             weight_transfer_frac=cat["transfer"] / gs,
             migration_frac=cat["migrate"] / gs,
-            staleness_mean=sum(st) / len(st) if st else 0.0,
-            staleness_max=max(st, default=0),
             reprefill_tokens=reprefill,
-            discarded=sum(n for t, n in self.discards if t < end),
-            migrated=sum(n for t, n in self.migrations if t < end),
-            weight_transfers=sum(1 for t, _, _ in self.transfers if t < end),
-            plans=len(plans),
-            plan_ms_mean=sum(p.ms for p in plans) / len(plans) if plans else 0.0,
-            plan_ms_max=max((p.ms for p in plans), default=0.0),
-            max_version_span=max((c.version_span for c in consumed), default=0),
             max_live_versions=_max_live(spans, self.num_groups),
             clock="wall",
             seconds=end,
-            traj_per_s=len(consumed) / span,
-            tokens_per_s=ntok / span,
+            traj_per_s=common["trajectories"] / span,
+            tokens_per_s=common["tokens"] / span,
             overlap=_overlap(steps_in, end, rolling),
             group_idle=group_idle,
-            **_plan_counts(plans),
+            **common,
         )
+
+    def _common(self, end: float) -> tuple[list[StepRecord], dict]:
+        """The steps that ended by ``end``, and the summary fields both clocks count the same
+        way: what those steps consumed, staleness, data movement and plans before ``end``."""
+        steps_in = [s for s in self.steps if s.end <= end]
+        last = steps_in[-1].version if steps_in else None
+        consumed = [c for c in self.consumed if c.tick < end and last is not None
+                    and c.trainer_version < last]  # fmt: skip
+        plans = [p for p in self.plans if p.tick < end]
+        st = [c.staleness for c in consumed]
+        moves = [m for m in self.cross_host if m[0] < end]
+        return steps_in, {
+            "mode": self.mode,
+            "steps": len(steps_in),
+            "trajectories": len(consumed),
+            "tokens": sum(c.response_len for c in consumed),
+            "staleness_mean": sum(st) / len(st) if st else 0.0,
+            "staleness_max": max(st, default=0),
+            "discarded": sum(n for t, n in self.discards if t < end),
+            "migrated": sum(n for t, n in self.migrations if t < end),
+            "weight_transfers": sum(1 for t, _, _ in self.transfers if t < end),
+            "plans": len(plans),
+            "plan_ms_mean": sum(p.ms for p in plans) / len(plans) if plans else 0.0,
+            "plan_ms_max": max((p.ms for p in plans), default=0.0),
+            "max_version_span": max((c.version_span for c in consumed), default=0),
+            "cross_host_weight_transfers": sum(1 for m in moves if m[1] == "weights"),
+            "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
+            **_plan_counts(plans),
+        }
 
     def timeline(self, every: int = 1, end: int | None = None) -> list[str]:
         """One line per group, one character per ``every`` ticks: the version (mod 10) while

@@ -77,8 +77,9 @@ def _task_parts(cfg: ExperimentConfig):
     """(prompt source, reward fn, worked-example fn or None) for ``data.task``."""
     d = cfg.data
     if d.task == "arithmetic":
-        task = ArithmeticTask(cfg.seed)
-        sft = ArithmeticTask(cfg.seed + 1_000_003)  # warm-start problems differ from RL prompts
+        task = ArithmeticTask(cfg.seed, median_steps=d.median_steps)
+        # warm-start problems differ from RL prompts
+        sft = ArithmeticTask(cfg.seed + 1_000_003, median_steps=d.median_steps)
         example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
         reward = task.answer_reward if d.reward == "exact" else task.reward
         return task.source(), reward, example
@@ -94,7 +95,7 @@ def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     if e.num_prompts == 0:
         return []
     if d.task == "arithmetic":
-        held_out = ArithmeticTask(cfg.seed + 2_000_003)
+        held_out = ArithmeticTask(cfg.seed + 2_000_003, median_steps=d.median_steps)
         return [held_out.problem(i) for i in range(e.num_prompts)]
     if e.path is None:
         return []
@@ -135,9 +136,12 @@ def build(
     run_dir: Path,
     on_warm_step: Callable[[int, float], None] | None = None,
     warm_start_dir: Path | None = None,
+    process=None,
 ) -> Experiment:
     """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
-    ``run_dir / "warm_start"``), so runs that share it start from the same policy."""
+    ``run_dir / "warm_start"``), so runs that share it start from the same policy. With a
+    ``process`` (``dora_jax.distributed.process.Process``, index 0 of several), rollout groups
+    on the other processes' devices run there."""
     cfg = resolve_model(cfg)
     meshes = build_meshes(cfg.mesh)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
@@ -165,7 +169,8 @@ def build(
             example,
             tokenizer,
             cache_dir=warm_start_dir or run_dir / "warm_start",
-            cache_key=repr((cfg.model, cfg.seed)),
+            cache_key=repr((cfg.model, cfg.seed))
+            + ("" if cfg.data.median_steps == 3 else f" median_steps={cfg.data.median_steps}"),
             on_step=on_warm_step,
         )
         params = jax.device_put(params, shardings)
@@ -174,6 +179,9 @@ def build(
     grpo = GRPOTrainer(trainer, tokenizer, reward)
     wall = cfg.orchestrator.clock == "wall"
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
+    cluster = _cluster(cfg, meshes, process, bus, clock, tokenizer.eos_id)
+    if cluster is not None and not cluster.transfers.via_store:
+        grpo.export_shardings = cluster.link.stage_shardings()
     backend = EngineBackend(
         cfg.model,
         cfg.rollout,
@@ -184,6 +192,7 @@ def build(
         seed=cfg.seed,
         clock=clock,
         bus=bus,
+        cluster=cluster,
     )
     prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len)
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
@@ -206,6 +215,35 @@ def build(
     return Experiment(
         cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses, evaluator=evaluator
     )
+
+
+def _cluster(cfg: ExperimentConfig, meshes: Meshes, process, bus: Bus, clock, eos_id: int):
+    """The other processes of a multi-process run, their groups' engines built (None alone)."""
+    if process is None or process.count == 1:
+        return None
+    from dora_jax.config import to_dict
+    from dora_jax.distributed.cluster import Cluster
+    from dora_jax.distributed.process import ProcessError
+    from dora_jax.mesh import make_mesh
+    from dora_jax.sharding import rollout_rules
+
+    cluster = Cluster(process)
+    if cluster.owner(meshes.trainer, "the trainer mesh") != process.index:
+        raise ProcessError("the trainer mesh must be on process 0's devices (a trainer spanning "
+                           "hosts is not supported yet): check mesh.trainer.devices")  # fmt: skip
+    tp = cfg.mesh.rollout.tp
+    staging: list = []
+
+    def stage_shardings():  # the group layout on process 0's devices, for weights going out
+        if not staging:
+            mesh = make_mesh(jax.local_devices()[:tp], 1, tp)
+            staging.append(tree_shardings(param_axes(cfg.model), abstract_params(cfg.model),
+                                          rollout_rules(), mesh))  # fmt: skip
+        return staging[0]
+
+    cluster.connect(bus.post, clock.now, stage_shardings)
+    cluster.start_hosts(to_dict(cfg), eos_id, cfg.seed, cfg.orchestrator.clock == "wall")
+    return cluster
 
 
 def run(
