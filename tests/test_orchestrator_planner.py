@@ -215,6 +215,22 @@ def test_consolidation_packs_an_old_tail_onto_the_groups_its_kv_needs():
     assert p.transfers == () and p.targets == {3: 1, 4: 3, 5: 1}
 
 
+def test_a_version_whose_requests_wait_is_not_consolidated():
+    # v1's two running requests would fit one group, but one more request of v1 waits for a
+    # slot (its groups' KV reservation refuses it): v1 has no tail yet. The idle group of the
+    # dead version 0 goes to v1, not to the newest version, which has nothing to run (found by
+    # test_invariants_dora: the idle group waited two planning periods while the request waited)
+    groups = [grp(0, 0, 0, slots=2), grp(1, 1, 1, slots=2, pages=1), grp(2, 1, 1, slots=2, pages=1)]
+    p = plan(snap(groups, 2, oldest=0, pending={1: 1}), POLICY)
+    assert p.targets == {1: 3}
+    assert len(p.transfers) == 1 and p.migrations == ()
+    t = p.transfers[0]
+    assert t.group == 0 and t.version == 1 and t.source in (1, 2)
+    # without the waiting request, v1 is a tail and the idle group pre-warms v2
+    p = plan(snap(groups, 2, oldest=0), POLICY)
+    assert p.targets == {1: 2, 2: 1} and [(t.group, t.version) for t in p.transfers] == [(0, 2)]
+
+
 def test_a_release_whose_pages_do_not_fit_is_skipped():
     # slots would allow emptying group 1 into group 0, KV pages would not (v1 did it anyway)
     groups = [grp(0, 4, 2, pages=[40, 40]), grp(1, 4, 2, pages=[30, 5]), grp(2, 5, 0)]

@@ -10,7 +10,8 @@ in this order:
    groups its requests need: at most the groups that hold requests of it now, shrunk to
    ``ceil(pages / (consolidate_fill * pages per group))`` (*consolidation*: the tail of an older
    version is packed onto as few groups as its KV needs, so the freed groups switch to the
-   newest version sooner). The **gate**, the oldest version with running requests (the trainer
+   newest version sooner); a version whose requests still wait for a slot has no tail yet and
+   is not packed. The **gate**, the oldest version with running requests (the trainer
    cannot take its next step before it has drained), is not packed tighter while enough is
    ready for that step (the trainer would only be waiting for the gate), and grows past the
    groups it holds when they cannot hold its pages (requests parked in host memory). The groups
@@ -347,8 +348,10 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
         grow = kv and v == gate and pages[v] > busy[v] * pages_total and n > busy[v]
         if grow:
             hard[v] = max(busy[v], min(n, math.ceil(pages[v] / limit)))
-        elif v == s.latest or (v == gate and critical) or not policy.consolidate:
-            hard[v] = busy[v]  # a gate the trainer waits for is never packed tighter
+        elif v == s.latest or (v == gate and critical) or not policy.consolidate or v in pending:
+            # a gate the trainer waits for is never packed tighter, nor a version whose requests
+            # still wait for a slot (no tail yet: its groups are still being filled)
+            hard[v] = busy[v]
         else:
             hard[v] = min(want, busy[v])
     targets = allocate(len(s.groups), hard, hard)
