@@ -284,8 +284,19 @@ class OrchestratorConfig:
     kv_pressure_threshold: float = 0.9
     # dora: supplement older versions with prompts that fill their idle slots (tiered injection)
     legacy_fill: bool = True
-    # dora: also plan when a ready group idles while requests of another version wait
+    # dora: also plan when a ready group idles with nothing admissible while requests of another
+    # version wait or another group could share its load
     plan_on_idle: bool = True
+    # dora: a KV-pressure or idle trigger whose plan moved nothing stays quiet until what it
+    # looks at changes (groups' versions, idle or hot groups, room, pending versions)
+    plan_hysteresis: bool = True
+    # dora, beyond the paper (off by default): re-choose K after every train step within
+    # [adaptive_k_min, staleness_k], raising it when the trainer waited for the window's oldest
+    # version longer than staleness_cost (the share of a step's progress one more unit of
+    # staleness costs), lowering it after calm steps (orchestrator/staleness.py)
+    adaptive_k: bool = False
+    adaptive_k_min: int = 1
+    staleness_cost: float = 0.05
     # wall clock: stop with an error after this many seconds without progress (no train step,
     # no trajectory, no dispatch)
     stall_s: float = 600.0
@@ -298,7 +309,15 @@ class OrchestratorConfig:
             f"must be 'logical' or 'wall', got {self.clock!r}",
         )
         _check(self.stall_s > 0, "stall_s", f"must be > 0, got {self.stall_s}")
-        for name in ("legacy_fill", "plan_on_idle"):
+        _check(
+            0 <= self.adaptive_k_min <= self.staleness_k or not self.adaptive_k,
+            "adaptive_k_min",
+            f"must be in [0, staleness_k = {self.staleness_k}], got {self.adaptive_k_min}",
+        )
+        _check(
+            self.staleness_cost >= 0, "staleness_cost", f"must be >= 0, got {self.staleness_cost}"
+        )
+        for name in ("legacy_fill", "plan_on_idle", "plan_hysteresis", "adaptive_k"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(

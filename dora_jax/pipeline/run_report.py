@@ -56,6 +56,9 @@ def write_run_report(
             "stopped_early": exp.stopped,
             "request_states": _counts(result.ledger),
             "consumed_request_ids": [c.request_id for c in rec.consumed],
+            # the measured workload (benchmarks/calibrate_cpu.py feeds it to the simulator)
+            "consumed_response_lens": [c.response_len for c in rec.consumed],
+            "consumed_prompt_lens": [len(comp.prompt.tokens) for _, _, comp in exp.grpo.consumed],
         },
     )
     if exp.stopped:
