@@ -125,6 +125,43 @@ def test_legacy_version_gets_weights_from_a_group_holding_it():
     assert [(t.group, t.version, t.source) for t in p.transfers] == [(2, 4, 0)]
 
 
+def test_moves_prefer_the_source_host_across_processes():
+    # v4's tail (110 pages) needs two groups: group 0 (host 1, the fewest pages) is emptied.
+    # Destinations: group 1 (host 0) with the most KV room, group 2 (host 1) with less. Within
+    # one host the most room wins; across hosts the released group's own host does, as long as
+    # its requests fit there.
+    def on(g, host):
+        return g._replace(host=host)
+
+    g0, g1, g5 = on(grp(0, 4, 1, pages=15), 1), on(grp(1, 4, 1, pages=20), 0), grp(3, 5, 8)
+    groups = [g0, g1, on(grp(2, 4, 3, pages=25), 1), g5]
+    p = plan(snap(groups, 5, pending={5: 16}), POLICY)
+    assert p.targets == {4: 2, 5: 2}
+    assert [(m.request_ids, m.src, m.dst) for m in p.migrations] == [(g0.requests, 0, 2)]
+    p = plan(snap([g._replace(host=0) for g in groups], 5, pending={5: 16}), POLICY)
+    assert [(m.src, m.dst) for m in p.migrations] == [(0, 1)]  # one host: the most room
+    # no room on its own host (80 pages + 15 > 90): the requests cross to host 0
+    full = [g0, g1, on(grp(2, 4, 3, pages=[30, 25, 25]), 1), g5]
+    p = plan(snap(full, 5, pending={5: 16}), POLICY)
+    assert [(m.src, m.dst) for m in p.migrations] == [(0, 1)]
+
+
+def test_weights_come_from_a_holder_on_the_receivers_host():
+    # v4 is kept by group 0 (host 0) and group 2 (host 1); idle group 1 (host 1) joins v4
+    def on(g, host):
+        return g._replace(host=host)
+
+    groups = [on(grp(0, 4, 8), 0), on(grp(1, 3, 0), 1), on(grp(2, 4, 8), 1)]
+    p = plan(snap(groups, 5, oldest=3, pending={4: 8}), POLICY)
+    assert [(t.group, t.version, t.source) for t in p.transfers] == [(1, 4, 2)]
+    same = [g._replace(host=0) for g in groups]
+    p = plan(snap(same, 5, oldest=3, pending={4: 8}), POLICY)
+    assert [(t.group, t.version, t.source) for t in p.transfers] == [(1, 4, 0)]  # lowest id
+    busy = [groups[0], groups[1], groups[2]._replace(busy_ticks=2)]  # still loading: not first
+    p = plan(snap(busy, 5, oldest=3, pending={4: 8}), POLICY)
+    assert [(t.group, t.version, t.source) for t in p.transfers] == [(1, 4, 0)]
+
+
 def test_last_holder_of_an_older_version_with_work_is_kept():
     groups = [grp(0, 4, 1), grp(1, 5, 8), grp(2, 5, 8)]
     p = plan(snap(groups, 5, pending={5: 64}), POLICY)

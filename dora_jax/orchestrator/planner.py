@@ -25,10 +25,12 @@ in this order:
    released only if its requests fit into the groups its version keeps, in free slots *and* in
    KV pages under the pressure threshold (checked by packing them). The last holder of an older
    version with work is never released (nobody else could load that version).
-4. **Weight sources**: the trainer for the newest version, else a group that keeps that version.
+4. **Weight sources**: the trainer for the newest version, else a group that keeps that version
+   (a ready one first, then one on the receiver's own host: a copy within a host is cheaper).
 5. **Migrations** (same version only, never across versions; no destination is ever filled past
    ``kv_pressure_threshold`` of its pages): the requests of every released group to the kept
-   groups of its version (most KV room first); then, per version, relief of groups over the
+   groups of its version (most KV room first; in a multi-process run, groups on the released
+   group's own host before the others); then, per version, relief of groups over the
    threshold (biggest requests first, to the group with the least KV in use while that evens the
    load), and, while the trainer waits only for the gate, an even share of the gate's pages for
    each of its ready groups.
@@ -253,8 +255,9 @@ class _Load:
 
 
 class _Pool:
-    """The groups a version keeps, as destinations for requests: the most KV room first, with
-    the version's free slots and KV room in total (a quick refusal when they do not suffice)."""
+    """The groups a version keeps, as destinations for requests: the most KV room first (groups
+    on the source's own host before the others, when the groups span several hosts), with the
+    version's free slots and KV room in total (a quick refusal when they do not suffice)."""
 
     def __init__(self, dsts: list[_Load], limit: float):
         self.limit = limit
@@ -263,6 +266,18 @@ class _Pool:
         heapq.heapify(self.heap)
         self.free = sum(d.free for d in ok)
         self.room = sum(limit - d.kv for d in ok)
+        self.hosts = len({d.info.host for d in ok})
+
+    def _queues(self, host: int) -> list[list]:
+        """Heaps to take destinations from, in order: the source's host first (a move within a
+        host is cheaper than one across hosts), then the rest."""
+        if self.hosts < 2:
+            return [self.heap]
+        same = [e for e in self.heap if e[2].info.host == host]
+        other = [e for e in self.heap if e[2].info.host != host]
+        heapq.heapify(same)
+        heapq.heapify(other)
+        return [same, other]
 
     def take(self, src: _Load) -> list[Migration] | None:
         """Migrations moving every request of ``src`` here (each destination takes a contiguous
@@ -274,11 +289,13 @@ class _Pool:
             return None
         popped: list[_Load] = []
         runs: list[tuple[int, int, _Load]] = []
+        queues = self._queues(src.info.host)
         i = 0
         while i < len(ids):
-            if not self.heap:
+            q = next((q for q in queues if q), None)
+            if q is None:
                 break
-            d = heapq.heappop(self.heap)[2]
+            d = heapq.heappop(q)[2]
             popped.append(d)
             j = min(bisect_right(cum, cum[i] + self.limit - d.kv) - 1, i + d.free, len(ids))
             if j > i:
@@ -286,6 +303,9 @@ class _Pool:
                 i = j
         if i < len(ids):
             runs = []
+        if len(queues) > 1:
+            self.heap = queues[0] + queues[1]
+            heapq.heapify(self.heap)
         out = []
         for a, b, d in runs:
             d.free -= b - a
@@ -389,13 +409,9 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
     moved: set[int] = set()
     pools: dict[int, _Pool] = {}
     for v in sorted(deficit, key=lambda v: (current.get(v, 0) > 0, -v)):
-        if v == s.latest:
-            source: Source = TRAINER
-        else:
-            src = min(kept.get(v, ()), key=lambda i: (loads[i].info.busy_ticks, i), default=None)
-            if src is None:
-                continue
-            source = src
+        holding = sorted(kept.get(v, ()))  # groups that can send version v's weights
+        if v != s.latest and not holding:
+            continue
         need = deficit[v]
         for j, (n_req, _, gid, u) in enumerate(candidates):
             if need == 0:
@@ -414,6 +430,11 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
             kept[u].discard(gid)
             kept.setdefault(v, set()).add(gid)
             moved.add(gid)
+            source: Source = TRAINER
+            if v != s.latest:  # a ready holder first, then one on the receiver's own host
+                host = loads[gid].info.host
+                source = min(holding, key=lambda i: (
+                    loads[i].info.busy_ticks, loads[i].info.host != host, i))  # fmt: skip
             transfers.append(WeightTransfer(gid, v, source))
             need -= 1
     if policy.prewarm and (s.latest in work or s.room.get(s.latest)):
