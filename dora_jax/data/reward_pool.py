@@ -6,7 +6,8 @@ lines over pipes), collects the answers and stops any call that runs past ``time
 worker is killed and a fresh one started, so a verifier that hangs costs that one call, never
 the run. Every future resolves to an :class:`Outcome`; ``error`` names what went wrong:
 ``timeout``, ``exception`` (the function raised), ``invalid`` (it returned junk) or ``crash``
-(the worker process died). ``spans`` records when each call ran, on the ``now`` clock.
+(the worker process died). ``spans`` records when each call ran, on the ``now`` clock (the
+run's); deadlines use ``time.monotonic``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class _Worker:
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.ready = False
-        self.job: tuple[int, float] | None = None  # (call id, when it was sent)
+        self.job: tuple[int, float, float] | None = None  # (call id, sent: monotonic, now())
 
     def send(self, msg: dict) -> None:
         self.proc.stdin.write((json.dumps(msg) + "\n").encode())
@@ -160,7 +161,7 @@ class RewardPool:
                     return
                 cid, job, fut = self._queue.popleft()
             self._futures[cid] = fut
-            w.job = (cid, self.now())
+            w.job = (cid, time.monotonic(), self.now())
             try:
                 w.send(job)
             except (BrokenPipeError, OSError):
@@ -176,7 +177,7 @@ class RewardPool:
         busy = [w.job[1] for w in self._workers if w.job is not None]
         if not busy:
             return None
-        return max(0.0, min(busy) + self.timeout_s - self.now()) + 1e-3
+        return max(0.0, min(busy) + self.timeout_s - time.monotonic()) + 1e-3
 
     def _receive(self, w: _Worker) -> None:
         try:
@@ -202,14 +203,14 @@ class RewardPool:
                 self._resolve(w, out)
 
     def _expire(self) -> None:
-        t = self.now()
+        t = time.monotonic()
         for w in list(self._workers):
             if w.job is not None and t - w.job[1] > self.timeout_s:
                 msg = f"no answer within data.reward_timeout_s={self.timeout_s:g} s"
                 self._replace(w, Outcome(0.0, error="timeout", message=msg), None)
 
     def _resolve(self, w: _Worker, out: Outcome) -> None:
-        cid, t0 = w.job
+        cid, _, t0 = w.job
         w.job = None
         self.spans.append((out.error or "ok", t0, self.now()))
         self._futures.pop(cid).set_result(out)
