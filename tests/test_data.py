@@ -8,9 +8,9 @@ import pytest
 from dora_jax.data import (
     ArithmeticTask,
     DataError,
+    Scorer,
     boxed_math_reward,
     exact_reward,
-    Scorer,
     load_jsonl_prompts,
 )
 from dora_jax.data.prompts import PromptSource, shuffled_epochs

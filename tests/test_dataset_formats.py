@@ -37,8 +37,10 @@ def files(tmp_path_factory):
     verl = [
         {
             "data_source": "toy",
-            "prompt": [{"role": "system", "content": SYSTEM},
-                       {"role": "user", "content": _question(i)}],
+            "prompt": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": _question(i)},
+            ],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
             "extra_info": {"index": i, "split": "train"},
@@ -91,7 +93,9 @@ def test_jsonl_parquet_and_hf_datasets_give_identical_token_ids(files):
 
 def test_prompt_template_wraps_string_prompts(files):
     d, tok = files
-    ids, _, _ = _ids(tok, "jsonl", d / "plain.jsonl", "data.prompt_template={prompt} answer briefly .")
+    ids, _, _ = _ids(
+        tok, "jsonl", d / "plain.jsonl", "data.prompt_template={prompt} answer briefly ."
+    )
     text = tok.decode(ids[1], skip_special=True)
     assert "1 plus 2 ? answer briefly ." in text
 
@@ -114,8 +118,11 @@ def test_bad_rows_name_the_file_row_and_field(files, tmp_path):
     d, _ = files
     cfg = load_config(None, ["data.task=parquet", f"data.path={d / 'verl.parquet'}",
                              "data.answer_field=reward_model.truth"])  # fmt: skip
-    with pytest.raises(DataError, match=r"verl\.parquet:1: missing field 'reward_model\.truth' "
-                                        r"\(reward_model has: \['ground_truth', 'style'\]\)"):
+    with pytest.raises(
+        DataError,
+        match=r"verl\.parquet:1: missing field 'reward_model\.truth' "
+        r"\(reward_model has: \['ground_truth', 'style'\]\)",
+    ):
         load_examples(cfg, cfg.data.path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": [{"role": "robot", '

@@ -1,8 +1,8 @@
 """Held-out evaluation: deterministic, blind to the run's random streams, scored like training."""
 
 import jax
-import pytest
 import numpy as np
+import pytest
 
 from dora_jax.config import EvalConfig, ModelConfig, RolloutConfig, WarmStartConfig
 from dora_jax.data import ArithmeticTask

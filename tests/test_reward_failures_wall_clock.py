@@ -13,7 +13,7 @@ from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
 from dora_jax.pipeline.run_report import write_run_report
 
 ROOT = Path(__file__).resolve().parents[1]
-VERIFIER = textwrap.dedent('''
+VERIFIER = textwrap.dedent("""
     import time
 
     def verify(response, answer, metadata):
@@ -22,7 +22,7 @@ VERIFIER = textwrap.dedent('''
         if metadata["kind"] == "raise":
             raise RuntimeError("verifier bug")
         return "correct"  # junk: not a number
-''')
+""")
 
 
 def test_hung_raising_and_junk_verifiers_never_stall_the_run(tmp_path):
@@ -66,5 +66,4 @@ def test_hung_raising_and_junk_verifiers_never_stall_the_run(tmp_path):
     assert hung and all(t1 - t0 >= 1.0 for t0, t1 in hung)
     engine_steps = [s for s in result.records.spans if s.activity in ("prefill", "decode")]
     inside = [[s for s in engine_steps if t0 <= s.t0 and s.t1 <= t1] for t0, t1 in hung]
-    print("INSIDE", [len(x) for x in inside])
     assert max(len(x) for x in inside) >= 3, (hung, [len(x) for x in inside])

@@ -16,7 +16,7 @@ from dora_jax.data.reward_functions import (
     outcome,
 )
 
-VERIFIERS = textwrap.dedent('''
+VERIFIERS = textwrap.dedent("""
     import asyncio, os, time
 
     def verify(response, answer, metadata):
@@ -38,7 +38,7 @@ VERIFIERS = textwrap.dedent('''
 
     def two(response, answer):
         return 1.0
-''')
+""")
 
 
 @pytest.fixture

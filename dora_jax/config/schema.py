@@ -394,7 +394,11 @@ class DataConfig:
                f"must be > 0, got {self.reward_timeout_s}")  # fmt: skip
         _check(self.reward_workers > 0, "reward_workers",
                f"must be > 0, got {self.reward_workers}")  # fmt: skip
-        _check(isinstance(self.shuffle, bool), "shuffle", f"must be true or false, got {self.shuffle!r}")
+        _check(
+            isinstance(self.shuffle, bool),
+            "shuffle",
+            f"must be true or false, got {self.shuffle!r}",
+        )
 
     @property
     def pooled_reward(self) -> bool:

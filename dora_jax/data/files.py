@@ -56,7 +56,9 @@ def _parquet_table(p: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{p}: reading Parquet needs pyarrow (pip install 'dora-jax[data]')") from None
+        raise DataError(
+            f"{p}: reading Parquet needs pyarrow (pip install 'dora-jax[data]')"
+        ) from None
     try:
         return pq.read_table(p)
     except Exception as e:  # pyarrow raises several types for a malformed file

@@ -75,8 +75,10 @@ class Scorer:
                 self.errors_by_kind[out.error] += 1
                 if out.error not in self._warned:  # once per kind: a broken verifier is loud
                     self._warned.add(out.error)
-                    log.warning("reward function failed (%s): %s; reward 0, counted in the "
-                                "metrics as reward_errors/%s", out.error, out.message, out.error)  # fmt: skip
+                    log.warning(
+                        "reward function failed (%s): %s; reward 0, counted in the metrics as "
+                        "reward_errors/%s", out.error, out.message, out.error,
+                    )  # fmt: skip
         return outs
 
     def _inline(self, response: str, answer: str, metadata: dict | None) -> Outcome:

@@ -50,7 +50,7 @@ class EvalResult:
     @classmethod
     def from_metrics(cls, step: int, m: dict[str, float]) -> EvalResult:
         """The inverse of :meth:`metrics` (a line of ``eval.jsonl``)."""
-        at_k = {k[len("eval/"):]: v for k, v in m.items() if "@" in k}
+        at_k = {k[len("eval/") :]: v for k, v in m.items() if "@" in k}
         return cls(step, m["eval/reward"], m["eval/solved"], m["eval/response_len"],
                    m["eval/seconds"], at_k)  # fmt: skip
 

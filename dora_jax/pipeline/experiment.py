@@ -19,11 +19,11 @@ import jax
 
 from dora_jax.config import ConfigError, ExperimentConfig
 from dora_jax.data import ArithmeticTask, Example, Scorer, read_rows, to_examples
-from dora_jax.data.rewards import exact_reward
 from dora_jax.data.math_answers import FALLBACK_NOTE, MATH_VERIFY
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.data.reward_functions import RewardSpecError, load_reward_function, resolve_spec
 from dora_jax.data.reward_pool import RewardPool
+from dora_jax.data.rewards import exact_reward
 from dora_jax.execution.backend import EngineBackend
 from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes

@@ -4,6 +4,7 @@ printed to the terminal."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +50,9 @@ def write_run_report(
             "warm_start_s": warm_start_s,
             "eval_s": evals.seconds,
         },
-        held_out=[{k: v for k, v in dataclasses.asdict(r).items() if k != "scores"}
-                  for r in evals.results],  # fmt: skip
+        held_out=[
+            {k: v for k, v in dataclasses.asdict(r).items() if k != "scores"} for r in evals.results
+        ],  # fmt: skip
         extra={
             "reward_errors": exp.reward.errors,
             "reward_errors_by_kind": exp.reward.error_counts(),
@@ -94,8 +96,8 @@ def write_run_report(
             f"mean response {e0.response_len:.1f} -> {e1.response_len:.1f} tokens"
         )
         if e1.at_k:
-            print("held-out at step " + f"{e1.step}: " + ", ".join(
-                f"{name} {e0.at_k[name]:.3f} -> {v:.3f}" for name, v in e1.at_k.items()))  # fmt: skip
+            moves = [f"{n} {e0.at_k.get(n, math.nan):.3f} -> {v:.3f}" for n, v in e1.at_k.items()]
+            print(f"held-out at steps {e0.step} -> {e1.step}: " + ", ".join(moves))
     if exp.reward.errors:
         kinds = ", ".join(f"{n} {k}" for k, n in exp.reward.error_counts().items() if n)
         print(f"reward function failures (reward 0): {kinds}")
