@@ -11,6 +11,7 @@ prefetched are usually ready by then), ``errors_by_kind`` counts the failures
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ class Scorer:
         self._n_args = arity(fn) if fn is not None else 3
         self.errors_by_kind: Counter[str] = Counter({k: 0 for k in ERROR_KINDS})
         self._pending: dict[Hashable, Future] = {}
+        self._lock = threading.Lock()  # prefetch: the control loop; score_many: the trainer
         self._warned: set[str] = set()
 
     @property
@@ -48,13 +50,17 @@ class Scorer:
 
     def prefetch(self, key: Hashable, item: Item) -> None:
         """Start scoring ``item`` now (pool only; inline scoring waits for :meth:`score_many`)."""
-        if self.pool is not None and key not in self._pending:
-            self._pending[key] = self.pool.submit(*item)
+        if self.pool is None:
+            return
+        with self._lock:
+            if key not in self._pending:
+                self._pending[key] = self.pool.submit(*item)
 
     def forget(self, keys: Sequence[Hashable]) -> None:
         """Drop prefetched scores nobody will ask for (discarded requests)."""
-        for k in keys:
-            self._pending.pop(k, None)
+        with self._lock:
+            for k in keys:
+                self._pending.pop(k, None)
 
     def score_many(
         self, items: Sequence[Item], keys: Sequence[Hashable] | None = None
@@ -62,11 +68,10 @@ class Scorer:
         """Outcomes of ``items`` in order; ``keys`` match earlier :meth:`prefetch` calls."""
         keys = keys if keys is not None else [None] * len(items)
         if self.pool is not None:
-            futures = [
-                self._pending.pop(k) if k is not None and k in self._pending
-                else self.pool.submit(*item)
-                for k, item in zip(keys, items, strict=True)
-            ]  # fmt: skip
+            with self._lock:
+                found = [self._pending.pop(k, None) for k in keys]
+            futures = [f if f is not None else self.pool.submit(*item)
+                       for f, item in zip(found, items, strict=True)]  # fmt: skip
             outs = [f.result() for f in futures]
         else:
             outs = [self._inline(*item) for item in items]
