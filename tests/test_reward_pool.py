@@ -66,6 +66,7 @@ def test_every_failure_scores_zero_is_counted_and_the_pool_goes_on(verifier_file
         assert ok.metrics["weight"] == 2.0 and ok.metrics["pid"] != os.getpid()
         # the pool serves on after the kills
         assert scorer("3", "4", {"kind": "ok", "weight": 1.0}) == 0.0
+        pool.close()  # twice (below) is fine
         kinds = [k for k, _, _ in pool.spans]
         assert kinds.count("timeout") == 1 and kinds.count("ok") == 3
     finally:

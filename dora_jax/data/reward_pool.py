@@ -117,14 +117,18 @@ class RewardPool:
         return fut
 
     def close(self) -> None:
+        """Stop the workers; calls not yet answered end ``crash``. Safe to call twice."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
         os.write(self._wake_w, b"x")
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
         for w in self._workers:
             w.kill()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        if not self._thread.is_alive():  # else the thread still selects on the pipe
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     # -- the dispatcher thread -------------------------------------------------------------------
 
