@@ -458,6 +458,14 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
              f"{_f(ev[0]['solved'])} -> {_f(ev[-1]['solved'])} "
              f"(evaluations: {', '.join(_f(e['solved']) for e in ev)})")
         )  # fmt: skip
+        for name in ev[-1].get("at_k", {}):  # mean@k, pass@j with several samples per problem
+            first, last = ev[0]["at_k"].get(name), ev[-1]["at_k"][name]
+            rows.append((f"held-out {name}, step {ev[0]['step']} -> {ev[-1]['step']}",
+                         f"{_f(first)} -> {_f(last)}"))  # fmt: skip
+    errors = (d.get("extra") or {}).get("reward_errors_by_kind")
+    if errors:
+        rows.append(("reward function failures (reward 0)",
+                     ", ".join(f"{k} {n}" for k, n in errors.items())))  # fmt: skip
     rows += [(f"overhead: {k[:-5]}", f"{_f(v, True)} of wall time") for k, v in oh_frac.items()]
     out = [f"# Run summary: {s.mode}", "", "| metric | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
