@@ -62,11 +62,11 @@ def _check_run(r: dict) -> None:
 
 
 def test_two_processes_logical_equals_one_process(tmp_path):
-    two = drive(tmp_path, "two", 2, "logical")
+    two = drive(tmp_path, "two", 2, "logical", steps=10)
     _check_run(two)
     assert two["processes"] == 2
     assert two["cross_host_weight_transfers"] >= 1 and two["cross_host_migrated"] >= 1
-    one = drive(tmp_path, "one", 1, "logical")
+    one = drive(tmp_path, "one", 1, "logical", steps=10)
     _check_run(one)
     assert [c[:2] for c in two["consumed"]] == [c[:2] for c in one["consumed"]]
     assert two["params"].keys() == one["params"].keys()
