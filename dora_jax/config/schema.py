@@ -84,6 +84,11 @@ class ModelConfig:
     compute_dtype: Dtype = "float32"
     remat: Literal["none", "full", "dots"] = "none"
     hf_path: str | None = None  # a Hugging Face checkpoint directory to start from
+    # Full-sequence attention (train step, warm start, engine prefill chunks): "dense" (the
+    # reference; float32 [B, K, G, T, S] scores), "blockwise" (flash-style online softmax in plain
+    # JAX, never T x S) or "cudnn" (GPU, bfloat16, one sequence per row). See model/attention.py.
+    attention: Literal["dense", "blockwise", "cudnn"] = "blockwise"
+    attention_block: int = 512  # query and key block of "blockwise"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -110,6 +115,29 @@ class ModelConfig:
             "max_position_embeddings",
             f"must be > 0, got {self.max_position_embeddings}",
         )
+        _check(
+            self.attention_block > 0,
+            "attention_block",
+            f"must be > 0, got {self.attention_block}",
+        )
+        if self.attention == "cudnn":
+            _check(
+                self.compute_dtype == "bfloat16",
+                "attention",
+                "cudnn needs compute_dtype bfloat16 (cuDNN flash attention has no float32 path); "
+                "use attention: blockwise",
+            )
+            _check(
+                hd % 8 == 0 and hd <= 128,
+                "attention",
+                f"cudnn needs a head_dim that is a multiple of 8 and <= 128, got {hd}; "
+                "use attention: blockwise",
+            )
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every attention implementation (decided once, here)."""
+        return self.resolved_head_dim**-0.5
 
     @property
     def resolved_head_dim(self) -> int:
@@ -418,6 +446,12 @@ class ExperimentConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
+        _check(
+            self.model.attention != "cudnn" or self.train.pack_rows == 0,
+            "model.attention",
+            "cudnn takes one sequence per row (no packed segments), so it needs "
+            f"train.pack_rows=0, got {self.train.pack_rows}; use attention: blockwise",
+        )
         kv, tp = self.model.num_kv_heads, self.mesh.rollout.tp
         _check(
             kv % tp == 0,

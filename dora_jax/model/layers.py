@@ -2,14 +2,13 @@
 
 Axis letters: B batch, T query length, S key length, D model, N q heads, K kv heads, G = N // K,
 H head dim, F ffn. The attention block takes an ``attend`` callable so that the same layer code
-serves the full-sequence forward pass (dense masked attention here) and the rollout engine
+serves the full-sequence forward pass (:mod:`dora_jax.model.attention`) and the rollout engine
 (paged KV cache and the decode kernels).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,9 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dora_jax.config import ModelConfig
+from dora_jax.model.attention import (  # noqa: F401  (re-exported: the dense reference)
+    NEG_INF,
+    Attend,
+    dense_attention,
+    segment_causal_mask,
+)
 from dora_jax.sharding import constrain
 
-NEG_INF = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -80,41 +84,12 @@ def qkv_projection(
     return q, k, v
 
 
-def dense_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
-) -> jax.Array:
-    """GQA attention. ``q [B,T,N,H]``, ``k, v [B,S,K,H]``, ``mask bool[B,T,S]`` -> ``[B,T,N,H]``.
-
-    Scores and softmax in float32.
-    """
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-    return out.reshape(B, T, N, H)
-
-
-def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """``bool[B, T, T]``: causal, within the same segment, never onto padding (segment 0)."""
-    T = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    real = (segment_ids != 0)[:, None, :]
-    return causal[None] & same & real
-
-
 def mlp(lp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
     gate = jnp.einsum("BTD,DF->BTF", x, lp["w_gate"])
     up = jnp.einsum("BTD,DF->BTF", x, lp["w_up"])
     h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
     return jnp.einsum("BTF,FD->BTD", h, lp["w_down"])
-
-
-Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
 def decoder_layer(
@@ -124,11 +99,12 @@ def decoder_layer(
     cfg: ModelConfig,
     attend: Attend,
 ) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder layer. ``attend(q, k, v) -> (out [B,T,N,H], aux)``; returns
-    ``(x [B,T,D], aux)`` so a caller can thread a KV cache through ``aux``."""
+    """One pre-norm decoder layer. ``attend(q, k, v, scale) -> (out [B,T,N,H], aux)``; returns
+    ``(x [B,T,D], aux)`` so a caller can thread a KV cache through ``aux``. The softmax scale is
+    decided here, once for every implementation (``cfg.attention_scale``)."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q, k, v = qkv_projection(lp, h, positions, cfg)
-    o, aux = attend(q, k, v)
+    o, aux = attend(q, k, v, cfg.attention_scale)
     x = x + jnp.einsum("BTNH,NHD->BTD", o, lp["wo"])
     x = constrain(x, ("batch", "seq", "embed"))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)

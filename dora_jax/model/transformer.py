@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from dora_jax.config import ModelConfig
-from dora_jax.model.layers import decoder_layer, dense_attention, rms_norm, segment_causal_mask
+from dora_jax.model.attention import make_attend
+from dora_jax.model.layers import decoder_layer, rms_norm
 from dora_jax.model.params import Params, dtype_of
 from dora_jax.sharding import constrain
 
@@ -51,11 +52,7 @@ def hidden_states(
     """Final-normed hidden states ``[B, T, D]`` in the compute dtype."""
     p = cast_params(params, cfg)
     x = embed_tokens(p, tokens, cfg)
-    mask = segment_causal_mask(segment_ids)
-    scale = cfg.resolved_head_dim**-0.5
-
-    def attend(q, k, v):
-        return dense_attention(q, k, v, mask, scale), None
+    attend = make_attend(cfg, segment_ids)
 
     def layer(x, lp):
         x, _ = decoder_layer(lp, x, positions, cfg, attend)

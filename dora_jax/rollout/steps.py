@@ -77,7 +77,7 @@ class StepStatic:
 def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStatic, attend_layer):
     """Scan the decoder layers carrying the whole cache (updated in place).
 
-    ``attend_layer(q, k, v, k_cache, v_cache, layer_tables) -> (o, k_cache, v_cache)`` where
+    ``attend_layer(q, k, v, scale, k_cache, v_cache, layer_tables) -> (o, k_cache, v_cache)`` where
     ``layer_tables`` are the block tables offset to this layer's pages.
     """
     P = cache.pages_per_layer
@@ -87,8 +87,8 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
         lp, l = xs
         tables = block_tables + l * P
 
-        def attend(q, k, v):
-            o, kc2, vc2 = attend_layer(q, k, v, kc, vc, tables)
+        def attend(q, k, v, scale):
+            o, kc2, vc2 = attend_layer(q, k, v, scale, kc, vc, tables)
             return o, (kc2, vc2)
 
         x, (kc, vc) = decoder_layer(lp, x, positions, st.cfg, attend)
@@ -102,7 +102,7 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
 def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: StepStatic):
     x = embed_tokens(p, tokens[:, None], st.cfg)
 
-    def attend_layer(q, k, v, kc, vc, tables):
+    def attend_layer(q, k, v, scale, kc, vc, tables):
         return decode_attend(
             q,
             k,
@@ -112,6 +112,7 @@ def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: St
             tables,
             positions + 1,
             active,
+            scale=scale,
             mesh=st.mesh,
             impl=st.impl,
             interpret=st.interpret,
@@ -193,7 +194,7 @@ def prefill_step(
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     x = embed_tokens(p, tokens, st.cfg)
 
-    def attend_layer(q, k, v, kc, vc, tables):
+    def attend_layer(q, k, v, scale, kc, vc, tables):
         return prefill_attend(
             q,
             k,
@@ -203,9 +204,14 @@ def prefill_step(
             tables,
             start,
             num_valid,
+            scale=scale,
             mesh=st.mesh,
             impl=st.impl,
             interpret=st.interpret,
+            # cuDNN's public API has no offset-causal masking over a paged context: prefill
+            # chunks of a "cudnn" model use the blockwise path (docs in model/attention.py)
+            chunk_attention="dense" if st.cfg.attention == "dense" else "blockwise",
+            block=st.cfg.attention_block,
         )
 
     x, cache = _run_layers(p, cache, x, positions, block_tables, st, attend_layer)
