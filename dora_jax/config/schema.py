@@ -82,13 +82,20 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     param_dtype: Dtype = "float32"
     compute_dtype: Dtype = "float32"
-    remat: Literal["none", "full", "dots"] = "none"
+    # none; full (keep each layer's input only, recompute the layer in the backward pass); dots
+    # (also keep matmul outputs); nested (full within groups of ~sqrt(L) layers and again over
+    # the groups: L/g + g saved layer inputs instead of L, for one more forward pass)
+    remat: Literal["none", "full", "dots", "nested"] = "none"
     hf_path: str | None = None  # a Hugging Face checkpoint directory to start from
     # Full-sequence attention (train step, warm start, engine prefill chunks): "dense" (the
     # reference; float32 [B, K, G, T, S] scores), "blockwise" (flash-style online softmax in plain
     # JAX, never T x S) or "cudnn" (GPU, bfloat16, one sequence per row). See model/attention.py.
     attention: Literal["dense", "blockwise", "cudnn"] = "blockwise"
     attention_block: int = 512  # query and key block of "blockwise"
+    # Position-wise work of the full-sequence pass (the MLP, the trainer's log-probabilities) in
+    # chunks of this many positions per row, each rematerialised: the backward pass then holds
+    # [B, seq_chunk, F] instead of [B, T, F]. 0: whole sequences.
+    seq_chunk: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -115,6 +122,7 @@ class ModelConfig:
             "max_position_embeddings",
             f"must be > 0, got {self.max_position_embeddings}",
         )
+        _check(self.seq_chunk >= 0, "seq_chunk", f"must be >= 0, got {self.seq_chunk}")
         _check(
             self.attention_block > 0,
             "attention_block",

@@ -126,33 +126,31 @@ def _scores(qi, kj, scale):
     return jnp.einsum("BqKGH,BkKH->BKGqk", qi, kj, preferred_element_type=jnp.float32) * scale
 
 
-def _blocked(x: jax.Array, n: int, b: int) -> jax.Array:
-    """``[B, n * b, ...] -> [n, B, b, ...]`` (blocks on the leading axis, for scans)."""
-    return jnp.moveaxis(x.reshape(x.shape[0], n, b, *x.shape[2:]), 1, 0)
+def _block(x: jax.Array, i: jax.Array, b: int) -> jax.Array:
+    """Block ``i`` of ``b`` positions along axis 1 (no relayout of the whole array)."""
+    return jax.lax.dynamic_slice_in_dim(x, i * b, b, axis=1)
 
 
-def _unblocked(x: jax.Array) -> jax.Array:
-    """Inverse of :func:`_blocked`."""
-    n, B, b = x.shape[:3]
-    return jnp.moveaxis(x, 0, 1).reshape(B, n * b, *x.shape[3:])
+def _put_block(x: jax.Array, update: jax.Array, i: jax.Array, b: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update, i * b, axis=1)
 
 
 def _flash_forward(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk):
-    """Blocked ``(out [B,Tp,K,G,H], lse float32[B,Tp,K,G], live)`` for padded inputs."""
+    """``(out [B,Tp,K,G,H], lse float32[B,K,G,Tp], live)`` for inputs padded to whole blocks."""
     B, Tp, K, G, H = q.shape
     Sp = k.shape[1]
     nq, nk = Tp // bq, Sp // bk
     live = live_blocks(q_seg, kv_seg, q_offset, bq, bk)
     lo, hi = _hull(live)
-    kb, vb, ksb = _blocked(k, nk, bk), _blocked(v, nk, bk), _blocked(kv_seg, nk, bk)
 
-    def q_block(_, xs):
-        qi, qsi, i = xs
+    def q_block(i, acc):
+        out_all, lse_all = acc
+        qi, qsi = _block(q, i, bq), _block(q_seg, i, bq)
         q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[None, :] + q_offset[:, None]
 
         def kv_step(j, carry):
             o, m, l = carry
-            kj, vj, ksj = kb[j], vb[j], ksb[j]
+            kj, vj, ksj = _block(k, j, bk), _block(v, j, bk), _block(kv_seg, j, bk)
             mask = _block_mask(qsi, ksj, q_idx, j * bk + jnp.arange(bk, dtype=jnp.int32))
             mask = mask[:, None, None]  # [B,1,1,bq,bk]
             s = jnp.where(mask, _scores(qi, kj, scale), NEG_INF)
@@ -160,70 +158,72 @@ def _flash_forward(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk):
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = l * alpha + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("BKGqk,BkKH->BKGqH", p.astype(vj.dtype), vj,
+            pv = jnp.einsum("BKGqk,BkKH->BqKGH", p.astype(vj.dtype), vj,
                             preferred_element_type=jnp.float32)  # fmt: skip
-            return o * alpha[..., None] + pv, m_new, l
+            return o * jnp.moveaxis(alpha, 3, 1)[..., None] + pv, m_new, l
 
         init = (
-            jnp.zeros((B, K, G, bq, H), jnp.float32),
+            jnp.zeros((B, bq, K, G, H), jnp.float32),
             jnp.full((B, K, G, bq), NEG_INF, jnp.float32),
             jnp.zeros((B, K, G, bq), jnp.float32),
         )
         o, m, l = jax.lax.fori_loop(lo[i], hi[i], kv_step, init)
         seen = l > 0
-        out = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
+        l_q = jnp.moveaxis(jnp.where(seen, l, 1.0), 3, 1)[..., None]  # [B,bq,K,G,1]
+        out = jnp.where(jnp.moveaxis(seen, 3, 1)[..., None], o / l_q, 0.0).astype(q.dtype)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
-        # [B,K,G,bq,H] -> [B,bq,K,G,H]; lse [B,K,G,bq] -> [B,bq,K,G]
-        return None, (jnp.moveaxis(out, 3, 1).astype(q.dtype), jnp.moveaxis(lse, 3, 1))
+        out_all = _put_block(out_all, out, i, bq)
+        lse_all = jax.lax.dynamic_update_slice_in_dim(lse_all, lse, i * bq, axis=3)
+        return out_all, lse_all
 
-    xs = (_blocked(q, nq, bq), _blocked(q_seg, nq, bq), jnp.arange(nq, dtype=jnp.int32))
-    _, (out, lse) = jax.lax.scan(q_block, None, xs)
-    return _unblocked(out), _unblocked(lse), live
+    init = (jnp.zeros_like(q), jnp.zeros((B, K, G, Tp), jnp.float32))
+    out, lse = jax.lax.fori_loop(0, nq, q_block, init)
+    return out, lse, live
 
 
 def _flash_backward(q, k, v, q_seg, kv_seg, q_offset, out, lse, live, do, scale, bq, bk):
     B, Tp, K, G, H = q.shape
     Sp = k.shape[1]
-    nq, nk = Tp // bq, Sp // bk
+    nk = Sp // bk
     lo, hi = _hull(live.T)
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,Tp,K,G]
-    qb, dob, qsb = _blocked(q, nq, bq), _blocked(do, nq, bq), _blocked(q_seg, nq, bq)
-    # [nq, B, bq, K, G] -> [nq, B, K, G, bq], the score layout
-    lseb = jnp.moveaxis(_blocked(lse, nq, bq), 2, -1)
-    deltab = jnp.moveaxis(_blocked(delta, nq, bq), 2, -1)
+    # rowsum(dO * O) per query, in the score layout [B,K,G,Tp]
+    delta = jnp.einsum("BTKGH,BTKGH->BKGT", do, out, preferred_element_type=jnp.float32)
 
-    def kv_block(dq, xs):
-        kj, vj, ksj, j = xs
+    def kv_block(j, acc):
+        dq, dk_all, dv_all = acc
+        kj, vj, ksj = _block(k, j, bk), _block(v, j, bk), _block(kv_seg, j, bk)
         k_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
 
         def q_step(i, carry):
             dq, dk, dv = carry
-            qi, doi, qsi = qb[i], dob[i], qsb[i]
+            qi, doi, qsi = _block(q, i, bq), _block(do, i, bq), _block(q_seg, i, bq)
+            lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
+            delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
             q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[None, :] + q_offset[:, None]
             mask = _block_mask(qsi, ksj, q_idx, k_idx)[:, None, None]
             s = _scores(qi, kj, scale)
-            p = jnp.where(mask, jnp.exp(s - lseb[i][..., None]), 0.0)  # [B,K,G,bq,bk]
+            p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)  # [B,K,G,bq,bk]
             dv = dv + jnp.einsum("BKGqk,BqKGH->BkKH", p.astype(doi.dtype), doi,
                                  preferred_element_type=jnp.float32)  # fmt: skip
             dp = jnp.einsum("BqKGH,BkKH->BKGqk", doi, vj, preferred_element_type=jnp.float32)
-            ds = p * (dp - deltab[i][..., None]) * scale
+            ds = p * (dp - delta_i[..., None]) * scale
             dk = dk + jnp.einsum("BKGqk,BqKGH->BkKH", ds.astype(qi.dtype), qi,
                                  preferred_element_type=jnp.float32)  # fmt: skip
             dqi = jnp.einsum("BKGqk,BkKH->BqKGH", ds.astype(kj.dtype), kj,
                              preferred_element_type=jnp.float32)  # fmt: skip
-            dq = jax.lax.dynamic_update_index_in_dim(dq, dq[i] + dqi, i, 0)
-            return dq, dk, dv
+            return _put_block(dq, _block(dq, i, bq) + dqi, i, bq), dk, dv
 
         zeros = jnp.zeros((B, bk, K, H), jnp.float32)
         dq, dk, dv = jax.lax.fori_loop(lo[j], hi[j], q_step, (dq, zeros, zeros))
-        return dq, (dk, dv)
+        return dq, _put_block(dk_all, dk, j, bk), _put_block(dv_all, dv, j, bk)
 
-    xs = (_blocked(k, nk, bk), _blocked(v, nk, bk), _blocked(kv_seg, nk, bk),
-          jnp.arange(nk, dtype=jnp.int32))  # fmt: skip
-    dq0 = jnp.zeros((nq, B, bq, K, G, H), jnp.float32)
-    dq, (dk, dv) = jax.lax.scan(kv_block, dq0, xs)
-    return (_unblocked(dq).astype(q.dtype), _unblocked(dk).astype(k.dtype),
-            _unblocked(dv).astype(v.dtype))  # fmt: skip
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.zeros(k.shape, jnp.float32),
+        jnp.zeros(v.shape, jnp.float32),
+    )
+    dq, dk, dv = jax.lax.fori_loop(0, nk, kv_block, init)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))

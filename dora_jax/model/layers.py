@@ -25,7 +25,6 @@ from dora_jax.model.attention import (  # noqa: F401  (re-exported: the dense re
 from dora_jax.sharding import constrain
 
 
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32; normalised values are cast back before the weight (as HF)."""
     x32 = x.astype(jnp.float32)
@@ -84,6 +83,28 @@ def qkv_projection(
     return q, k, v
 
 
+def map_seq_chunks(fn: Any, xs: Any, chunk: int) -> Any:
+    """``fn(xs)`` for position-wise ``fn`` over a pytree ``xs`` of ``[B, T, ...]`` arrays, computed
+    ``chunk`` positions of every row at a time (a ``lax.map`` whose body is rematerialised, so the
+    backward pass holds one chunk's intermediates, e.g. ``[B, chunk, F]`` instead of
+    ``[B, T, F]``). Ragged ends are padded with zeros and cut off. ``chunk <= 0`` or ``>= T``:
+    one call."""
+    B, T = jax.tree.leaves(xs)[0].shape[:2]
+    if chunk <= 0 or chunk >= T:
+        return fn(xs)
+    n = -(-T // chunk)
+
+    def split(x: jax.Array) -> jax.Array:
+        x = jnp.pad(x, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(B, n, chunk, *x.shape[2:]), 1, 0)
+
+    def join(y: jax.Array) -> jax.Array:
+        return jnp.moveaxis(y, 0, 1).reshape(B, n * chunk, *y.shape[3:])[:, :T]
+
+    ys = jax.lax.map(jax.checkpoint(fn), jax.tree.map(split, xs))
+    return jax.tree.map(join, ys)
+
+
 def mlp(lp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
     gate = jnp.einsum("BTD,DF->BTF", x, lp["w_gate"])
@@ -101,12 +122,21 @@ def decoder_layer(
 ) -> tuple[jax.Array, Any]:
     """One pre-norm decoder layer. ``attend(q, k, v, scale) -> (out [B,T,N,H], aux)``; returns
     ``(x [B,T,D], aux)`` so a caller can thread a KV cache through ``aux``. The softmax scale is
-    decided here, once for every implementation (``cfg.attention_scale``)."""
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = qkv_projection(lp, h, positions, cfg)
+    decided here, once for every implementation (``cfg.attention_scale``).
+
+    Everything but ``attend`` is position-wise, so with ``cfg.seq_chunk`` it runs in chunks of
+    positions (:func:`map_seq_chunks`): only ``x`` and ``q, k, v, o`` are whole-sequence arrays."""
+
+    def project(xp):
+        x, positions = xp
+        return qkv_projection(lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, cfg)
+
+    def out_and_mlp(xo):
+        x, o = xo
+        x = constrain(x + jnp.einsum("BTNH,NHD->BTD", o, lp["wo"]), ("batch", "seq", "embed"))
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        return constrain(x + mlp(lp, h), ("batch", "seq", "embed"))
+
+    q, k, v = map_seq_chunks(project, (x, positions), cfg.seq_chunk)
     o, aux = attend(q, k, v, cfg.attention_scale)
-    x = x + jnp.einsum("BTNH,NHD->BTD", o, lp["wo"])
-    x = constrain(x, ("batch", "seq", "embed"))
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = constrain(x + mlp(lp, h), ("batch", "seq", "embed"))
-    return x, aux
+    return map_seq_chunks(out_and_mlp, (x, o), cfg.seq_chunk), aux
