@@ -295,6 +295,27 @@ def test_fp32_master_weights_with_bf16_params(params0, batch0):
     assert np.mean(bf0 == bf1) > 0.5
 
 
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_adam_moments_are_float32_unless_asked_otherwise(params0, batch0, moments):
+    """bf16 params without master weights: the moments follow train.adam_moment_dtype (float32
+    by default, not the params' dtype) and keep it through a step; the params stay bf16."""
+    mcfg = dataclasses.replace(MODEL, param_dtype="bfloat16")
+    tcfg = dataclasses.replace(TRAIN, adam_moment_dtype=moments)
+    assert TrainConfig().adam_moment_dtype == "float32"
+    p_bf16 = jax.tree.map(lambda w: jnp.asarray(w, jnp.bfloat16), params0)
+    tr = Trainer(mcfg, tcfg, params=p_bf16)
+
+    def moment_dtypes():
+        adam = tr.state.opt_state[1][0]  # (clip, adamw: (scale_by_adam, ...))
+        return {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))}
+
+    assert moment_dtypes() == {jnp.dtype(moments)}
+    m = host(tr.step(batch0))
+    assert int(m["version"]) == 1 and np.isfinite(float(m["loss"]))
+    assert moment_dtypes() == {jnp.dtype(moments)}
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(tr.state.params))
+
+
 def test_kl_tis_rloo_seq_norm_options_match_oracle(params0):
     tcfg = dataclasses.replace(
         TRAIN,

@@ -193,6 +193,25 @@ class RolloutMeshConfig:
 class MeshConfig:
     trainer: TrainerMeshConfig = field(default_factory=TrainerMeshConfig)
     rollout: RolloutMeshConfig = field(default_factory=RolloutMeshConfig)
+    # Memory of one device for the memory plan (pipeline/memory_plan.py). None: what the device
+    # reports (GPU/TPU); CPU devices report nothing and share the host, so there the plan adds
+    # them up against the host's physical memory.
+    device_memory_gib: float | None = None
+    # The share of that memory the plan may fill (the rest: framework overhead, fragmentation,
+    # what the plan does not count); a config over it is refused before anything runs.
+    memory_utilization: float = 0.9
+
+    def __post_init__(self):
+        _check(
+            self.device_memory_gib is None or self.device_memory_gib > 0,
+            "device_memory_gib",
+            f"must be > 0 or null, got {self.device_memory_gib}",
+        )
+        _check(
+            0 < self.memory_utilization <= 1,
+            "memory_utilization",
+            f"must be in (0, 1], got {self.memory_utilization}",
+        )
 
 
 @dataclass(frozen=True)
@@ -201,7 +220,9 @@ class RolloutConfig:
 
     max_slots: int = 16  # concurrent requests per engine
     page_size: int = 16
-    num_pages: int = 256  # KV pages per engine (page 0 is reserved as padding)
+    # KV pages per engine (page 0 is reserved as padding); null: as many as the memory left by
+    # everything else allows (the memory plan sizes them, like vLLM's gpu_memory_utilization)
+    num_pages: int | None = 256
     max_prompt_len: int = 64
     max_new_tokens: int = 128
     prefill_chunk: int = 64
@@ -216,11 +237,23 @@ class RolloutConfig:
     # Decode steps per device call: > 1 amortises the host round trip (tokens past a request's
     # EOS or budget are dropped). 1 keeps one token per request per engine step (tick).
     decode_steps: int = 1
+    # Token ids that also end a response, besides the tokenizer's EOS ids (its eos_token and the
+    # model's generation_config.json eos_token_id, which may list several)
+    extra_eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("max_slots", "page_size", "num_pages", "max_prompt_len", "max_new_tokens"):
+        for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        _check(self.num_pages >= 2, "num_pages", "must be >= 2 (page 0 is reserved)")
+        _check(
+            self.num_pages is None or self.num_pages >= 2,
+            "num_pages",
+            f"must be >= 2 (page 0 is reserved) or null, got {self.num_pages}",
+        )
+        _check(
+            all(i >= 0 for i in self.extra_eos_ids),
+            "extra_eos_ids",
+            f"must be token ids >= 0, got {list(self.extra_eos_ids)}",
+        )
         _check(self.prefill_chunk > 0, "prefill_chunk", f"must be > 0, got {self.prefill_chunk}")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
@@ -243,6 +276,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     microbatches: int = 1
     fp32_master_weights: bool = False
+    # Adam's first and second moments. float32 unless asked otherwise: in bfloat16 the second
+    # moment of small gradients underflows and the moments lose the precision the update needs.
+    adam_moment_dtype: Dtype = "float32"
     logprob_chunk: int = 4096  # vocabulary chunk for per-token log-probabilities
     group_size: int = 8  # G: samples per prompt
     advantage: Literal["grpo", "rloo"] = "grpo"

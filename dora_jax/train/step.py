@@ -175,9 +175,8 @@ def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metric
 
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
-    def update(operands):
+    def update(operands):  # float32 gradients: the optimizer casts to its moment dtype
         grads, params, opt_state = operands
         updates, new_opt = make_optimizer(tcfg).update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_opt
