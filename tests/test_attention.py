@@ -86,8 +86,9 @@ def test_blockwise_offset_queries_equal_dense_chunk_over_a_longer_context(block)
     out = blockwise_attention(q, k, v, q_seg, kv_seg, SCALE, q_offset=start, block=block)
     q_pos = start[:, None] + jnp.arange(C)[None]
     kv = jnp.arange(S)
-    mask = (kv[None, None] <= q_pos[:, :, None]) & (kv[None, None] < (start + num_valid)[:, None,
-                                                                                          None])
+    mask = (kv[None, None] <= q_pos[:, :, None]) & (
+        kv[None, None] < (start + num_valid)[:, None, None]
+    )
     ref = dense_attention(q, k, v, mask, SCALE)
     rows = (jnp.arange(C)[None] < num_valid[:, None])[..., None, None]
     np.testing.assert_allclose(np.where(rows, out, 0), np.where(rows, ref, 0), atol=1e-5)

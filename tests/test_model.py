@@ -26,9 +26,7 @@ def loss_fn(params, cfg, tokens, pos, seg):
     return jnp.mean(forward(params, tokens, pos, seg, cfg) ** 2)
 
 
-@pytest.mark.parametrize(
-    "remat, seq_chunk", [("full", 0), ("dots", 0), ("none", 5), ("nested", 5)]
-)
+@pytest.mark.parametrize("remat, seq_chunk", [("full", 0), ("dots", 0), ("none", 5), ("nested", 5)])
 def test_remat_policies_change_nothing_numerically(remat, seq_chunk):
     params = init_params(CFG, jax.random.key(0))
     args = batch()

@@ -58,6 +58,7 @@ def run(mode: str, steps: int = 4):
 
 class _FixedTok:
     eos_id = NO_EOS
+    vocab_size = 32
 
     def decode(self, ids, skip_special=True):
         return "x" * len(ids)

@@ -138,8 +138,7 @@ def _put_block(x: jax.Array, update: jax.Array, i: jax.Array, b: int) -> jax.Arr
 def _flash_forward(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk):
     """``(out [B,Tp,K,G,H], lse float32[B,K,G,Tp], live)`` for inputs padded to whole blocks."""
     B, Tp, K, G, H = q.shape
-    Sp = k.shape[1]
-    nq, nk = Tp // bq, Sp // bk
+    nq = Tp // bq
     live = live_blocks(q_seg, kv_seg, q_offset, bq, bk)
     lo, hi = _hull(live)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from dora_jax.data.prompts import PromptSource
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids
+from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids, undecodable
 from dora_jax.orchestrator.engine_backend import Completion, PromptPayload
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.orchestrator.transfer_queue import ReadyGroup
@@ -69,9 +69,14 @@ class GRPOTrainer:
         self.params: dict[int, Params] = {trainer.version: trainer.export_params()}
         self.log: list[StepLog] = []
         self.consumed: list[tuple[int, int, Completion]] = []  # (request id, version, completion)
+        # sampled ids the tokenizer cannot decode (a model vocabulary larger than the
+        # tokenizer's): they read as nothing to the reward, so they are counted, per step
+        self.undecodable_tokens = 0
 
     def score(self, comp: Completion) -> float:
-        text = self.tokenizer.decode(response_ids(self.tokenizer, comp.tokens))
+        ids = response_ids(self.tokenizer, comp.tokens)
+        self.undecodable_tokens += undecodable(self.tokenizer, ids)
+        text = self.tokenizer.decode(ids)
         return self.reward_fn(text, comp.prompt.answer)
 
     def step(self, batch: list[ReadyGroup]) -> int:
@@ -95,6 +100,7 @@ class GRPOTrainer:
                 )
         packed = self.trainer.pack(trajectories, num_groups=len(batch))
         metrics = self.trainer.step(packed)
+        metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
         version = self.trainer.version
         self.params[version] = self.trainer.export_params()
         self.log.append(StepLog(version, metrics, rewards, ids))

@@ -8,6 +8,7 @@ K kv heads, H head dim, P pages, Z page size, S = pages_per_seq * Z.
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import jax
@@ -23,6 +24,22 @@ HEADS = P(None, "model", None)  # [B, N|K, H]
 CHUNK_HEADS = P(None, None, "model", None)  # [B, C, N|K, H]
 PAGES = P("model", None, None, None)  # [K, P, Z, H]
 REPLICATED = P()
+
+
+def resolve_impl(impl: str, interpret: bool | None) -> tuple[str, bool]:
+    """``(impl, interpret)`` the engine runs. On a CPU the Pallas kernels only run in interpret
+    mode (an order of magnitude slower than the reference): unless ``interpret=True`` is asked
+    for explicitly (tests), ``rollout.attention_impl=pallas`` on a CPU warns and runs the
+    reference instead."""
+    on_cpu = jax.devices()[0].platform == "cpu"
+    if impl == "pallas" and on_cpu and interpret is not True:
+        warnings.warn(
+            "rollout.attention_impl=pallas on a CPU would run the Pallas kernels in interpret "
+            "mode (much slower than the reference): using rollout.attention_impl=reference",
+            stacklevel=3,
+        )
+        return "reference", False
+    return impl, bool(interpret) if interpret is not None else False
 
 
 def decode_attend(
@@ -53,9 +70,7 @@ def decode_attend(
 
     def local(q, k, v, kp, vp, bt, ln, sp, so, act):
         kp, vp = append_kv(kp, vp, k, v, sp, so, act, impl=impl, interpret=interpret)
-        out = paged_decode_attention(
-            q, kp, vp, bt, ln, scale=scale, impl=impl, interpret=interpret
-        )
+        out = paged_decode_attention(q, kp, vp, bt, ln, scale=scale, impl=impl, interpret=interpret)
         return out, kp, vp
 
     fn = jax.shard_map(

@@ -8,6 +8,8 @@ reads them back, so the cached path computes exactly what the full forward pass 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -71,7 +73,7 @@ class StepStatic:
     interpret: bool = flax.struct.field(pytree_node=False)
     return_logits: bool = flax.struct.field(pytree_node=False, default=False)
     decode_steps: int = flax.struct.field(pytree_node=False, default=1)
-    eos_id: int = flax.struct.field(pytree_node=False, default=-1)
+    eos_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
 
 def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStatic, attend_layer):
@@ -125,6 +127,26 @@ def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: St
     return cache, next_tokens, logprobs, logits
 
 
+def stop_ids(eos: int | Sequence[int], extra: Sequence[int] = ()) -> tuple[int, ...]:
+    """The ids that end a response: ``eos`` (one id or several) then ``extra``, without
+    repeats, in order."""
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    out: list[int] = []
+    for i in [*ids, *extra]:
+        if int(i) not in out:
+            out.append(int(i))
+    if not out:
+        raise ValueError("at least one EOS id is needed (-1 for none)")
+    return tuple(out)
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    out = jnp.zeros(tokens.shape, bool)
+    for e in eos_ids:
+        out = out | (tokens == e)
+    return out
+
+
 def decode_step(
     params: Params,
     cache: KVCache,
@@ -163,7 +185,7 @@ def decode_step(
         cache, tok, pos, live = carry
         run = live & (j < remaining)
         cache, nxt, lp, logits = _decode_once(p, cache, tok, pos, block_tables, run, keys, st)
-        live = run & (nxt != st.eos_id)
+        live = run & ~_is_eos(nxt, st.eos_ids)
         return (cache, nxt, pos + 1, live), (nxt, lp, logits)
 
     steps = jnp.arange(st.decode_steps, dtype=jnp.int32)
@@ -222,3 +244,50 @@ def prefill_step(
     keys = jax.random.wrap_key_data(key_data)
     next_tokens, logprobs = sample(logits, keys, start + num_valid, st.sampling)
     return cache, next_tokens, logprobs, (logits if st.return_logits else None)
+
+
+def lower_steps(
+    cfg: ModelConfig, rcfg: RolloutConfig, mesh: Mesh, *, impl: str, interpret: bool = False
+) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """The engine's jitted prefill and decode steps (largest batch and block-table shapes,
+    cache donated) lowered from abstract values only, for their memory analysis. ``num_pages``
+    does not change the steps' temporaries (the cache is updated in place)."""
+    from dora_jax.model.params import abstract_params, param_axes
+    from dora_jax.rollout.sampling import SamplingParams
+    from dora_jax.sharding import rollout_rules, tree_shardings
+
+    Z, B, C = rcfg.page_size, rcfg.max_slots, rcfg.prefill_chunk
+    width = -(-(rcfg.max_prompt_len + rcfg.max_new_tokens) // Z)
+    st = StepStatic(
+        cfg=cfg,
+        sampling=SamplingParams(rcfg.temperature, rcfg.top_k, rcfg.top_p),
+        mesh=mesh,
+        impl=impl,
+        interpret=interpret,
+        decode_steps=rcfg.decode_steps,
+        eos_ids=tuple(rcfg.extra_eos_ids) or (0,),
+    )
+    p_sh = tree_shardings(param_axes(cfg), abstract_params(cfg), rollout_rules(), mesh)
+    params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params(cfg), p_sh
+    )
+    shape = (cfg.num_kv_heads, cfg.num_layers * (width + 1), Z, cfg.resolved_head_dim)
+    kv = jax.ShapeDtypeStruct(
+        shape, dtype_of(cfg.compute_dtype), sharding=NamedSharding(mesh, CACHE_SPEC)
+    )
+    cache = KVCache(k=kv, v=kv, num_layers=cfg.num_layers)
+    rep = NamedSharding(mesh, P())
+
+    def arr(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    i32 = jnp.int32
+    prefill = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,)).lower(
+        params, cache, arr((B, C), i32), arr((B,), i32), arr((B,), i32), arr((B, width), i32),
+        arr((B, 2), jnp.uint32), st=st,
+    )  # fmt: skip
+    decode = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,)).lower(
+        params, cache, arr((B,), i32), arr((B,), i32), arr((B, width), i32), arr((B,), bool),
+        arr((B, 2), jnp.uint32), arr((B,), i32), st=st,
+    )  # fmt: skip
+    return prefill, decode

@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import ModelConfig, TrainConfig, TrainerMeshConfig
-from dora_jax.model.params import Params, abstract_params, dtype_of, init_params
+from dora_jax.model.params import Params, abstract_params, init_params
 from dora_jax.sharding import Rules, constrain, spec_for, trainer_rules, use_rules
 from dora_jax.train.advantages import group_advantages
 from dora_jax.train.batch import TrainBatch, pack_batch
@@ -299,7 +299,9 @@ def lower_train_step(
     only: nothing is allocated. ``.compile().memory_analysis()`` gives its per-device bytes."""
     rules = default_rules(mesh) if rules is None else rules
     st_sh = state_shardings(model_cfg, train_cfg, mesh, rules)
-    state = jax.eval_shape(lambda p: init_state(p, model_cfg, train_cfg), abstract_params(model_cfg))
+    state = jax.eval_shape(
+        lambda p: init_state(p, model_cfg, train_cfg), abstract_params(model_cfg)
+    )
     state = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, st_sh
     )
@@ -341,6 +343,7 @@ class Trainer:
     ):
         self.model_cfg, self.train_cfg, self.mesh = model_cfg, train_cfg, mesh
         self.traces = 0  # how often the step was traced (a recompilation check for tests)
+        self._aot: dict[tuple[int, int], Any] = {}  # (rows, seq_len) -> adopted compiled step
         self._export = jax.jit(lambda s: jax.tree.map(jnp.copy, model_params(s)))
         if params is None:
             params = init_params(model_cfg, key if key is not None else jax.random.key(0))
@@ -369,6 +372,14 @@ class Trainer:
             out_shardings=(st_sh, rep),
             donate_argnums=0,
         )
+
+    def adopt_compiled(self, compiled: Any, rows: int, seq_len: int) -> None:
+        """Run batches of ``rows x seq_len`` with ``compiled``: :func:`lower_train_step` for this
+        trainer's configs, mesh and rules, compiled (e.g. by the memory plan), so the step is not
+        compiled twice."""
+        if self.mesh is None:
+            raise ValueError("only a trainer on a mesh can adopt a compiled step")
+        self._aot[(rows, seq_len)] = compiled
 
     def reset(self, params: Params) -> None:
         """Start over from model-dtype ``params``: version 0, fresh optimizer state (the
@@ -420,7 +431,8 @@ class Trainer:
         self.check_batch(batch)
         if self._batch_sh is not None:
             batch = jax.device_put(batch, self._batch_sh)
-        self.state, metrics = self._step(self.state, batch)
+        step = self._aot.get((batch.num_rows, batch.seq_len), self._step)
+        self.state, metrics = step(self.state, batch)
         return metrics
 
     def export_params(self) -> Params:
