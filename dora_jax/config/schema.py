@@ -194,8 +194,7 @@ class MeshConfig:
     trainer: TrainerMeshConfig = field(default_factory=TrainerMeshConfig)
     rollout: RolloutMeshConfig = field(default_factory=RolloutMeshConfig)
     # Memory of one device for the memory plan (pipeline/memory_plan.py). None: what the device
-    # reports (GPU/TPU). CPU devices all live in the host's memory: there the plan adds them up
-    # against this figure (default: the host's physical memory).
+    # reports (GPU/TPU); each of n CPU devices gets 1/n of the host's available memory.
     device_memory_gib: float | None = None
     # The share of that memory the plan may fill (the rest: framework overhead, fragmentation,
     # what the plan does not count); a config over it is refused before anything runs.

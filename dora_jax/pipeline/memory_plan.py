@@ -17,10 +17,12 @@ Per device, in bytes:
   abstract compilation (``jax.ShapeDtypeStruct`` inputs: nothing is allocated).
 
 The limit per device is ``mesh.device_memory_gib`` or what the device reports; CPU devices report
-nothing and all live in the host's memory, so on a CPU the plan adds every device up against
-the host's physical memory. A plan over ``memory_utilization x limit`` is refused with a message
-saying what to change. ``rollout.num_pages: null`` is sized here: as many pages as fit in what is
-left on the fullest device (like vLLM's ``gpu_memory_utilization``).
+nothing and share the host's memory, so each of ``n`` CPU devices is planned with ``1 / n`` of
+the host's available memory (a config that piles everything on one fake device is flagged as it
+would be on a machine of ``n`` accelerators; ``mesh.device_memory_gib`` overrides it). A device
+over ``memory_utilization x limit`` is refused with a message saying what to change.
+``rollout.num_pages: null`` is sized here: as many pages as fit in what is left on the fullest
+device (like vLLM's ``gpu_memory_utilization``).
 """
 
 from __future__ import annotations
@@ -67,9 +69,9 @@ class Item:
 @dataclass
 class MemoryPlan:
     items: list[Item]
-    limit: int | None  # bytes per device (per pool on a CPU host), None: unknown
+    limit: int | None  # bytes per device, None: unknown
     utilization: float
-    host_pool: bool  # CPU: every device shares one pool (the host)
+    limit_source: str  # where the limit comes from
     num_pages: int  # KV pages per engine, resolved
     pages_sized: bool  # num_pages came from the plan (rollout.num_pages: null)
     train_bucket: tuple[int, int]  # (rows, seq_len) the train step was compiled for
@@ -80,9 +82,7 @@ class MemoryPlan:
         return sorted({i.device for i in self.items})
 
     def pools(self) -> dict[str, list[int]]:
-        """Devices that share one memory: each device alone, or all of them on a CPU host."""
-        if self.host_pool:
-            return {"host": self.devices()}
+        """Devices checked together against the limit: each device on its own."""
         return {f"device {d}": [d] for d in self.devices()}
 
     def total(self, devices: list[int]) -> int:
@@ -103,6 +103,30 @@ class MemoryPlan:
             return []
         return [(p, t) for p, ds in self.pools().items() if (t := self.total(ds)) > self.budget]
 
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (bytes)."""
+        return {
+            "limit_bytes_per_device": self.limit,
+            "limit_source": self.limit_source,
+            "memory_utilization": self.utilization,
+            "num_pages": self.num_pages,
+            "num_pages_sized_from_memory": self.pages_sized,
+            "train_bucket_rows_x_tokens": list(self.train_bucket),
+            "devices": {
+                d: {
+                    "total_bytes": self.total([d]),
+                    "items": [
+                        {"what": i.what, "bytes": i.bytes, "transient": i.kind == TRANSIENT}
+                        for i in self.items
+                        if i.device == d
+                    ],
+                }
+                for d in self.devices()
+            },
+            "fits": not self.over(),
+            "notes": self.notes,
+        }
+
     def table(self) -> str:
         lines = ["memory plan (GiB per device; transients: the largest counts):"]
         for d in self.devices():
@@ -112,17 +136,15 @@ class MemoryPlan:
                 tag = " (transient)" if i.kind == TRANSIENT else ""
                 lines.append(f"    {i.bytes / GiB:9.3f}  {i.what}{tag}")
         if self.limit is not None:
-            where = "the host (all CPU devices)" if self.host_pool else "each device"
             lines.append(
-                f"  limit: {self.limit / GiB:.2f} GiB for {where}, planned up to "
-                f"{self.utilization:.0%} = {self.budget / GiB:.2f} GiB"
+                f"  limit: {self.limit / GiB:.2f} GiB per device ({self.limit_source}), planned "
+                f"up to {self.utilization:.0%} = {self.budget / GiB:.2f} GiB"
             )
-            if self.host_pool:
-                lines.append(f"  host total: {self.total(self.devices()) / GiB:.2f} GiB")
         else:
             lines.append("  limit: unknown (set mesh.device_memory_gib to check the plan)")
-        pages = "sized from the memory left" if self.pages_sized else "rollout.num_pages"
-        lines.append(f"  KV pages per engine: {self.num_pages} ({pages})")
+        if self.num_pages:
+            pages = "sized from the memory left" if self.pages_sized else "rollout.num_pages"
+            lines.append(f"  KV pages per engine: {self.num_pages} ({pages})")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -138,7 +160,7 @@ class MemoryPlan:
         )[:3]
         lines = [
             f"the memory plan does not fit: {pool} needs {total / GiB:.2f} GiB, over "
-            f"{self.utilization:.0%} of {self.limit / GiB:.2f} GiB "
+            f"{self.utilization:.0%} of {self.limit / GiB:.2f} GiB, {self.limit_source} "
             "(mesh.memory_utilization x mesh.device_memory_gib)",
             "largest items: " + "; ".join(f"{i.what} {i.bytes / GiB:.2f} GiB" for i in biggest),
             "to change: " + "; ".join(_advice(biggest, self)),
@@ -154,9 +176,9 @@ def _advice(items: list[Item], plan: MemoryPlan) -> list[str]:
         if w.startswith("train step"):
             rows, T = plan.train_bucket
             out.append(
-                f"the train step at {rows} rows x {T} tokens: raise train.microbatches, lower "
-                "the largest train.length_buckets or rollout.max_new_tokens, use model.remat: "
-                "nested and model.seq_chunk"
+                f"the train step at {rows} rows x {T} tokens: raise train.microbatches, or "
+                "lower rollout.max_prompt_len + max_new_tokens (the bucket they need) or "
+                "train.length_buckets (model.remat: nested and model.seq_chunk also shrink it)"
             )
         elif w.startswith("KV"):
             out.append("lower rollout.num_pages (or set it to null to size it from memory)")
@@ -170,6 +192,8 @@ def _advice(items: list[Item], plan: MemoryPlan) -> list[str]:
                        "rollout groups their own devices")  # fmt: skip
         elif w.startswith("evaluator"):
             out.append("lower eval.num_prompts (or 0: no held-out evaluation)")
+    if "CPU devices" in plan.limit_source:
+        out.append("or give each CPU device more of the host: mesh.device_memory_gib")
     return list(dict.fromkeys(out)) or ["use a larger device or fewer devices' worth of work"]
 
 
@@ -189,22 +213,38 @@ def _mesh_ids(mesh: Mesh) -> list[int]:
     return [ids[d] for d in mesh.devices.flat]
 
 
-def device_limit(cfg: ExperimentConfig) -> tuple[int | None, bool]:
-    """``(bytes, host_pool)``: ``mesh.device_memory_gib``, else the device's ``bytes_limit``,
-    else (CPU) the host's physical memory shared by every device."""
-    dev = jax.devices()[0]
-    host_pool = dev.platform == "cpu"
+def device_limit(cfg: ExperimentConfig) -> tuple[int | None, str]:
+    """``(bytes per device, where that figure comes from)``: ``mesh.device_memory_gib``, else
+    the device's ``bytes_limit``; CPU devices report nothing and share the host, so each of the
+    ``n`` gets ``1 / n`` of the host's available memory (the config can say otherwise)."""
     if cfg.mesh.device_memory_gib is not None:
-        return int(cfg.mesh.device_memory_gib * GiB), host_pool
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        return int(cfg.mesh.device_memory_gib * GiB), "mesh.device_memory_gib"
+    devices = jax.devices()
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
     if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), False
-    if host_pool:
-        try:
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), True
-        except (ValueError, OSError):
-            return None, True
-    return None, False
+        return int(stats["bytes_limit"]), f"reported by {devices[0].device_kind}"
+    if devices[0].platform == "cpu":
+        host = host_memory()
+        if host is not None:
+            return host // len(devices), (
+                f"the host's {host / GiB:.1f} GiB available / {len(devices)} CPU devices"
+            )
+    return None, "unknown"
+
+
+def host_memory() -> int | None:
+    """The host's available memory (``MemAvailable``, Linux), else its physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
 
 
 def longest_bucket(cfg: ExperimentConfig) -> int:
@@ -226,7 +266,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     """The plan for ``cfg`` (its model already resolved from ``model.hf_path``)."""
     m, t, r, o = cfg.model, cfg.train, cfg.rollout, cfg.orchestrator
     meshes = meshes or build_meshes(cfg.mesh)
-    limit, host_pool = device_limit(cfg)
+    limit, limit_source = device_limit(cfg)
     items: list[Item] = []
     notes: list[str] = []
     live = o.staleness_k + 1
@@ -311,7 +351,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
 
     # KV caches
     page = _page_bytes(cfg, cfg.mesh.rollout.tp)
-    plan = MemoryPlan(items, limit, cfg.mesh.memory_utilization, host_pool, 0, False, (rows, T),
+    plan = MemoryPlan(items, limit, cfg.mesh.memory_utilization, limit_source, 0, False, (rows, T),
                       notes, compiled)  # fmt: skip
     if r.num_pages is None:
         plan.num_pages, plan.pages_sized = _size_pages(plan, per_device_groups, page, cfg), True
@@ -373,11 +413,18 @@ def _size_pages(plan: MemoryPlan, groups: dict[int, int], page: int, cfg: Experi
         pages = free // (engines * page)
         best = pages if best is None else min(best, pages)
         if pages < need:
+            biggest = sorted(
+                [i for i in plan.items if i.device in devs], key=lambda i: i.bytes, reverse=True
+            )[:3]
             raise MemoryPlanError(
                 f"rollout.num_pages: {pool} has {max(free, 0) / GiB:.2f} GiB left for the KV "
                 f"caches of {engines} engine(s), {max(pages, 0)} pages each, fewer than the "
-                f"{need} one request of max_prompt_len + max_new_tokens needs; free memory "
-                f"(see below) or shorten the requests\n{plan.table()}"
+                f"{need} one request of max_prompt_len + max_new_tokens needs\n"
+                "largest items: "
+                + "; ".join(f"{i.what} {i.bytes / GiB:.2f} GiB" for i in biggest)
+                + "\nto change: "
+                + "; ".join(_advice(biggest, plan) + ["shorten the requests"])
+                + f"\n{plan.table()}"
             )
     return int(best if best is not None else 2)
 

@@ -83,10 +83,16 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
     ``layer_tables`` are the block tables offset to this layer's pages.
     """
     P = cache.pages_per_layer
+    # The stacked 16-bit weights enter the scan as bit patterns (no gradients here): XLA's CPU
+    # backend otherwise widens the whole [L, ...] stack to float32 for its dots, outside the
+    # loop (measured: a float32 copy of every weight among the step's temporaries).
+    dtypes = jax.tree.map(lambda w: w.dtype, params["layers"])
+    bits = jax.tree.map(_to_bits, params["layers"])
 
     def layer(carry, xs):
         x, kc, vc = carry
-        lp, l = xs
+        lb, l = xs
+        lp = jax.tree.map(_from_bits, lb, dtypes)
         tables = block_tables + l * P
 
         def attend(q, k, v, scale):
@@ -97,8 +103,16 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
         return (x, kc, vc), None
 
     layers = jnp.arange(cache.num_layers, dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (params["layers"], layers))
+    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (bits, layers))
     return x, cache.replace(k=k, v=v)
+
+
+def _to_bits(w: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype.itemsize == 2 else w
+
+
+def _from_bits(b: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(b, dtype) if b.dtype != dtype else b
 
 
 def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: StepStatic):
