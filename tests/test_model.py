@@ -39,14 +39,14 @@ def test_remat_policies_change_nothing_numerically(remat, seq_chunk):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_full_remat_keeps_16_bit_layer_inputs_exactly():
-    """bfloat16: the full-remat layers keep their inputs as bit patterns; the gradient is the
+def test_nested_remat_keeps_16_bit_layer_inputs_exactly():
+    """bfloat16: nested remat keeps layer and group inputs as bit patterns; the gradient is the
     one without remat."""
     cfg = dataclasses.replace(CFG, param_dtype="bfloat16", compute_dtype="bfloat16")
     params = init_params(cfg, jax.random.key(0))
     grad = jax.jit(jax.grad(loss_fn), static_argnums=1)
     g0 = grad(params, cfg, *batch())
-    g1 = grad(params, dataclasses.replace(cfg, remat="full"), *batch())
+    g1 = grad(params, dataclasses.replace(cfg, remat="nested"), *batch())
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=1e-5)  # fmt: skip

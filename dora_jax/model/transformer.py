@@ -57,7 +57,7 @@ def hidden_states(
         x, _ = decoder_layer(lp, x, positions, cfg, make_attend(cfg, segment_ids))
         return x
 
-    if cfg.remat in ("full", "nested"):
+    if cfg.remat == "nested":
         apply = _full_remat(apply)
     elif cfg.remat != "none":
         apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
@@ -90,12 +90,13 @@ def remat_group_size(num_layers: int) -> int:
 
 
 def _full_remat(apply):
-    """``apply(x, lp, positions, segment_ids)`` whose backward pass recomputes the layer from its
-    input ``x``, the only thing kept between the passes (``jax.checkpoint`` with
-    ``nothing_saveable``, written as a ``custom_vjp``). A 16-bit ``x`` is kept as its bit pattern
-    (uint16): XLA's CPU backend widens a saved bfloat16 stack ``[L, B, T, D]`` to float32 around
-    its dynamic slices and hoists that conversion out of the backward loop (measured: the saved
-    activations materialised again at twice their size); integers are left alone."""
+    """``apply(x, lp, positions, segment_ids)`` whose backward pass recomputes it from its input
+    ``x``, the only thing kept between the passes (what ``jax.checkpoint`` with
+    ``nothing_saveable`` does, written as a ``custom_vjp``; ``remat: nested`` uses it for layers
+    and for groups of layers). A 16-bit ``x`` is kept as its bit pattern (uint16): XLA's CPU
+    backend widens a saved bfloat16 stack ``[L, B, T, D]`` to float32 around its dynamic slices
+    and hoists that conversion out of the backward loop (measured: the saved activations
+    materialised again at twice their size); integers are left alone."""
 
     def bits(x):
         return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
