@@ -11,7 +11,7 @@
    accumulating float32 gradients and metric sums; the weights make the accumulated loss equal
    the full-batch loss exactly;
 4. global-norm clipping + AdamW; if the loss or the gradient norm is not finite, the update is
-   discarded with ``jnp.where`` (params, optimizer state and version unchanged) and ``skipped``
+   skipped with ``lax.cond`` (params, optimizer state and version unchanged) and ``skipped``
    is incremented.
 
 All metrics are computed from the logprobs of the params *before* the update. ``mismatch_kl``
