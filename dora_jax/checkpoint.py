@@ -6,20 +6,19 @@ A checkpoint (one step directory) holds four items:
   directly into the trainer's shardings;
 - ``versions``: the params of every policy version the rollout side may still need (held by a
   group, or the trainer's newest), restored into the trainer's param shardings;
-- ``host``: the control plane and everything in flight, pickled: the runtime (window, transfer
-  queue, rollout manager with its ledger, records), the backend's request table, every engine's
-  requests with their tokens, logprobs and keys, and the KV pages of running requests (so a
-  resumed request continues without re-prefill, bit for bit), the prompt cursor and the
-  trainer log;
+- ``host``: the control plane and everything in flight, as the plain-data state of each part
+  (``state_dict()``), pickled: the runtime's (window, transfer queue, rollout manager with its
+  ledger, records), the backend's (request table, every engine's requests with their tokens,
+  logprobs and keys, and the KV pages of running requests, so a resumed request continues
+  without re-prefill, bit for bit), the prompt cursor and the trainer log;
 - ``config``: the resolved config (JSON).
 
-Live objects that cannot or should not be pickled (the backend, the trainer adapter, the prompt
-source) are written as references and re-linked to the new run's objects on restore.
+A checkpoint is taken between control rounds with no train step running on a worker (the wall
+clock quiesces the groups first: :meth:`Runtime.quiesce`).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import pickle
 from pathlib import Path
@@ -52,40 +51,10 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit the current config."""
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, f, refs: dict[int, str]):
-        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
-        self.refs = refs
-
-    def persistent_id(self, obj: Any) -> str | None:
-        return self.refs.get(id(obj))
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, f, objects: dict[str, Any]):
-        super().__init__(f)
-        self.objects = objects
-
-    def persistent_load(self, pid: str) -> Any:
-        return self.objects[pid]
-
-
-def _live_objects(exp) -> dict[str, Any]:
-    return {"backend": exp.backend, "trainer": exp.grpo, "prompts": exp.runtime.manager.prompts}
-
-
 def _host_state(exp) -> dict[str, Any]:
-    b = exp.backend
     return {
-        "runtime": exp.runtime,
-        "backend": {
-            "published": b.published,
-            "overheads": b.overheads,
-            "tick": b._tick,
-            "meta": b._meta,
-            "where": b._where,
-        },
-        "engines": [e.snapshot() for e in b.engines],
+        "runtime": exp.runtime.state_dict(),
+        "backend": exp.backend.state_dict(),
         "prompt_cursor": exp.source.cursor,
         "reward_errors": exp.reward.errors,
         "grpo_log": [
@@ -100,7 +69,21 @@ def _host_state(exp) -> dict[str, Any]:
 class RunCheckpointer:
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
-        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+        # Only process 0 writes (it holds the trainer, and the other processes' engine snapshots
+        # come to it as plain data): the other processes take no part in the saves.
+        mp = ocp.options.MultiprocessingOptions(
+            primary_host=0, active_processes={0} if jax.process_count() > 1 else None
+        )
+        opts = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            multiprocessing_options=mp,
+            create=False,
+        )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # With several processes, arrays on process 0's devices alone are "host local" to orbax:
+        # they are saved as host copies and put back into their shardings on restore.
+        self.host_copies = jax.process_count() > 1
         self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEMS)
 
     def steps(self) -> list[int]:
@@ -112,16 +95,13 @@ class RunCheckpointer:
         step = exp.runtime.tick_index
         if step in self.steps():
             return step
-        buf = io.BytesIO()
-        objects = _live_objects(exp)
-        _Pickler(buf, {id(v): k for k, v in objects.items()}).dump(_host_state(exp))
-        host = np.frombuffer(buf.getvalue(), np.uint8)
+        host = np.frombuffer(pickle.dumps(_host_state(exp), pickle.HIGHEST_PROTOCOL), np.uint8)
         versions = {f"v{v}": p for v, p in exp.grpo.params.items()}
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                train_state=ocp.args.StandardSave(exp.trainer.state),
-                versions=ocp.args.StandardSave(versions),
+                train_state=ocp.args.StandardSave(self._out(exp.trainer.state)),
+                versions=ocp.args.StandardSave(self._out(versions)),
                 host=ocp.args.StandardSave({"blob": host}),
                 config=ocp.args.JsonSave(to_dict(exp.cfg)),
             ),
@@ -160,23 +140,29 @@ class RunCheckpointer:
             args=ocp.args.Composite(config=ocp.args.JsonRestore(), host=ocp.args.StandardRestore()),
         )
         check_compatible(meta.config, exp.cfg)
-        state = _Unpickler(
-            io.BytesIO(np.asarray(meta.host["blob"]).tobytes()), _live_objects(exp)
-        ).load()
+        state = pickle.loads(np.asarray(meta.host["blob"]).tobytes())
         trainer = exp.trainer
         param_target = jax.tree.map(_abstract, trainer.export_params())
-        arrays = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                train_state=ocp.args.StandardRestore(jax.tree.map(_abstract, trainer.state)),
-                versions=ocp.args.StandardRestore(
-                    {f"v{v}": param_target for v in state["versions"]}
-                ),
-            ),
-        )
-        trainer.state = arrays.train_state
-        exp.grpo.params = {int(k[1:]): v for k, v in arrays.versions.items()}
+        targets = {
+            "train_state": jax.tree.map(_abstract, trainer.state),
+            "versions": {f"v{v}": param_target for v in state["versions"]},
+        }
+        if self.host_copies:
+            host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), targets)
+            arrays = self.manager.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(v) for k, v in host.items()}))  # fmt: skip
+            arrays = {k: jax.device_put(getattr(arrays, k), jax.tree.map(lambda a: a.sharding, v))
+                      for k, v in targets.items()}  # fmt: skip
+        else:
+            r = self.manager.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(v) for k, v in targets.items()}))  # fmt: skip
+            arrays = {"train_state": r.train_state, "versions": r.versions}
+        trainer.state = arrays["train_state"]
+        exp.grpo.params = {int(k[1:]): v for k, v in arrays["versions"].items()}
         _relink(exp, state)
+
+    def _out(self, tree):
+        return jax.device_get(tree) if self.host_copies else tree
 
 
 def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
@@ -186,13 +172,8 @@ def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
 def _relink(exp, state: dict[str, Any]) -> None:
     from dora_jax.pipeline.grpo import StepLog
 
-    b, bs = exp.backend, state["backend"]
-    b.published, b.overheads, b._tick = bs["published"], bs["overheads"], bs["tick"]
-    b._meta, b._where = bs["meta"], bs["where"]
-    for engine, snap in zip(b.engines, state["engines"], strict=True):
-        engine.load_params(exp.grpo.params[snap.version], snap.version)
-        engine.restore(snap)
-    exp.runtime = state["runtime"]
+    exp.runtime.load_state_dict(state["runtime"])  # first: a wall clock continues its timeline
+    exp.backend.load_state_dict(state["backend"], exp.grpo.params_for)
     exp.source.cursor = state["prompt_cursor"]
     exp.reward.errors = state["reward_errors"]
     exp.grpo.log = [StepLog(v, m, r, t) for v, m, r, t in state["grpo_log"]]

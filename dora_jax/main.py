@@ -7,13 +7,9 @@ A run directory gets: ``config.yaml`` (resolved), ``warm_start/`` (cached), ``me
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_config
 
@@ -36,6 +32,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="continue the run in run_dir from its latest checkpoint",
     )
+    m = p.add_argument_group("several processes (one per host; see docs/multihost.md)")
+    m.add_argument(
+        "--local-processes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N processes on this machine (testing; users without a scheduler)",
+    )
+    m.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --local-processes: fake CPU devices per process (default 8 / N)",
+    )
+    m.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="with --local-processes: pin each process to its own CPU core",
+    )
+    m.add_argument("--coordinator", help="host:port of process 0 (else DORA_COORDINATOR, or the "
+                                         "scheduler's: SLURM, Open MPI, Cloud TPU)")  # fmt: skip
+    m.add_argument("--num-processes", type=int, help="processes in the run (DORA_NUM_PROCESSES)")
+    m.add_argument("--process-id", type=int, help="this process's index (DORA_PROCESS_ID)")
     p.add_argument(
         "overrides",
         nargs="*",
@@ -64,6 +84,22 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.local_processes:
+        return _launch_local(args, argv, cfg)
+    from dora_jax.distributed.process import ProcessError, initialize, spec_from
+
+    proc = None
+    try:
+        spec = spec_from(args)
+        if spec is not None:
+            proc = initialize(spec)
+    except ProcessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if proc is not None and not proc.is_main:
+        from dora_jax.distributed.host import serve
+
+        return serve(proc)
     from dora_jax.checkpoint import CheckpointError as RunCheckpointError
     from dora_jax.data.jsonl import DataError
     from dora_jax.model.hf_checkpoint import CheckpointError
@@ -71,7 +107,7 @@ def main(argv: list[str]) -> int:
     from dora_jax.pipeline.experiment import ExperimentError
 
     try:
-        return train(cfg, resume=args.resume)
+        return train(cfg, resume=args.resume, proc=proc)
     except (
         ConfigError,
         DataError,
@@ -110,49 +146,113 @@ class _StopFlag:
         signal.signal(signal.SIGINT, handler)
 
 
-def train(cfg: ExperimentConfig, resume: bool = False) -> int:
-    from dora_jax.metrics import MetricsWriter, progress
-    from dora_jax.model import count_params
-    from dora_jax.pipeline.evaluation import binomial_se
-    from dora_jax.pipeline.experiment import build, run
-    from dora_jax.report import head, plot_timeline, reward_curve_plot, write_summary
+def _launch_local(args: argparse.Namespace, argv: list[str], cfg: ExperimentConfig) -> int:
+    from dora_jax.distributed.launcher import launch_local
+
+    n = args.local_processes
+    k = args.devices_per_process or max(1, 8 // n)
+    rest, skip = [], False
+    for a in argv:  # the children get everything but the launcher's own flags
+        if skip:
+            skip = False
+            continue
+        if a in ("--local-processes", "--devices-per-process"):
+            skip = True
+            continue
+        if a.startswith(("--local-processes=", "--devices-per-process=")) or a == "--pin-cores":
+            continue
+        rest.append(a)
+    return launch_local(n, rest, Path(cfg.run_dir), devices_per_process=k,
+                        pin_cores=args.pin_cores)  # fmt: skip
+
+
+def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
+    """The train command as phases: run dir, build (warm start), checkpoints (resume), the run
+    loop with its observers (metrics, held-out evaluation, checkpoints), final evaluation and
+    reports."""
+    from dora_jax.pipeline.experiment import run
+    from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
+    from dora_jax.pipeline.run_report import write_run_report
 
     run_dir = Path(cfg.run_dir)
+    t_start = time.perf_counter()
+    _announce(cfg, run_dir)
+    if proc is not None:  # a peer that dies ends this process with a message (exit 3)
+        proc.on_peer_lost = lambda what: _resume_hint(run_dir, proc)
+        proc.start_watchdog()
+    exp = _build(cfg, run_dir, proc)
+    try:
+        checkpointer = _open_checkpoints(exp, run_dir, resume)
+        if checkpointer is None:
+            return 2
+        warm_start_s = time.perf_counter() - t_start
+        metrics = MetricsLog(exp, run_dir, resume)
+        evals = HeldOutEval(exp, run_dir, cfg, resume, echo=metrics.echo)
+        if exp.runtime.steps_done == 0:
+            evals.at(0)  # before the first step
+        stop = _StopFlag()
+        stop.install()
+        result = run(
+            exp,
+            max(cfg.train.total_steps - exp.runtime.steps_done, 0),
+            checkpointer=checkpointer,
+            every_steps=cfg.checkpoint.every_steps,
+            should_stop=stop,
+            observers=(metrics, evals),
+        )
+        metrics.close()
+        if not exp.stopped:
+            evals.at(exp.runtime.steps_done)
+        evals.close()
+        write_run_report(exp, result, evals, run_dir, time.perf_counter() - t_start, warm_start_s)
+    finally:
+        exp.close()
+        if proc is not None:
+            proc.finish()
+    return 0
+
+
+def _resume_hint(run_dir: Path, proc) -> str:
+    ckpts = sorted(int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*") if p.is_dir())
+    last = (
+        f"the last checkpoint is {run_dir / 'checkpoints' / str(ckpts[-1])}"
+        if ckpts
+        else "there is no checkpoint yet"
+    )
+    return (
+        f"Stopping; {last}. Continue with the same processes and: python launch/train.py "
+        f"--resume run_dir={run_dir}"
+    )
+
+
+def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
+    from dora_jax.model import count_params
+
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_yaml(cfg, run_dir / "config.yaml")
     o = cfg.orchestrator
     print(
-        f"dora_jax: mode={o.mode} K={o.staleness_k} TBS={o.train_batch_prompts} "
+        f"dora_jax: mode={o.mode} clock={o.clock} K={o.staleness_k} TBS={o.train_batch_prompts} "
         f"RBS={o.rollout_batch_prompts} G={cfg.train.group_size}; policy {cfg.model.family} "
         f"({count_params(cfg.model):,} params); run dir {run_dir}"
     )
-    t_start = time.perf_counter()
+
+
+def _build(cfg: ExperimentConfig, run_dir: Path, proc=None):
+    """The experiment, with a progress bar over the warm start."""
+    from dora_jax.metrics import progress
+    from dora_jax.pipeline.experiment import build
+
     bar = progress(cfg.warm_start.steps, "warm start", enabled=cfg.logging.progress)
 
     def on_warm(i: int, loss: float) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
 
-    exp = build(cfg, run_dir, on_warm)
-    bar.close()
-    from dora_jax.checkpoint import RunCheckpointer
-
-    ckpt_dir = run_dir / "checkpoints"
-    if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        print(
-            f"error: {ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
-            "or choose another run_dir",
-            file=sys.stderr,
-        )
-        return 2
-    checkpointer = RunCheckpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-    if resume:
-        tick = checkpointer.restore_latest(exp)
-        print(
-            f"resumed from {ckpt_dir}/{tick}: {exp.runtime.steps_done} steps done, "
-            f"{sum(e.num_requests for e in exp.backend.engines)} requests in flight"
-        )
-    remaining = cfg.train.total_steps - exp.runtime.steps_done
+    try:
+        exp = build(cfg, run_dir, on_warm, process=proc)
+    finally:
+        bar.close()
     if exp.warm_start_losses:
         print(
             f"warm start: {len(exp.warm_start_losses)} steps, loss "
@@ -162,201 +262,28 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
         f"g{i}:{[d.id for d in m.devices.flat]}" for i, m in enumerate(exp.meshes.groups)
     )
     print(f"trainer mesh {dict(exp.meshes.trainer.shape)}; rollout groups {groups}")
+    return exp
 
-    writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
-    if resume:  # metrics.jsonl continues; drop lines past the checkpoint
-        _truncate_metrics(run_dir / "metrics.jsonl", len(exp.grpo.log))
-    evals = _HeldOutEval(exp, run_dir, cfg, resume)
-    if exp.runtime.steps_done == 0:
-        evals.maybe(0)  # before the first step
-    bar = progress(cfg.train.total_steps, f"GRPO ({o.mode})", enabled=cfg.logging.progress)
-    t_run = time.perf_counter()
-    tokens_seen = 0
 
-    def on_step(log) -> None:
-        nonlocal tokens_seen
-        m = {k: np.asarray(v).tolist() for k, v in log.metrics.items()}
-        reward, solved = _reward(log), _solved(log)
-        tokens_seen += int(m["num_tokens"])
-        elapsed = time.perf_counter() - t_run
-        writer.write(
-            log.version,
-            {
-                **m,
-                "reward": reward,
-                "solved": solved,
-                "elapsed_s": elapsed,
-                "reward_errors": exp.reward.errors,
-            },
-        )
-        if log.version % cfg.eval.every_steps == 0:
-            evals.maybe(log.version, echo=bar.write if not bar.disable else print)
-        bar.update(1)
-        bar.set_postfix(
-            reward=f"{reward:.2f}",
-            solved=f"{solved:.2f}",
-            stale=f"{m['staleness_mean']:.1f}",
-            tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}",
-        )
-        if not bar.disable:
-            return
-        if log.version % cfg.logging.every_steps == 0:
-            print(
-                f"step {log.version}: reward {reward:.3f} solved {solved:.2f} loss {m['loss']:.4f} "
-                f"staleness {m['staleness_mean']:.2f} len {m['response_len_mean']:.1f}",
-                flush=True,
-            )
+def _open_checkpoints(exp, run_dir: Path, resume: bool):
+    """The run's checkpointer, after restoring the latest checkpoint (``resume``); None (with
+    an error printed) when a fresh run would overwrite checkpoints."""
+    from dora_jax.checkpoint import RunCheckpointer
 
-    stop = _StopFlag()
-    stop.install()
-    bar.update(len(exp.grpo.log))
-    result = run(
-        exp,
-        max(remaining, 0),
-        on_step,
-        checkpointer=checkpointer,
-        every_steps=cfg.checkpoint.every_steps,
-        should_stop=stop,
-    )
-    bar.close()
-    writer.close()
-    if not exp.stopped:
-        evals.maybe(exp.runtime.steps_done)
-    evals.close()
-    rewards = [(sl.version, _reward(sl)) for sl in exp.grpo.log]  # the whole run, resumes too
-    solved_curve = [(sl.version, _solved(sl)) for sl in exp.grpo.log]
-    wall = time.perf_counter() - t_start
-    oh = exp.backend.overheads
-    plot_timeline(
-        result.records,
-        run_dir / "timeline.png",
-        title=f"{o.mode}: rollout groups over time, coloured by policy version",
-    )
-    plot_timeline(
-        head(result.records, 300),
-        run_dir / "timeline_start.png",
-        title=f"{o.mode}: the first 300 ticks",
-    )
-    reward_curve_plot(
-        {"reward": rewards, "solved (exact answer)": solved_curve},
-        run_dir / "reward.png",
-        xlabel="train step",
-    )
-    write_summary(
-        run_dir,
-        summary=result.summary,
-        records=result.records,
-        rewards=rewards,
-        wall_s=wall,
-        overheads={
-            "weight_transfer_s": oh.weight_transfer_s,
-            "migration_s": oh.migration_s,
-            "warm_start_s": t_run - t_start,
-            "eval_s": evals.seconds,
-        },
-        held_out=[dataclasses.asdict(r) for r in evals.results],
-        extra={
-            "reward_errors": exp.reward.errors,
-            "config": "config.yaml",
-            "stopped_early": exp.stopped,
-            "request_states": _counts(result.ledger),
-            "consumed_request_ids": [c.request_id for c in result.records.consumed],
-        },
-    )
-    if exp.stopped:
+    cfg = exp.cfg
+    ckpt_dir = run_dir / "checkpoints"
+    if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
         print(
-            f"stopped at step {exp.runtime.steps_done} with a checkpoint in {ckpt_dir}; "
-            f"continue with: python launch/train.py --resume run_dir={cfg.run_dir}"
+            f"error: {ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
+            "or choose another run_dir",
+            file=sys.stderr,
         )
-    s = result.summary
-    print(
-        f"done in {wall:.0f} s: {s.steps} steps, {s.trajectories} trajectories, "
-        f"bubble {s.bubble:.1%}, staleness mean {s.staleness_mean:.2f} max {s.staleness_max}, "
-        f"{s.migrated} migrated, {s.reprefill_tokens} re-prefill tokens"
-    )
-    k = max(1, len(rewards) // 5)
-    first = float(np.mean([r for _, r in rewards[:k]]))
-    last = float(np.mean([r for _, r in rewards[-k:]]))
-    s0 = float(np.mean([x for _, x in solved_curve[:k]]))
-    s1 = float(np.mean([x for _, x in solved_curve[-k:]]))
-    print(
-        f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
-        f"solved (exact answer): {s0:.3f} -> {s1:.3f}"
-    )
-    if len(evals.results) >= 2:
-        e0, e1 = evals.results[0], evals.results[-1]
-        n = len(exp.evaluator.prompts)
+        return None
+    checkpointer = RunCheckpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    if resume:
+        tick = checkpointer.restore_latest(exp)
         print(
-            f"held-out eval ({n} problems, one sample each): solved {e0.solved:.3f} at step "
-            f"{e0.step} -> {e1.solved:.3f} at step {e1.step} (+-{binomial_se(e1.solved, n):.3f}); "
-            f"mean response {e0.response_len:.1f} -> {e1.response_len:.1f} tokens"
+            f"resumed from {ckpt_dir}/{tick}: {exp.runtime.steps_done} steps done, "
+            f"{exp.backend.live_requests()} requests in flight"
         )
-    print(
-        f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
-    )
-    return 0
-
-
-class _HeldOutEval:
-    """Runs the experiment's held-out evaluation when due and appends it to ``eval.jsonl``
-    (a resumed run keeps the evaluations up to its checkpoint)."""
-
-    FILE = "eval.jsonl"
-
-    def __init__(self, exp, run_dir: Path, cfg: ExperimentConfig, resume: bool):
-        from dora_jax.metrics import MetricsWriter, read_metrics
-        from dora_jax.pipeline.evaluation import EvalResult
-
-        self.exp, self.results, self.seconds = exp, [], 0.0
-        self.writer = None
-        if exp.evaluator is None:
-            return
-        path = run_dir / self.FILE
-        if resume and path.is_file():
-            kept = [r for r in read_metrics(path) if r["step"] <= exp.runtime.steps_done]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            self.results = [EvalResult.from_metrics(r["step"], r) for r in kept]
-        elif path.is_file():
-            path.unlink()
-        self.writer = MetricsWriter(
-            run_dir, cfg.logging.tensorboard, filename=self.FILE, tb_dir="tb/eval"
-        )
-
-    def maybe(self, step: int, *, echo=print) -> None:
-        """Evaluate the trainer's current params at ``step`` unless that step has a result."""
-        if self.writer is None or any(r.step == step for r in self.results):
-            return
-        r = self.exp.evaluate(step)
-        self.results.append(r)
-        self.seconds += r.seconds
-        self.writer.write(step, r.metrics())
-        echo(
-            f"held-out eval at step {step}: solved {r.solved:.3f} reward {r.reward:.3f} "
-            f"response {r.response_len:.1f} tokens ({r.seconds:.1f} s)"
-        )
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-def _counts(ledger: dict) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for state in ledger.values():
-        out[state] = out.get(state, 0) + 1
-    return out
-
-
-def _truncate_metrics(path: Path, keep: int) -> None:
-    if path.is_file():
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(lines[:keep]))
-
-
-def _reward(log) -> float:
-    return float(np.mean(log.rewards))
-
-
-def _solved(log) -> float:
-    """Share of full-mark trajectories (exact answers) in a step."""
-    return float(np.mean([r >= 1.0 for r in log.rewards]))
+    return checkpointer

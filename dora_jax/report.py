@@ -35,7 +35,12 @@ from matplotlib.patches import Patch
 
 from dora_jax.metrics import json_safe
 from dora_jax.orchestrator.backend import ACTIVITIES
-from dora_jax.orchestrator.records import Records, Summary
+from dora_jax.orchestrator.records import (
+    Records,
+    Summary,
+    intersection_length,
+    merge_intervals,
+)
 from dora_jax.orchestrator.transfer_queue import ConsumedRecord
 
 # tab10 without its grey (grey means "weight transfer"); versions cycle through these colours
@@ -44,8 +49,11 @@ IDLE_RGB = np.array([1.0, 1.0, 1.0])
 TRANSFER_RGB = np.array([0.42, 0.42, 0.42])
 TINT = 0.5  # prefill / waiting cells: the version colour blended this much toward white
 MAX_COLS = 2400  # image columns; longer runs are area-averaged down to this many
+MIGRATE_RGB = np.array([0.15, 0.15, 0.15])
 _ACT = {a: i for i, a in enumerate(ACTIVITIES)}
-_IDLE, _PREFILL, _DECODE, _TRANSFER = (_ACT[a] for a in ("idle", "prefill", "decode", "transfer"))
+_IDLE, _PREFILL, _DECODE, _TRANSFER, _MIGRATE = (
+    _ACT[a] for a in ("idle", "prefill", "decode", "transfer", "migrate")
+)
 
 
 def version_color(version: int) -> tuple[float, float, float]:
@@ -96,6 +104,48 @@ def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
     return np.clip(img, 0.0, 1.0)
 
 
+def _span_image(records: Records, end: float, ncols: int) -> np.ndarray:
+    """Wall clock: ``[groups, ncols, 3]`` RGB over ``[0, end)`` seconds from each group's spans
+    (each column the time-weighted mean colour; time outside every span is idle, white)."""
+    cols = np.linspace(0.0, end, ncols + 1)
+    img = np.ones((records.num_groups, ncols, 3))
+    by_group: list[list] = [[] for _ in range(records.num_groups)]
+    for g in records.spans:
+        if g.t0 < end and g.t1 > g.t0:
+            by_group[g.group].append(g)
+    p = len(PALETTE)
+    for gi, spans in enumerate(by_group):
+        if not spans:
+            continue
+        spans.sort(key=lambda x: x.t0)
+        edges, colors, t = [0.0], [], 0.0
+        for x in spans:
+            a, b = max(x.t0, t), min(x.t1, end)
+            if b <= a:
+                continue
+            if a > t:
+                edges.append(a)
+                colors.append(IDLE_RGB)
+            base = PALETTE[x.version % p]
+            rgb = {
+                "decode": base, "prefill": base * (1 - TINT) + TINT, "transfer": TRANSFER_RGB,
+                "migrate": MIGRATE_RGB,
+            }.get(x.activity, IDLE_RGB)  # fmt: skip
+            edges.append(b)
+            colors.append(rgb)
+            t = b
+        if t < end:
+            edges.append(end)
+            colors.append(IDLE_RGB)
+        e = np.asarray(edges)
+        c = np.asarray(colors)
+        area = np.concatenate([np.zeros((1, 3)), np.cumsum(c * np.diff(e)[:, None], axis=0)])
+        width = np.diff(cols)
+        for k in range(3):
+            img[gi, :, k] = np.diff(np.interp(cols, e, area[:, k])) / width
+    return np.clip(img, 0.0, 1.0)
+
+
 def plot_timeline(
     records: Records,
     path: str | Path,
@@ -111,28 +161,43 @@ def plot_timeline(
     started on a group (``records.transfers``); the "migrations" lane marks each migration with a
     ``v`` sized by its request count; the "trainer" lane shows each train step's span, coloured
     and labelled by the version it produces. x is the tick, or seconds when ``tick_seconds`` (one
-    duration per recorded tick) is given. Runs longer than ``max_cols`` columns are area-averaged
-    (a column's colour is the mean over the time it covers), so 100k ticks x 128 groups render as
-    one image, not one rectangle per cell.
+    duration per recorded tick) is given or the records are on the wall clock (then each lane
+    shows every engine step, weight load (grey) and KV move (near-black) of its group where it
+    happened, and white where the group did nothing). Runs longer than ``max_cols`` columns are
+    area-averaged (a column's colour is the mean over the time it covers), so 100k ticks x 128
+    groups render as one image, not one rectangle per cell.
     """
     path = Path(path)
-    version, act, active = _grid(records)
-    ngroups, nticks = version.shape
-    edges = _time_edges(nticks, tick_seconds)
-    x0, x1 = 0.0, float(edges[-1]) if nticks else 1.0
-    ncols = max(1, min(nticks, max_cols) if tick_seconds is None else max_cols)
+    wall = records.clock == "wall"
+    if wall:
+        ngroups = records.num_groups
+        x0, x1 = 0.0, max(records.horizon(), max((s.end for s in records.steps), default=0.0))
+        x1 = x1 or 1.0
+        nticks = len(records.cluster)
+        img = _span_image(records, x1, max_cols) if records.spans else None
 
-    def x_at(tick: int) -> float:
-        return float(edges[min(max(tick, 0), nticks)]) if nticks else 0.0
+        def x_at(t: float) -> float:
+            return float(t)
+
+        versions = {g.version for g in records.spans if g.activity != "idle"}
+    else:
+        version, act, active = _grid(records)
+        ngroups, nticks = version.shape
+        edges = _time_edges(nticks, tick_seconds)
+        x0, x1 = 0.0, float(edges[-1]) if nticks else 1.0
+        ncols = max(1, min(nticks, max_cols) if tick_seconds is None else max_cols)
+        img = _image(version, act, active, edges, ncols) if nticks else None
+
+        def x_at(tick: int) -> float:
+            return float(edges[min(max(tick, 0), nticks)]) if nticks else 0.0
+
+        versions = set(int(v) for v in np.unique(version[act != _IDLE])) if nticks else set()
 
     lanes_in = float(np.clip(0.2 * ngroups, 1.6, 16.0))  # inches for the group lanes
     fig = Figure(figsize=(14, lanes_in + 1.9), dpi=110, layout="constrained")
     top, ax = fig.subplots(2, 1, sharex=True, height_ratios=[0.6, lanes_in])
-    if nticks:
-        img = _image(version, act, active, edges, ncols)
+    if img is not None:
         ax.imshow(img, aspect="auto", interpolation="nearest", extent=(x0, x1, ngroups - 0.5, -0.5))
-
-    versions = set(int(v) for v in np.unique(version[act != _IDLE])) if nticks else set()
     versions |= {s.version for s in records.steps}
     # header lanes: trainer (y = 0), one bar per step coloured by the version it produces, and
     # migrations (y = 1), one marker per migration sized by its request count
@@ -161,12 +226,13 @@ def plot_timeline(
 
     step = max(1, math.ceil(ngroups / 32))
     gticks = list(range(0, ngroups, step))
-    xlabel = "tick" if tick_seconds is None else "time (s)"
+    xlabel = "time (s)" if wall or tick_seconds is not None else "tick"
     ax.set(yticks=gticks, yticklabels=[f"g{g}" for g in gticks], ylim=(ngroups - 0.5, -0.5),
            xlim=(x0, x1), xlabel=xlabel, ylabel="rollout group")  # fmt: skip
     ax.tick_params(axis="y", labelsize=7 if ngroups > 16 else 8)
     head = title or f"{records.mode}: rollout groups by policy version"
-    top.set_title(f"{head}  ({ngroups} groups, {nticks} ticks, {len(records.steps)} steps)")
+    extent = f"{x1:.1f} s" if wall else f"{nticks} ticks"
+    top.set_title(f"{head}  ({ngroups} groups, {extent}, {len(records.steps)} steps)")
 
     handles = _legend(sorted(versions))
     ncol = 1 if len(handles) * 0.15 < lanes_in + 0.6 else 2
@@ -186,6 +252,7 @@ def _legend(versions: list[int]) -> list[Any]:
     handles += [
         Patch(color=tuple(PALETTE[0] * (1 - TINT) + TINT), label="light: prefill / waiting"),
         Patch(color=tuple(TRANSFER_RGB), label="weight transfer"),
+        Patch(color=tuple(MIGRATE_RGB), label="KV move (wall clock)"),
         Patch(facecolor="white", edgecolor="0.6", label="idle"),
         Line2D([], [], marker=">", color="black", ls="", ms=5, label="transfer start"),
         Line2D([], [], marker="v", color="black", ls="", ms=5, label="migration (size: n)"),
@@ -206,8 +273,17 @@ def phase_fractions(
     """Shares of ``rollout_only``, ``overlap``, ``train_only`` and ``neither`` over the ticks
     ``[0, end)`` (all recorded ticks if None); see the module doc. Weighted by ``tick_seconds``
     (one per recorded tick) when given."""
-    n = len(records.groups) if end is None else min(end, len(records.groups))
     keys = ("rollout_only", "overlap", "train_only", "neither")
+    if records.clock == "wall":  # seconds, from the spans and the steps' spans
+        h = records.horizon() if end is None else end
+        roll = merge_intervals([(g.t0, min(g.t1, h)) for g in records.spans
+                                if g.activity in ("prefill", "decode") and g.t0 < h])  # fmt: skip
+        train = merge_intervals([(s.start, min(s.end, h)) for s in records.steps if s.start < h])
+        both = intersection_length(roll, train)
+        r, t = sum(b - a for a, b in roll), sum(b - a for a, b in train)
+        parts = (r - both, both, t - both, max(h - r - t + both, 0.0))
+        return {k: v / h if h > 0 else 0.0 for k, v in zip(keys, parts, strict=True)}
+    n = len(records.groups) if end is None else min(end, len(records.groups))
     if n == 0:
         return dict.fromkeys(keys, 0.0)
     _, act, active = _grid(records, n)
@@ -221,9 +297,14 @@ def phase_fractions(
     return {k: float(w[m].sum() / total) for k, m in zip(keys, parts, strict=True)}
 
 
+def _horizon(summary: Summary) -> float:
+    """The summary's horizon: seconds on the wall clock, else ticks."""
+    return summary.seconds if summary.clock == "wall" else summary.ticks
+
+
 def consumed_in(records: Records, summary: Summary) -> list[ConsumedRecord]:
     """The consumed trajectories ``summary`` counts (same rule as ``Records.summary``)."""
-    end = summary.ticks
+    end = _horizon(summary)
     steps_in = [s for s in records.steps if s.end <= end]
     if not steps_in:
         return []
@@ -264,15 +345,16 @@ def write_summary(
     run_dir.mkdir(parents=True, exist_ok=True)
     consumed = consumed_in(records, summary)
     hist = dict(sorted(Counter(c.staleness for c in consumed).items()))
-    phases = phase_fractions(records, summary.ticks, tick_seconds)
+    phases = phase_fractions(records, _horizon(summary), tick_seconds)
     per_s = wall_s if wall_s > 0 else math.nan
     oh = {k: v for k, v in (overheads or {}).items()
           if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
     oh_frac = {f"{k[:-2]}_frac": v / per_s for k, v in oh.items() if k.endswith("_s")}
-    mig_events = sum(1 for t, _ in records.migrations if t < summary.ticks)
+    mig_events = sum(1 for t, _ in records.migrations if t < _horizon(summary))
     reward = _reward_stats(rewards)
     data = {
         "mode": summary.mode,
+        "clock": summary.clock,
         "wall_s": wall_s,
         "ticks": summary.ticks,
         "steps": summary.steps,
@@ -285,6 +367,8 @@ def write_summary(
             "tokens_per_s": summary.tokens / per_s,
         },
         "bubble": summary.bubble,
+        "overlap": summary.overlap,
+        "group_idle": list(summary.group_idle),
         "utilisation": summary.utilisation,
         "rollout_only_frac": phases["rollout_only"],
         "phases": phases,
@@ -326,13 +410,17 @@ def _short(v: Any) -> str:
 
 def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
     th, ph, rw = d["throughput"], d["phases"], d["reward"]
+    horizon = (f"{_f(s.seconds)} s of run time ({s.ticks} control rounds)" if s.clock == "wall"
+               else f"{s.ticks} ticks")  # fmt: skip
     rows = [
-        ("mode", s.mode),
-        ("ticks / train steps / wall time", f"{s.ticks} / {s.steps} / {_f(d['wall_s'])} s"),
+        ("mode / clock", f"{s.mode} / {s.clock}"),
+        ("horizon / train steps / wall time", f"{horizon} / {s.steps} / {_f(d['wall_s'])} s"),
         ("trajectories / tokens consumed", f"{s.trajectories} / {s.tokens}"),
         ("trajectories per tick / per s", f"{_f(th['traj_per_tick'])} / {_f(th['traj_per_s'])}"),
         ("tokens per tick / per s", f"{_f(th['tokens_per_tick'])} / {_f(th['tokens_per_s'])}"),
-        ("bubble (idle group-ticks)", _f(s.bubble, True)),
+        ("bubble (idle group time)", _f(s.bubble, True)),
+        ("trainer-busy time with rollout decoding", _f(s.overlap, True)),
+        ("idle share per group", ", ".join(_f(x, True) for x in s.group_idle)),
         ("rollout-only time", _f(ph["rollout_only"], True)),
         ("overlap / train-only / neither",
          " / ".join(_f(ph[k], True) for k in ("overlap", "train_only", "neither"))),
@@ -367,8 +455,8 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
         "",
         "## Definitions",
         "",
-        f"Counts cover the summary horizon: ticks [0, {s.ticks}), up to the end of the last "
-        "train step; per-second figures divide them by the run's wall time.",
+        f"Counts cover the summary horizon ({horizon}), up to the end of the last train step; "
+        "per-second figures divide them by the run's wall time.",
         "",
         "- bubble: group-ticks in which a group is idle (holds no request, receives no weights) "
         "over all group-ticks.",
@@ -411,14 +499,47 @@ def reward_curve_plot(
     return path
 
 
-def head(records: Records, ticks: int) -> Records:
-    """The first ``ticks`` ticks of ``records`` (for a readable close-up of a long run)."""
+def window(records: Records, t0: float, t1: float) -> Records:
+    """Wall clock: the records of ``[t0, t1)`` seconds, shifted to start at 0 (a readable view of
+    a stretch of a long run)."""
     from dataclasses import replace
+
+    def cut(t: float) -> bool:
+        return t0 <= t < t1
 
     return replace(
         records,
-        groups=records.groups[:ticks],
-        cluster=records.cluster[:ticks],
+        spans=[
+            g._replace(t0=max(g.t0, t0) - t0, t1=min(g.t1, t1) - t0)
+            for g in records.spans
+            if g.t1 > t0 and g.t0 < t1
+        ],  # fmt: skip
+        cluster=[c._replace(time=c.time - t0) for c in records.cluster if cut(c.time)],
+        steps=[
+            replace(s, start=max(s.start, t0) - t0, end=min(s.end, t1) - t0)
+            for s in records.steps
+            if s.end > t0 and s.start < t1
+        ],  # fmt: skip
+        plans=[replace(p, tick=p.tick - t0) for p in records.plans if cut(p.tick)],
+        transfers=[(t - t0, g, v) for t, g, v in records.transfers if cut(t)],
+        migrations=[(t - t0, n) for t, n in records.migrations if cut(t)],
+        discards=[(t - t0, n) for t, n in records.discards if cut(t)],
+        consumed=[replace(c, tick=c.tick - t0) for c in records.consumed if cut(c.tick)],
+        cross_host=[(t - t0, *rest) for t, *rest in records.cross_host if cut(t)],
+    )
+
+
+def head(records: Records, ticks: float) -> Records:
+    """The first ``ticks`` ticks (seconds, on the wall clock) of ``records`` (for a readable
+    close-up of a long run)."""
+    from dataclasses import replace
+
+    wall = records.clock == "wall"
+    return replace(
+        records,
+        groups=records.groups[: int(ticks)],
+        spans=[g for g in records.spans if g.t0 < ticks],
+        cluster=[c for c in records.cluster if (c.time if wall else c.tick) < ticks],
         steps=[s for s in records.steps if s.start < ticks],
         plans=[p for p in records.plans if p.tick < ticks],
         transfers=[t for t in records.transfers if t[0] < ticks],

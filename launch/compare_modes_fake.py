@@ -5,6 +5,11 @@
 Every mode runs the same prompts and response lengths (a function of the seed and request id)
 for the same number of train steps; throughput is trajectories (and their tokens) consumed by
 training per tick, until the last of those steps ends. No jax, no devices: logical time only.
+
+An illustration of the modes' mechanics (versions, staleness, re-prefill, discards, migrations),
+not a speed measurement: the throughput ranking follows the costs chosen below (prefill rate,
+weight-transfer and migration ticks). The simulator (``launch/simulate.py``) compares the modes'
+throughput on a cost model of real hardware.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
         [--json PATH] [--plots-dir DIR] [--plot-modes dora,sync] [--no-plots]
 
 Runs every (mode, placement) of the config on the same workload and seed, prints one table in
-modeled seconds with the paper's figures beside ours (from ../shared/reference/paper_figures.yaml),
+modeled seconds with the paper's figures beside ours (from dora_jax/sim/paper_figures.yaml),
 writes JSON (default benchmarks/results/sim_<name>.json) and one timeline PNG per run (default
 runs/sim/<name>/). No jax: the control plane drives simulated groups (docs/simulator.md).
 """

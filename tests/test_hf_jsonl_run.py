@@ -6,13 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import transformers
 from hf_tokenizer_files import write_word_tokenizer  # tests/hf_tokenizer_files.py
 
 from dora_jax.config import EvalConfig, load_config
 from dora_jax.pipeline.experiment import _eval_problems, build, run
 
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,6 +37,11 @@ def test_hf_checkpoint_jsonl_prompts_boxed_reward(hf_dir, tmp_path):
         f"eval.path={ROOT / 'configs' / 'examples' / 'math.jsonl'}", "eval.num_prompts=2",
     ])  # fmt: skip
     exp = build(cfg, tmp_path / "run")
+    # the configured reward is boxed_math: the last \\boxed{} counts, a bare answer does not
+    # (the exact-match reward would give 0 and 1 here)
+    assert exp.reward("7 times 8 is \\boxed{54}, no: \\boxed{56}", "56") == 1.0
+    assert exp.reward("56", "56") == 0.0
+    assert exp.reward("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
     # a JSONL run evaluates on eval.path (its first num_prompts lines), and skips without it
     assert len(exp.evaluator.prompts) == 2 and exp.evaluate(0).step == 0
     assert _eval_problems(dataclasses.replace(cfg, eval=EvalConfig())) == []

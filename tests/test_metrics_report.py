@@ -268,7 +268,7 @@ def test_write_summary_agrees_with_summary(dora, tmp_path):
     assert r["n_avg"] == 2 and r["start"] == pytest.approx(0.05) and r["end"] == pytest.approx(0.65)
     assert r["curve"][-1][1] is None and d["extra"] == {"seed": 1}
     md = mpath.read_text()
-    assert "![timeline](timeline.png)" in md and "| bubble (idle group-ticks) |" in md
+    assert "![timeline](timeline.png)" in md and "| bubble (idle group time) |" in md
     assert f"{100 * s.bubble:.1f} %" in md and "rollout-only" in md
     # a summary over the first 4 steps counts only the trajectories those steps consumed
     s4 = rec.summary(4)

@@ -4,17 +4,15 @@ Every parameter (norm weights and q/k/v biases included) is randomised so that a
 of them shows. Tolerance: max |logits difference| <= 1e-4 in float32, never loosened.
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from dora_jax.model import forward  # noqa: E402
-from dora_jax.model.hf_checkpoint import (  # noqa: E402
+from dora_jax.model import forward
+from dora_jax.model.hf_checkpoint import (
     load_hf_config,
     load_hf_params,
     save_hf_checkpoint,

@@ -1,4 +1,6 @@
-"""What each of the five modes does, and dora's throughput against the baselines."""
+"""What each of the five modes does on the fake backend. Its throughput ranking follows the costs
+it is given (prefill rate, weight-transfer and migration ticks), so no speed is asserted here:
+the ranking of the modes is tested on the simulator's cost model (``test_sim_run.py``)."""
 
 import importlib.util
 from collections import defaultdict
@@ -93,22 +95,6 @@ def _compare_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def test_dora_beats_sync_one_step_and_partial_on_a_long_tail():
-    """The workload of ``python launch/compare_modes_fake.py``, fewer steps, seed 0: dora
-    consumes more trajectories per tick than sync, one_step and partial."""
-    cmp = _compare_module()
-    backend = FakeBackendConfig(seed=0, **cmp.WORKLOAD)
-    tput = {}
-    for mode in ("sync", "one_step", "partial", "dora"):
-        cfg = OrchestratorConfig(mode=mode, staleness_k=2, train_batch_prompts=16,
-                                 rollout_batch_prompts=32, plan_period_ticks=16)  # fmt: skip
-        run = run_fake(cfg, cmp.GROUP_SIZE, backend, num_steps=8, step_ticks=50,
-                       prompt_len=cmp.PROMPT_LEN)  # fmt: skip
-        tput[mode] = run.result.summary.traj_per_tick
-    assert tput["dora"] > tput["partial"] > tput["one_step"] >= tput["sync"], tput
-    assert tput["dora"] > 2 * tput["sync"], tput
 
 
 def test_compare_command_prints_every_mode(capsys):

@@ -10,6 +10,7 @@ TINY = [
     "warm_start.steps=5", "warm_start.batch_size=8", "orchestrator.train_batch_prompts=2",
     "orchestrator.rollout_batch_prompts=4", "train.group_size=4", "rollout.max_new_tokens=48",
     "logging.progress=false", "rollout.temperature=1.0", "eval.num_prompts=8",
+    "orchestrator.clock=logical",
 ]  # fmt: skip
 
 

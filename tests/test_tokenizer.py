@@ -4,13 +4,11 @@ against transformers' own tokenizer on a small tokenizer built offline."""
 import json
 
 import pytest
+import transformers
 from hf_tokenizer_files import write_word_tokenizer  # tests/hf_tokenizer_files.py
 
 from dora_jax.config import ModelConfig
 from dora_jax.model.tokenizer import CharTokenizer, HFTokenizer, TokenizerError, load_tokenizer
-
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
 
 def test_char_tokenizer_round_trip_and_fits_default_model():

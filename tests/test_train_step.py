@@ -1,6 +1,8 @@
-"""The jitted GRPO train step: NumPy-oracle loss and metrics, staleness-0 ratio, sharded ==
-unsharded without recompiles, microbatching, learning direction, the non-finite guard, fp32
-master weights and the KL/TIS/RLOO options."""
+"""The jitted GRPO train step: NumPy-oracle loss and metrics, staleness-0 ratio, sharded (2x4 and
+4x2) == unsharded without recompiles, microbatching, learning direction, the non-finite guard,
+fp32 master weights, Adam moment dtypes, and the gradients and first update of every loss option
+(GRPO / Dr. GRPO / RLOO, the three aggregations, TIS, KL against a reference that differs from
+the policy, microbatches) against ``jax.grad`` of an independent float64 model and loss."""
 
 import dataclasses
 
@@ -8,19 +10,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference_model import as_float64, reference_logprobs  # tests/reference_model.py
 
 from dora_jax.config import ModelConfig, TrainConfig
 from dora_jax.mesh import make_mesh
 from dora_jax.model import forward, init_params
-from dora_jax.train import Trainer, Trajectory, model_params, pack_batch, token_logprobs
+from dora_jax.train import (
+    Trainer,
+    Trajectory,
+    init_state,
+    model_params,
+    pack_batch,
+    token_logprobs,
+    train_step_with_grads,
+)
 
 MODEL = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
 )
 G = 4
-TRAIN = TrainConfig(
-    lr=1e-3, group_size=G, length_buckets=(16, 32), logprob_chunk=16, total_steps=10
-)
+# gradient oracle: the float32 step differs from the float64 oracle by <= 8.2e-7 of a leaf's
+# largest entry (3.5e-7 for the loss, 2.6e-7 for the global norm); 1e-5 leaves 12x room
+GRAD_RTOL = 1e-5
+# adam_eps near a typical gradient entry and no clipping: the first AdamW update
+# lr * g / (|g| + eps) then depends on the gradient's scale (with eps = 1e-8 it is about
+# lr * sign(g), and a gradient scaled by any factor would give the same params)
+TRAIN = TrainConfig(lr=1e-3, group_size=G, length_buckets=(16, 32), logprob_chunk=16,
+                    total_steps=10, adam_eps=1e-3, max_grad_norm=10.0)  # fmt: skip
 
 
 def make_trajs(seed, versions, rewards=None):
@@ -89,10 +105,10 @@ def np_token_stats(params, batch, cfg):
     return lp, ent
 
 
-def np_step_oracle(params, batch, tcfg, ref_params=None):
-    """Loss and metrics of a step, from full-vocabulary logits and per-sample Python loops."""
-    lp, ent = np_token_stats(params, batch, MODEL)
-    S = batch.num_samples
+def np_advantages(batch, tcfg):
+    """Per-sample advantages: each prompt group's rewards minus their mean (RLOO: times
+    G / (G - 1), the leave-one-out baseline), divided by the group's population std for GRPO
+    with ``normalize_std``."""
     rewards = batch.rewards.astype(np.float64).reshape(-1, G)
     adv = np.zeros_like(rewards)
     for g, r in enumerate(rewards):
@@ -105,7 +121,14 @@ def np_step_oracle(params, batch, tcfg, ref_params=None):
             adv[g] = c / (np.sqrt((c**2).mean()) + tcfg.adv_eps)
         else:
             adv[g] = c
-    adv = adv.reshape(S)
+    return adv.reshape(-1)
+
+
+def np_step_oracle(params, batch, tcfg, ref_params=None):
+    """Loss and metrics of a step, from full-vocabulary logits and per-sample Python loops."""
+    lp, ent = np_token_stats(params, batch, MODEL)
+    S = batch.num_samples
+    adv = np_advantages(batch, tcfg)
     ref_lp = np_token_stats(ref_params, batch, MODEL)[0] if ref_params is not None else None
     per_seq, n_tok = [], 0
     sums = dict(low=0.0, high=0.0, kl=0.0, ent=0.0, mis=0.0, mis_n=0.0)
@@ -210,14 +233,18 @@ def test_step_matches_numpy_oracle(base, params0):
     assert float(m["grad_norm"]) > 0
 
 
-def test_sharded_step_equals_unsharded_without_recompiling(first_step, params0, batch0):
-    mesh = make_mesh(jax.devices(), 2, 4)
-    tr = Trainer(MODEL, TRAIN, mesh=mesh, params=params0)
+@pytest.mark.parametrize("data,model", [(2, 4), (4, 2)])
+def test_sharded_step_equals_unsharded_without_recompiling(
+    first_step, params0, batch0, data, model
+):
+    tr = Trainer(MODEL, TRAIN, mesh=make_mesh(jax.devices(), data, model), params=params0)
     emb = tr.state.params["layers"]["w_gate"].sharding.spec
     assert emb == jax.sharding.PartitionSpec(None, None, "model")  # params really are sharded
     m = host(tr.step(batch0))
+    want = first_step["metrics"]
     assert max_diff(host(tr.state.params), first_step["params"]) < 1e-5
-    np.testing.assert_allclose(float(m["loss"]), float(first_step["metrics"]["loss"]), atol=1e-6)
+    np.testing.assert_allclose(float(m["loss"]), float(want["loss"]), atol=1e-6)
+    np.testing.assert_allclose(float(m["grad_norm"]), float(want["grad_norm"]), rtol=1e-5)
     # another batch of the same bucket (different content and staleness): no new compilation
     b1 = pack_batch(make_trajs(5, [1, 0]), TRAIN, trainer_version=1)
     assert b1.tokens.shape == batch0.tokens.shape
@@ -316,30 +343,140 @@ def test_adam_moments_are_float32_unless_asked_otherwise(params0, batch0, moment
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(tr.state.params))
 
 
-def test_kl_tis_rloo_seq_norm_options_match_oracle(params0):
-    tcfg = dataclasses.replace(
-        TRAIN,
-        kl_beta=0.1,
-        tis_cap=1.5,
-        advantage="rloo",
-        loss_agg="seq_mean_token_sum_norm",
-        lr=1e-2,
+# ---------------------------------------------------------------- gradient oracle
+
+
+def oracle_loss(lp, batch, tcfg, adv, ref_lp=None):
+    """The step's loss from per-token logprobs ``lp`` (``[B, T]``, float64), per-sample Python
+    loops as in :func:`np_step_oracle`. The truncated importance weight ``min(1, C / r)`` is a
+    constant of the loss (by definition the TIS gradient is ``min(r, C) A grad log pi``)."""
+    per_seq = []
+    for s in range(batch.num_samples):
+        sel = (batch.sample_index == s) & batch.loss_mask
+        if not sel.any():
+            continue
+        logp, a = lp[sel], adv[s]
+        r = jnp.exp(logp - batch.behavior_logprobs[sel].astype(np.float64))
+        clipped = jnp.clip(r, 1 - tcfg.clip_eps_low, 1 + tcfg.clip_eps_high)
+        tok = -jnp.minimum(r * a, clipped * a)
+        if tcfg.tis_cap is not None:
+            tok = tok * jax.lax.stop_gradient(jnp.minimum(1.0, tcfg.tis_cap / r))
+        if tcfg.kl_beta > 0:
+            d = ref_lp[sel] - logp
+            tok = tok + tcfg.kl_beta * (jnp.exp(d) - d - 1)
+        per_seq.append(tok)
+    if tcfg.loss_agg == "token_mean":
+        return jnp.concatenate(per_seq).sum() / sum(x.size for x in per_seq)
+    if tcfg.loss_agg == "seq_mean_token_mean":
+        return sum(x.mean() for x in per_seq) / len(per_seq)
+    return sum(x.sum() / tcfg.resolved_loss_norm_len for x in per_seq) / len(per_seq)
+
+
+def _reference_lp(p64, tokens, positions, segment_ids, targets):
+    return reference_logprobs(p64, tokens, positions, segment_ids, targets, MODEL, xp=jnp)
+
+
+_reference_lp_jit = jax.jit(_reference_lp)
+
+
+@jax.jit
+def _reference_lp_pullback(p64, cotangent, *batch_arrays):
+    _, pull = jax.vjp(lambda p: _reference_lp(p, *batch_arrays), p64)
+    return pull(cotangent)[0]
+
+
+def oracle_grads(params, batch, tcfg, ref_params=None):
+    """``(loss, grads)`` in float64 from the independent reference model
+    (``tests/reference_model.py``): ``jax.grad`` of :func:`oracle_loss` taken through the
+    model's logprobs by the chain rule (the model part is compiled once for every case)."""
+    arrays = (batch.tokens, batch.positions, batch.segment_ids, batch.targets)
+    with jax.enable_x64(True):
+        p64 = as_float64(params, jnp)
+        lp = _reference_lp_jit(p64, *arrays)
+        ref_lp = None
+        if tcfg.kl_beta > 0:
+            ref_lp = _reference_lp_jit(as_float64(ref_params, jnp), *arrays)
+        adv = np_advantages(batch, tcfg)
+        loss_of_lp = jax.value_and_grad(lambda x: oracle_loss(x, batch, tcfg, adv, ref_lp))
+        loss, d_lp = jax.jit(loss_of_lp)(lp)
+        grads = _reference_lp_pullback(p64, d_lp, *arrays)
+        return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def global_norm(tree):
+    return float(
+        np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(tree)))
     )
-    tr = Trainer(MODEL, tcfg, params=params0)
-    b = pack_batch(make_trajs(3, [0, 0]), tcfg, trainer_version=0)
-    b = with_behavior(b, params0, noise=0.5, seed=4)
-    m0 = host(tr.step(b))
-    assert abs(float(m0["kl_ref"])) < 1e-7  # the reference policy is the initial policy
-    assert float(m0["tis_frac"]) > 0
-    assert_metrics_match(m0, np_step_oracle(params0, b, tcfg, ref_params=params0))
-    params1 = host(tr.state.params)
-    m1 = host(tr.step(b))
-    assert float(m1["kl_ref"]) > 1e-6
-    assert_metrics_match(m1, np_step_oracle(params1, b, tcfg, ref_params=params0))
 
 
-@pytest.mark.slow
-def test_sharded_4x2_equals_unsharded(first_step, params0, batch0):
-    tr = Trainer(MODEL, TRAIN, mesh=make_mesh(jax.devices(), 4, 2), params=params0)
-    tr.step(batch0)
-    assert max_diff(host(tr.state.params), first_step["params"]) < 1e-5
+def adamw_first_step(params, grads, tcfg):
+    """Params after one AdamW step from fresh moments, written out: global-norm clip, then
+    ``m_hat = g``, ``v_hat = g^2`` (the bias-corrected moments), ``u = g / (|g| + eps)``, plus
+    decoupled weight decay on matrices (not norms or biases), times the step-0 learning rate."""
+    n = global_norm(grads)
+    scale = min(1.0, tcfg.max_grad_norm / n)
+    lr = tcfg.lr * (min(1.0, 1.0 / tcfg.warmup_steps) if tcfg.warmup_steps else 1.0)
+
+    def upd(path, p, g):
+        g = g * scale
+        u = g / (np.abs(g) + tcfg.adam_eps)
+        if path[-1].key not in ("attn_norm", "mlp_norm", "final_norm", "bq", "bk", "bv"):
+            u = u + tcfg.weight_decay * p
+        return p - lr * u
+
+    return jax.tree_util.tree_map_with_path(upd, params, grads)
+
+
+# Every loss option appears in at least one case (the second also clips the global norm).
+GRAD_CASES = {
+    "grpo-token_mean": dict(),
+    "drgrpo-seq_sum_norm-tis-clipnorm": dict(normalize_std=False, tis_cap=1.5, max_grad_norm=0.05,
+                                             loss_agg="seq_mean_token_sum_norm"),
+    "rloo-seq_mean-kl-microbatches": dict(advantage="rloo", loss_agg="seq_mean_token_mean",
+                                          kl_beta=0.5, tis_cap=2.0, microbatches=2),
+}  # fmt: skip
+
+
+def perturbed(params, scale, seed):
+    """``params`` plus independent normal noise of std ``scale`` on every entry."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: x + scale * rng.normal(size=x.shape).astype(np.float32), params)
+
+
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_gradients_and_update_match_float64_oracle(params0, case):
+    """Stale groups with noisy behavior logprobs (both clips and the TIS cap active): the loss,
+    every gradient leaf, the global norm and the first AdamW update against the float64 oracle,
+    and the metrics against the NumPy oracle. The KL reference is *not* the policy, so the KL
+    term contributes a gradient of its own."""
+    tcfg = dataclasses.replace(TRAIN, weight_decay=0.1, lr=1e-2, **GRAD_CASES[case])
+    b = pack_batch(make_trajs(1, [2, 0]), tcfg, trainer_version=2)
+    b = with_behavior(b, params0, noise=0.5, seed=3)
+    ref = perturbed(params0, 0.05, seed=7)
+    state = init_state(params0, MODEL, tcfg)
+    if tcfg.kl_beta > 0:
+        assert max_diff(host(state.ref_params), params0) == 0  # by default the initial policy
+        state = state.replace(ref_params=ref)
+    new_state, m, grads = host(jax.jit(train_step_with_grads)(state, b))
+    want_loss, want = oracle_grads(params0, b, tcfg, ref)
+    assert int(m["skipped"]) == 0
+    np.testing.assert_allclose(float(m["loss"]), want_loss, rtol=GRAD_RTOL)
+    np.testing.assert_allclose(float(m["grad_norm"]), global_norm(want), rtol=GRAD_RTOL)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        w = want
+        for k in path:
+            w = w[k.key]
+        np.testing.assert_allclose(g, w, rtol=0, atol=GRAD_RTOL * np.abs(w).max(),
+                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+    # measured 1.0e-5 x lr (float32 params up to 1 round at 6e-8 = 6e-6 x lr): 10x room
+    assert max_diff(new_state.params, adamw_first_step(params0, want, tcfg)) < 1e-4 * tcfg.lr
+    oracle = np_step_oracle(params0, b, tcfg, ref_params=ref)
+    assert oracle["clip_frac_low"] > 0 and oracle["clip_frac_high"] > 0
+    assert_metrics_match(m, oracle)
+    if tcfg.tis_cap is not None:
+        assert float(m["tis_frac"]) > 0
+    if tcfg.kl_beta > 0:  # the KL term moves the gradient far beyond the tolerance
+        assert float(m["kl_ref"]) > 1e-3
+        _, no_kl = oracle_grads(params0, b, dataclasses.replace(tcfg, kl_beta=0.0))
+        moved = global_norm(jax.tree.map(np.subtract, want, no_kl))
+        assert moved > 1e3 * GRAD_RTOL * global_norm(want)

@@ -336,6 +336,7 @@ class TrainConfig:
 
 
 Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
+Clock = Literal["logical", "wall"]
 
 
 @dataclass(frozen=True)
@@ -343,6 +344,10 @@ class OrchestratorConfig:
     """The control plane: mode, staleness window K, batch sizes and planner triggers."""
 
     mode: Mode = "dora"
+    # logical: one control round per tick, every group one engine step per tick, the trainer's
+    # step inline (deterministic, exactly resumable); wall: every group and the trainer on
+    # their own worker threads, the control plane reacting to their events (speed)
+    clock: Clock = "wall"
     staleness_k: int = 2
     train_batch_prompts: int = 4  # TBS: prompt groups consumed per train step
     rollout_batch_prompts: int = 8  # RBS: prompt groups in flight
@@ -352,9 +357,18 @@ class OrchestratorConfig:
     legacy_fill: bool = True
     # dora: also plan when a ready group idles while requests of another version wait
     plan_on_idle: bool = True
+    # wall clock: stop with an error after this many seconds without progress (no train step,
+    # no trajectory, no dispatch)
+    stall_s: float = 600.0
 
     def __post_init__(self):
         _check(self.staleness_k >= 0, "staleness_k", f"must be >= 0, got {self.staleness_k}")
+        _check(
+            self.clock in ("logical", "wall"),
+            "clock",
+            f"must be 'logical' or 'wall', got {self.clock!r}",
+        )
+        _check(self.stall_s > 0, "stall_s", f"must be > 0, got {self.stall_s}")
         for name in ("legacy_fill", "plan_on_idle"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")

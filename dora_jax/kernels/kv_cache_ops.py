@@ -15,7 +15,7 @@ the cache inputs to their outputs (`input_output_aliases`), so the update happen
 Implementations (`impl`): "reference" is a jnp scatter/gather, which XLA already runs at memory
 speed and in place on a donated cache; it is the intended production path. "pallas" is a small
 copy kernel (one program per slot or page and kv head) kept for comparison on the GPU
-(launch/gpu_check_kernels.py) and for fusing into larger kernels later; it gives nothing over
+(launch/gpu_check.py) and for fusing into larger kernels later; it gives nothing over
 XLA for these pure copies and is not expected to be faster.
 
 Out-of-range indices never touch memory out of bounds: a write slot or destination page outside
@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dora_jax.kernels import shared_memory
+
 Impl = Literal["reference", "pallas"]
 IMPLS: tuple[str, ...] = ("reference", "pallas")
 
@@ -44,7 +46,8 @@ def _is_pow2(x: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class KVCopyTuning:
-    """Triton compiler parameters of the copy kernels (ignored in interpret mode)."""
+    """Triton compiler parameters of the copy kernels (ignored in interpret mode). Compiled,
+    num_stages is lowered when the tiles would not fit the GPU's shared memory (fit_copy_tuning)."""
 
     num_warps: int = 1
     num_stages: int = 1
@@ -57,6 +60,59 @@ class KVCopyTuning:
 
     def compiler_params(self) -> plgpu.CompilerParams:
         return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared memory budget of the compiled kernels: a model and an upper bound (these kernels have no
+# loop to pipeline, so Triton may well keep their tiles in registers)
+# ----------------------------------------------------------------------------------------------
+
+
+def append_shared_memory_bytes(head_dim: int, dtype, tuning: KVCopyTuning) -> int:
+    """Bytes of the slot-write kernel behind append_kv and append_kv_chunk: one program loads
+    one token's K and V rows ``[H]``, counted once per pipeline stage."""
+    return tuning.num_stages * 2 * head_dim * jnp.dtype(dtype).itemsize
+
+
+def page_copy_shared_memory_bytes(
+    page_size: int, head_dim: int, dtype, tuning: KVCopyTuning
+) -> int:
+    """Bytes of the pack and unpack kernels (the same tiles): one program moves one page of K and
+    one of V ``[Z, H]``, counted once per pipeline stage."""
+    return tuning.num_stages * 2 * page_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+def fit_copy_tuning(
+    kernel: Literal["append", "page_copy"],
+    page_size: int,
+    head_dim: int,
+    dtype,
+    tuning: KVCopyTuning,
+    limit: int | None = None,
+) -> KVCopyTuning:
+    """The tuning a compiled copy kernel runs with: ``tuning`` itself when its tiles fit ``limit``
+    bytes of shared memory (default: the first GPU's per-block limit), else fewer pipeline
+    stages. The tiles are set by the shapes alone, so if one stage does not fit either this
+    raises ValueError naming the tuning field.
+    """
+    if kernel == "append":
+        nbytes = functools.partial(append_shared_memory_bytes, head_dim, dtype)
+    elif kernel == "page_copy":
+        nbytes = functools.partial(page_copy_shared_memory_bytes, page_size, head_dim, dtype)
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}; expected 'append' or 'page_copy'")
+    limit = shared_memory.device_limit_bytes() if limit is None else limit
+    fitted = tuning
+    while nbytes(fitted) > limit:
+        if fitted.num_stages == 1:
+            raise ValueError(
+                f"the compiled {kernel} kernel needs {nbytes(fitted)} B of shared memory per "
+                f"program with KVCopyTuning.num_stages=1 (Z={page_size}, H={head_dim}, "
+                f"{jnp.dtype(dtype).name}), over the {limit} B per-block limit of this GPU; "
+                f'use impl="reference"'
+            )
+        fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+    return fitted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,8 +173,10 @@ def _write_slots(k_pages, v_pages, new_k, new_v, page, offset, ok, impl, interpr
     ok = ok & (page >= 0) & (page < total_pages) & (offset >= 0) & (offset < page_size)
     if impl == "reference":
         return _write_slots_reference(k_pages, v_pages, new_k, new_v, page, offset, ok)
-    if not interpret and not _is_pow2(head_dim):
-        raise ValueError(f"the compiled kernel needs a power-of-two H, got H={head_dim}")
+    if not interpret:
+        if not _is_pow2(head_dim):
+            raise ValueError(f"the compiled kernel needs a power-of-two H, got H={head_dim}")
+        tuning = fit_copy_tuning("append", page_size, head_dim, k_pages.dtype, tuning)
     return _write_slots_pallas(
         k_pages, v_pages, new_k, new_v, page, offset, ok, tuning=tuning, interpret=interpret
     )
@@ -377,12 +435,19 @@ def _check_page_ids(page_ids: jax.Array) -> None:
         raise ValueError(f"page_ids must be int32, got {page_ids.dtype}")
 
 
-def _check_tile(k_pages: jax.Array, interpret: bool) -> None:
+def _compiled_page_copy_tuning(
+    k_pages: jax.Array, interpret: bool, tuning: KVCopyTuning
+) -> KVCopyTuning:
+    """The shape rule of the compiled pack/unpack kernels, and their tuning fitted to the GPU's
+    shared memory (unchanged in interpret mode)."""
+    if interpret:
+        return tuning
     page_size, head_dim = k_pages.shape[-2:]
-    if not interpret and not _is_pow2(page_size * head_dim):
+    if not _is_pow2(page_size * head_dim):
         raise ValueError(
             f"the compiled kernel needs a power-of-two Z * H, got {page_size * head_dim}"
         )
+    return fit_copy_tuning("page_copy", page_size, head_dim, k_pages.dtype, tuning)
 
 
 def pack_pages(
@@ -409,7 +474,7 @@ def pack_pages(
     _check_page_ids(page_ids)
     if impl == "reference" or page_ids.shape[0] == 0:
         return pack_pages_reference(k_pages, v_pages, page_ids)
-    _check_tile(k_pages, interpret)
+    tuning = _compiled_page_copy_tuning(k_pages, interpret, tuning)
     return _pack_pallas(k_pages, v_pages, page_ids, tuning=tuning, interpret=interpret)
 
 
@@ -446,5 +511,5 @@ def unpack_pages(
         )
     if impl == "reference" or page_ids.shape[0] == 0:
         return unpack_pages_reference(k_pages, v_pages, buffer, page_ids)
-    _check_tile(k_pages, interpret)
+    tuning = _compiled_page_copy_tuning(k_pages, interpret, tuning)
     return _unpack_pallas(k_pages, v_pages, buffer, page_ids, tuning=tuning, interpret=interpret)

@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dora_jax.kernels import shared_memory
+
 Impl = Literal["reference", "pallas", "jax_gpu"]
 IMPLS: tuple[str, ...] = ("reference", "pallas", "jax_gpu")
 
@@ -56,6 +58,9 @@ class PagedAttentionTuning:
     k_splits: the page range of a sequence is split into this many parts handled by separate
       programs and merged afterwards (flash-decoding); raise it when B * K is small.
     num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
+
+    Compiled (not interpret), a tuning whose tiles would not fit the GPU's shared memory is
+    shrunk before lowering: smaller compute blocks, then fewer stages (fit_attention_tuning).
     """
 
     pages_per_compute_block: int = 8
@@ -79,6 +84,63 @@ def _split_layout(pages_per_seq: int, tuning: PagedAttentionTuning) -> tuple[int
     per_split = pl.cdiv(pages_per_seq, tuning.k_splits)
     ppcb = min(tuning.pages_per_compute_block, pl.next_power_of_2(per_split))
     return pl.cdiv(per_split, ppcb) * ppcb, ppcb
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared memory budget of the compiled kernel
+# ----------------------------------------------------------------------------------------------
+
+# The Triton dot needs >= 16 rows: the fewest kv tokens a compute block may hold when compiled.
+_MIN_BLOCK_TOKENS = 16
+
+
+def attention_shared_memory_bytes(
+    head_dim: int, page_size: int, pages_per_seq: int, dtype, tuning: PagedAttentionTuning
+) -> int:
+    """Shared memory of one program of the compiled kernel, in bytes (a model, not a measurement).
+
+    The inner loop's K and V tiles ``[pages_per_compute_block * Z, H]`` are staged once per
+    pipeline stage, and the q tile ``[block_h, H]`` once. JAX's shipped kernel ("jax_gpu") has the
+    same tiles, so the same figure is used for it.
+    """
+    _, ppcb = _split_layout(pages_per_seq, tuning)
+    itemsize = jnp.dtype(dtype).itemsize
+    kv_tiles = 2 * ppcb * page_size * head_dim * itemsize
+    return tuning.num_stages * kv_tiles + tuning.block_h * head_dim * itemsize
+
+
+def fit_attention_tuning(
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    dtype,
+    tuning: PagedAttentionTuning,
+    limit: int | None = None,
+) -> PagedAttentionTuning:
+    """The tuning the compiled kernel runs with: ``tuning`` itself when its tiles fit ``limit``
+    bytes of shared memory (default: the first GPU's per-block limit); otherwise the compute
+    block is halved while it keeps >= 16 kv tokens (the pipeline keeps its stages), then the
+    stages drop one by one down to 1. Raises ValueError naming the tuning fields if even that
+    does not fit.
+    """
+    limit = shared_memory.device_limit_bytes() if limit is None else limit
+    fitted = tuning
+    while attention_shared_memory_bytes(head_dim, page_size, pages_per_seq, dtype, fitted) > limit:
+        _, ppcb = _split_layout(pages_per_seq, fitted)
+        if ppcb > 1 and (ppcb // 2) * page_size >= _MIN_BLOCK_TOKENS:
+            fitted = dataclasses.replace(fitted, pages_per_compute_block=ppcb // 2)
+        elif fitted.num_stages > 1:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        else:
+            need = attention_shared_memory_bytes(head_dim, page_size, pages_per_seq, dtype, fitted)
+            raise ValueError(
+                f"the compiled kernel needs {need} B of shared memory per program with "
+                f"PagedAttentionTuning.pages_per_compute_block={ppcb}, num_stages=1 and "
+                f"block_h={fitted.block_h} (H={head_dim}, Z={page_size}, "
+                f"{jnp.dtype(dtype).name}), over the {limit} B per-block limit of this GPU; "
+                f'use a smaller page size or impl="reference"'
+            )
+    return fitted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,10 +402,11 @@ def _validate_for_gpu(
     if tuning.block_h < 16:
         raise ValueError(f"the compiled kernel needs tuning.block_h >= 16, got {tuning.block_h}")
     _, ppcb = _split_layout(pages_per_seq, tuning)
-    if ppcb * page_size < 16:
+    if ppcb * page_size < _MIN_BLOCK_TOKENS:
         raise ValueError(
-            f"the compiled kernel needs >= 16 kv tokens per compute block, got {ppcb} page(s) of "
-            f"{page_size} (pages_per_seq={pages_per_seq}, k_splits={tuning.k_splits})"
+            f"the compiled kernel needs >= {_MIN_BLOCK_TOKENS} kv tokens per compute block, got "
+            f"{ppcb} page(s) of {page_size} (pages_per_seq={pages_per_seq}, "
+            f"k_splits={tuning.k_splits})"
         )
 
 
@@ -369,7 +432,9 @@ def paged_decode_attention(
       impl: "reference", "pallas" or "jax_gpu" (explicit; there is no fallback).
       scale: softmax scale, default 1 / sqrt(H). The softmax is computed in float32.
       interpret: run the Pallas kernels in interpret mode (CPU).
-      tuning: block sizes of the Pallas kernels (default PagedAttentionTuning()).
+      tuning: block sizes of the Pallas kernels (default PagedAttentionTuning()). Compiled
+        (not interpret), a tuning whose tiles exceed the GPU's shared memory is shrunk first
+        (see fit_attention_tuning).
 
     Returns:
       [B, N, H] in q's dtype.
@@ -387,7 +452,11 @@ def paged_decode_attention(
             q, k_pages, v_pages, block_tables, lengths, scale=scale
         )
     if not interpret:
-        _validate_for_gpu(q.shape[-1], k_pages.shape[2], block_tables.shape[1], tuning)
+        # The shape rules of the Triton lowering, then the tiles shrunk to the device's shared
+        # memory before lowering (the shrunk tuning still keeps those rules).
+        head_dim, page_size, pages_per_seq = q.shape[-1], k_pages.shape[2], block_tables.shape[1]
+        _validate_for_gpu(head_dim, page_size, pages_per_seq, tuning)
+        tuning = fit_attention_tuning(head_dim, page_size, pages_per_seq, q.dtype, tuning)
     fn = _paged_decode_pallas if impl == "pallas" else _paged_decode_jax_gpu
     return fn(
         q, k_pages, v_pages, block_tables, lengths, scale=scale, tuning=tuning, interpret=interpret

@@ -22,8 +22,9 @@ from typing import Literal, NamedTuple, Protocol, runtime_checkable
 TRAINER: Literal["trainer"] = "trainer"
 Source = int | Literal["trainer"]
 
-Activity = Literal["idle", "prefill", "decode", "transfer"]
-ACTIVITIES: tuple[Activity, ...] = ("idle", "prefill", "decode", "transfer")
+# "transfer": receiving weights; "migrate": packing or unpacking the KV of moving requests
+Activity = Literal["idle", "prefill", "decode", "transfer", "migrate"]
+ACTIVITIES: tuple[Activity, ...] = ("idle", "prefill", "decode", "transfer", "migrate")
 
 
 class BackendError(RuntimeError):
@@ -44,6 +45,7 @@ class GroupInfo(NamedTuple):
     # order, with the KV pages each one holds now
     requests: tuple[int, ...] = ()
     request_pages: tuple[int, ...] = ()
+    host: int = 0  # the process whose devices hold the group (multi-process runs)
 
     @property
     def num_requests(self) -> int:
@@ -99,7 +101,8 @@ class FinishedRequest:
 
 
 class GroupTick(NamedTuple):
-    """What one group did during one tick."""
+    """What one group did during one tick (logical clock), or during one engine step or data
+    move between ``t0`` and ``t1`` seconds (wall clock: several per group and round)."""
 
     group: int
     version: int
@@ -109,6 +112,8 @@ class GroupTick(NamedTuple):
     prefill_tokens: int  # context tokens prefilled, re-prefills included
     reprefill_tokens: int  # the part of prefill_tokens that had been computed before
     time_s: float  # seconds spent: wall time on a real backend, modelled time elsewhere
+    t0: float = 0.0  # wall clock: when it started and ended (seconds since the run started)
+    t1: float = 0.0
 
 
 @dataclass(frozen=True)

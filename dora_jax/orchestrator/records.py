@@ -1,9 +1,12 @@
 """Per-tick, per-group records and the figures that come out of them.
 
-The same records serve every backend (fake, simulator, real engines): each tick stores what each
-group did (:class:`~dora_jax.orchestrator.backend.GroupTick`) and the cluster-wide state the
-runtime saw (:class:`ClusterTick`); plans, weight transfers, migrations and train steps are
-logged with their tick. :meth:`Records.summary` turns them into:
+The same records serve every backend (fake, simulator, real engines) and both clocks. On the
+logical clock each tick stores what each group did (one
+:class:`~dora_jax.orchestrator.backend.GroupTick` per group) and the cluster-wide state the runtime
+saw (:class:`ClusterTick`); plans, weight transfers, migrations and train steps are logged with
+their tick. On the wall clock every engine step, weight load and KV move of a group is a *span*
+``[t0, t1)`` in seconds (``spans``), and everything else is stamped in seconds.
+:meth:`Records.summary` turns them into:
 
 - ``bubble``: idle group-ticks / group-ticks (a group is idle when it holds no request and is
   not receiving weights; requests in migration transit do not make a group idle).
@@ -13,6 +16,9 @@ logged with their tick. :meth:`Records.summary` turns them into:
 - throughput: trajectories (and their response tokens) consumed by training per tick.
 - staleness mean / max of consumed trajectories, re-prefilled tokens, discarded requests,
   migrated requests, weight transfers, plans and their planning time.
+- ``overlap``: the share of the trainer's busy time (its steps' spans) during which at least one
+  group was prefilling or decoding; ``group_idle``: each group's idle share of the horizon (no
+  engine step, weight load or KV move). On the wall clock ``bubble`` is their mean.
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ class ClusterTick(NamedTuple):
     training: bool
     trainer_version: int  # the newest published version
     window_versions: int  # versions with prompt groups not yet consumed
+    time: float = 0.0  # wall clock: seconds since the start (logical: the tick)
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    start: int
-    end: int
+    start: float  # tick, or seconds on the wall clock
+    end: float
     version: int  # the version the step produced
     prompt_groups: int
     max_staleness: int
@@ -77,6 +84,14 @@ class Summary:
     plan_ms_max: float
     max_version_span: int
     max_live_versions: int  # most distinct versions running requests at once
+    clock: str = "logical"
+    seconds: float = 0.0  # wall clock: the horizon in seconds
+    traj_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    overlap: float = 0.0  # share of trainer-busy time with some group prefilling or decoding
+    group_idle: tuple[float, ...] = ()  # per group, idle share of the horizon
+    cross_host_weight_transfers: int = 0  # weight loads from another process
+    cross_host_migrated: int = 0  # requests moved with their KV to another process
 
 
 @dataclass
@@ -85,29 +100,42 @@ class Records:
     num_groups: int
     max_slots: int
     tokens_per_slot_tick: int = 1
-    groups: list[tuple[GroupTick, ...]] = field(default_factory=list)  # index: tick
+    clock: str = "logical"
+    groups: list[tuple[GroupTick, ...]] = field(default_factory=list)  # index: tick (logical)
+    spans: list[GroupTick] = field(default_factory=list)  # wall clock: every group's spans
     cluster: list[ClusterTick] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     plans: list[PlanRecord] = field(default_factory=list)
     transfers: list[tuple[int, int, int]] = field(default_factory=list)  # (tick, group, version)
     migrations: list[tuple[int, int]] = field(default_factory=list)  # (tick, requests)
     discards: list[tuple[int, int]] = field(default_factory=list)  # (tick, requests)
+    # moves between processes: (tick, "weights" | "kv", source group (-1: trainer), dest, n)
+    cross_host: list[tuple[float, str, int, int, int]] = field(default_factory=list)
     consumed: list[ConsumedRecord] = field(default_factory=list)
 
     def add_tick(self, events: StepEvents, cluster: ClusterTick) -> None:
+        if self.clock == "wall":
+            self.spans.extend(events.groups)
+            self.cluster.append(cluster)
+            return
         if events.tick != len(self.groups) or cluster.tick != events.tick:
             raise ValueError(f"tick {events.tick} recorded out of order")
         self.groups.append(events.groups)
         self.cluster.append(cluster)
 
-    def horizon(self, steps: int | None = None) -> int:
-        """Ticks until the ``steps``-th train step ended (all recorded ticks if None)."""
+    def horizon(self, steps: int | None = None) -> float:
+        """Ticks (seconds on the wall clock) until the ``steps``-th train step ended (all
+        recorded time if None)."""
         if steps is None or steps > len(self.steps):
+            if self.clock == "wall":
+                return max((g.t1 for g in self.spans), default=0.0)
             return len(self.groups)
         return self.steps[steps - 1].end if steps > 0 else 0
 
     def summary(self, steps: int | None = None) -> Summary:
-        """Figures over the ticks until the ``steps``-th train step ended."""
+        """Figures over the ticks (seconds) until the ``steps``-th train step ended."""
+        if self.clock == "wall":
+            return self._wall_summary(steps)
         end = self.horizon(steps)
         steps_in = [s for s in self.steps if s.end <= end]
         last_step_version = steps_in[-1].version if steps_in else None
@@ -117,23 +145,31 @@ class Records:
         gt = max(1, end * self.num_groups)
         idle = prefill = transfer = tokens = reprefill = 0
         max_live = 0
-        for row in rows:
+        idle_by_group = [0] * self.num_groups
+        busy_ticks: list[tuple[float, float]] = []
+        for t, row in enumerate(rows):
             live = set()
+            rolling = False
             for g in row:
                 if g.activity == "idle" and g.active == 0:
                     idle += 1
+                    idle_by_group[g.group] += 1
                 elif g.activity == "prefill":
                     prefill += 1
                 elif g.activity == "transfer":
                     transfer += 1
                 if g.active:
                     live.add(g.version)
+                rolling = rolling or g.activity in ("prefill", "decode")
                 tokens += g.tokens
                 reprefill += g.reprefill_tokens
             max_live = max(max_live, len(live))
+            if rolling:
+                busy_ticks.append((t, t + 1.0))
         plans = [p for p in self.plans if p.tick < end]
         st = [c.staleness for c in consumed]
         ntok = sum(c.response_len for c in consumed)
+        group_idle = tuple(n / max(end, 1) for n in idle_by_group)
         return Summary(
             mode=self.mode,
             ticks=end,
@@ -157,7 +193,76 @@ class Records:
             plan_ms_max=max((p.ms for p in plans), default=0.0),
             max_version_span=max((c.version_span for c in consumed), default=0),
             max_live_versions=max_live,
+            overlap=_overlap(self.steps, end, busy_ticks),
+            group_idle=group_idle,
+            **self._crossings(end),
         )
+
+    def _wall_summary(self, steps: int | None) -> Summary:
+        end = self.horizon(steps)
+        steps_in = [s for s in self.steps if s.end <= end]
+        last = steps_in[-1].version if steps_in else None
+        consumed = [c for c in self.consumed if c.tick < end and last is not None
+                    and c.trainer_version < last]  # fmt: skip
+        spans = [g for g in self.spans if g.t0 < end]
+        span = max(end, 1e-12)
+        busy = [0.0] * self.num_groups
+        cat = dict.fromkeys(("prefill", "transfer"), 0.0)
+        tokens = reprefill = engine_steps = 0
+        for g in spans:
+            dt = min(g.t1, end) - g.t0
+            if g.activity != "idle":
+                busy[g.group] += dt
+            if g.activity in cat:
+                cat[g.activity] += dt
+            if g.activity in ("prefill", "decode"):
+                engine_steps += 1
+            tokens += g.tokens
+            reprefill += g.reprefill_tokens
+        group_idle = tuple(max(0.0, 1.0 - b / span) for b in busy)
+        rolling = [(g.t0, min(g.t1, end)) for g in spans if g.activity in ("prefill", "decode")]
+        plans = [p for p in self.plans if p.tick < end]
+        st = [c.staleness for c in consumed]
+        ntok = sum(c.response_len for c in consumed)
+        gs = span * self.num_groups
+        return Summary(
+            mode=self.mode,
+            ticks=len(self.cluster),
+            steps=len(steps_in),
+            trajectories=len(consumed),
+            tokens=ntok,
+            traj_per_tick=0.0,
+            tokens_per_tick=0.0,
+            bubble=sum(group_idle) / max(self.num_groups, 1),
+            utilisation=tokens / max(engine_steps * self.max_slots * self.tokens_per_slot_tick, 1),
+            prefill_frac=cat["prefill"] / gs,
+            transfer_frac=cat["transfer"] / gs,
+            staleness_mean=sum(st) / len(st) if st else 0.0,
+            staleness_max=max(st, default=0),
+            reprefill_tokens=reprefill,
+            discarded=sum(n for t, n in self.discards if t < end),
+            migrated=sum(n for t, n in self.migrations if t < end),
+            weight_transfers=sum(1 for t, _, _ in self.transfers if t < end),
+            plans=len(plans),
+            plan_ms_mean=sum(p.ms for p in plans) / len(plans) if plans else 0.0,
+            plan_ms_max=max((p.ms for p in plans), default=0.0),
+            max_version_span=max((c.version_span for c in consumed), default=0),
+            max_live_versions=_max_live(spans, self.num_groups),
+            clock="wall",
+            seconds=end,
+            traj_per_s=len(consumed) / span,
+            tokens_per_s=ntok / span,
+            overlap=_overlap(steps_in, end, rolling),
+            group_idle=group_idle,
+            **self._crossings(end),
+        )
+
+    def _crossings(self, end: float) -> dict[str, int]:
+        moves = [m for m in self.cross_host if m[0] < end]
+        return {
+            "cross_host_weight_transfers": sum(1 for m in moves if m[1] == "weights"),
+            "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
+        }
 
     def timeline(self, every: int = 1, end: int | None = None) -> list[str]:
         """One line per group, one character per ``every`` ticks: the version (mod 10) while
@@ -174,3 +279,48 @@ class Records:
                     chars.append({"prefill": "^", "transfer": "~"}.get(x.activity, "."))
             lines.append(f"g{g:<3d}" + "".join(chars))
         return lines
+
+
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``[a, b)`` intervals as sorted disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def intersection_length(
+    a_intervals: list[tuple[float, float]], b_intervals: list[tuple[float, float]]
+) -> float:
+    """Length of the intersection of two unions of intervals."""
+    train, roll = merge_intervals(a_intervals), merge_intervals(b_intervals)
+    both, j = 0.0, 0
+    for a, b in train:
+        while j < len(roll) and roll[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(roll) and roll[k][0] < b:
+            both += min(b, roll[k][1]) - max(a, roll[k][0])
+            k += 1
+    return both
+
+
+def _overlap(steps: list[StepRecord], end: float, rolling: list[tuple[float, float]]) -> float:
+    """Share of the trainer's busy time (``[start, end)`` of each step, cut at ``end``) covered
+    by ``rolling`` (intervals during which some group prefilled or decoded)."""
+    train = merge_intervals([(s.start, min(s.end, end)) for s in steps])
+    total = sum(b - a for a, b in train)
+    return intersection_length(train, rolling) / total if total > 0 else 0.0
+
+
+def _max_live(spans: list[GroupTick], num_groups: int) -> int:
+    """Most distinct versions holding requests at one moment, sweeping the spans by start."""
+    held: list[int | None] = [None] * num_groups
+    best = 0
+    for g in sorted(spans, key=lambda x: x.t0):
+        held[g.group] = g.version if g.active else None
+        best = max(best, len({v for v in held if v is not None}))
+    return best

@@ -84,6 +84,26 @@ class RolloutManager:
         self._started: set[int] = set()  # prompt groups with a member admitted at least once
         self._next_pg = 0
 
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The ledger and the pending requests (plain data; the prompt source keeps its own
+        cursor)."""
+        return {
+            "status": dict(self.status),
+            "pending": {v: list(q) for v, q in self.pending.items()},
+            "members": dict(self._pg_members),
+            "started": sorted(self._started),
+            "next_pg": self._next_pg,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.status = dict(state["status"])
+        self.pending = {v: deque(q) for v, q in state["pending"].items()}
+        self._pg_members = dict(state["members"])
+        self._started = set(state["started"])
+        self._next_pg = state["next_pg"]
+
     # -- ledger ----------------------------------------------------------------------------------
 
     def _move(self, rid: int, new: str) -> None:

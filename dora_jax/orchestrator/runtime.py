@@ -1,10 +1,12 @@
-"""The control-plane loop: one runtime, five modes (``modes.py``), any ``RolloutBackend``.
+"""The control-plane loop: one runtime, five modes (``modes.py``), any ``RolloutBackend``, either
+clock (``clock.py``).
 
-Each :meth:`Runtime.tick`:
+Each :meth:`Runtime.tick` (one control round):
 
-1. if the running train step has lasted its ticks, publish its version (window, backend); in
-   ``partial`` mode every in-flight request is interrupted, every group switches to the new
-   version, and the requests wait to be re-prefilled under it;
+1. if the running train step has ended, publish its version (window, backend) and tell the
+   observers (metrics, evaluation, checkpoints); in ``partial`` mode every in-flight request is
+   interrupted, every group switches to the new version, and the requests wait to be
+   re-prefilled under it;
 2. if the trainer is idle, take a batch: ``TBS`` ready prompt groups, oldest version first, when
    the window allows (``oversample``: abort and discard everything else first);
 3. ``dora``: on a trigger (new version, KV pressure, period, a group idle while requests of
@@ -12,21 +14,31 @@ Each :meth:`Runtime.tick`:
    supplements); otherwise top the newest version up to ``RBS`` prompt groups in flight. Other
    modes: empty groups switch to the newest version; dispatch per the mode (batch or top-up);
 4. admit pending requests to free slots of groups holding their version;
-5. step the backend; finished requests go to the transfer queue; record the tick.
+5. step the backend; finished requests go to the transfer queue; record the round.
 
-The trainer is abstract: ``step(batch) -> new_version`` and ``duration_ticks(batch)``. The
-runtime calls ``step`` when it hands the batch over and publishes the version ``duration_ticks``
-later, so rollout ticks overlap training ticks exactly as far as the mode's window allows.
+Time: on the logical clock ``now`` is the tick index and the backend advances every group one
+engine step per tick; on the wall clock ``now`` is seconds since the start, groups run on their
+own, and ``backend.step()`` returns what they reported since the last round.
+
+The trainer is a :class:`StepRunner` (``start(batch, now)``, ``poll(now)``): on the wall clock a
+worker thread runs the step while rollout goes on, and the version is published when the step
+has ended. A logical :class:`Trainer` (``step(batch) -> new_version`` and
+``duration_ticks(batch)``) is wrapped in :class:`TickedTrainer`: the step runs when the batch is
+handed over and its version is published ``duration_ticks`` later, so rollout ticks overlap
+training ticks exactly as far as the mode's window allows.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend
+from dora_jax.orchestrator.clock import LogicalClock, WallClock
 from dora_jax.orchestrator.modes import ModePolicy, policy_for
 from dora_jax.orchestrator.planner import (
     PlanPolicy,
@@ -36,7 +48,7 @@ from dora_jax.orchestrator.planner import (
     plan_trigger,
 )
 from dora_jax.orchestrator.records import ClusterTick, PlanRecord, Records, StepRecord, Summary
-from dora_jax.orchestrator.rollout_manager import PromptSource, RolloutManager
+from dora_jax.orchestrator.rollout_manager import DISCARDED, PromptSource, RolloutManager
 from dora_jax.orchestrator.transfer_queue import ReadyGroup, TransferQueue
 from dora_jax.orchestrator.versions import VersionWindow
 
@@ -51,6 +63,41 @@ class Trainer(Protocol):
     def duration_ticks(self, batch: list[ReadyGroup]) -> int:
         """How many ticks that step takes (>= 1); the new version is published after them."""
         ...
+
+
+class StepRunner(Protocol):
+    """The runtime's view of a trainer: a step runs between ``start`` and the ``poll`` that
+    returns ``(new_version, t0, t1)`` (when it ran, on the run's clock); ``None`` until then."""
+
+    def start(self, batch: list[ReadyGroup], now: float) -> None: ...
+
+    def poll(self, now: float) -> tuple[int, float, float] | None: ...
+
+
+class TickedTrainer:
+    """A logical :class:`Trainer` as a :class:`StepRunner`: the step runs at ``start`` and ends
+    ``duration_ticks`` ticks later."""
+
+    def __init__(self, inner: Trainer):
+        self.inner = inner
+        self._job: tuple[int, float, float] | None = None
+
+    def start(self, batch: list[ReadyGroup], now: float) -> None:
+        version = self.inner.step(batch)
+        self._job = (version, now, now + max(1, int(self.inner.duration_ticks(batch))))
+
+    def poll(self, now: float) -> tuple[int, float, float] | None:
+        if self._job is None or now < self._job[2]:
+            return None
+        job, self._job = self._job, None
+        return job
+
+
+class Observer(Protocol):
+    """Told of every published version, inside the round that publishes it, before the trainer
+    takes its next batch (metrics, evaluation, checkpoints; they may :meth:`Runtime.quiesce`)."""
+
+    def on_publish(self, runtime: Runtime, version: int) -> None: ...
 
 
 class StallError(RuntimeError):
@@ -76,12 +123,14 @@ class Runtime:
         prompts: PromptSource,
         *,
         initial_version: int = 0,
+        clock: LogicalClock | WallClock | None = None,
     ):
         self.cfg = cfg
+        self.clock = clock or LogicalClock()
         self.policy: ModePolicy = policy_for(cfg)
         self.group_size = group_size
         self.backend = backend
-        self.trainer = trainer
+        self.trainer: StepRunner = trainer if hasattr(trainer, "poll") else TickedTrainer(trainer)
         self.window = VersionWindow(self.policy.k, self.policy.per_step, initial_version)
         self.queue = TransferQueue(group_size)
         self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
@@ -96,22 +145,39 @@ class Runtime:
             len(infos),
             max(g.max_slots for g in infos),
             getattr(backend, "tokens_per_slot_tick", 1),
+            clock=self.clock.kind,
         )
         self.records.consumed = self.queue.consumed
         self.tick_index = 0
         self.steps_done = 0
         self.dispatching = True  # False while draining: no new prompts
-        self._train: tuple[int, int, int, int] | None = None  # (start, end, new version, maxst)
-        self._last_plan: int | None = None
+        self.observers: list[Observer] = []
+        self.trainer_host = 0  # the process of the trainer (weights it sends count as moves)
+        self.stopping = False  # no new train step (a stop was asked): the running one ends
+        self.stopped = False  # the last run() ended early on a stop request
+        self._step_limit: int | None = None  # wall clock: no step beyond the run's target
+        self._held = False  # wall clock: the groups are paused (between runs)
+        self._train: tuple[float, int, int] | None = None  # (start, new version, max staleness)
+        self._last_plan: float | None = None
+        self._engine_steps = 0  # wall clock: engine steps reported by all groups
         self._new_version = True  # the initial version counts as new: plan at the first tick
 
     # -- one tick --------------------------------------------------------------------------------
 
+    def now(self) -> float:
+        """The tick index (logical clock) or seconds since the start (wall clock)."""
+        return self.clock.now()
+
     def tick(self) -> None:
-        t = self.tick_index
-        if self._train is not None and t >= self._train[1]:
-            self._publish(t)
-        if self._train is None:
+        if self.clock.kind == "logical":
+            self.clock.tick = self.tick_index
+        t = self.now()
+        if self._train is not None:
+            done = self.trainer.poll(t)
+            if done is not None:
+                self._publish(t, *done)
+        limit = self._step_limit
+        if self._train is None and not self.stopping and (limit is None or self.steps_done < limit):
             self._maybe_train(t)
         infos = self.backend.groups()
         if self.policy.planner:
@@ -121,21 +187,64 @@ class Runtime:
             self._dispatch()
         self.manager.admit(self.backend, infos)
         cluster = ClusterTick(
-            t, self.manager.pending_count(), self.manager.in_flight, self.queue.num_ready,
-            self._train is not None, self.window.latest, self.window.num_live(),
+            self.tick_index, self.manager.pending_count(), self.manager.in_flight,
+            self.queue.num_ready, self._train is not None, self.window.latest,
+            self.window.num_live(), t,
         )  # fmt: skip
-        events = self.backend.step()
-        for fr in events.finished:
-            self.manager.on_finished(fr, t)
-        self.records.add_tick(events, cluster)
+        self._take(self.backend.step(), cluster)
         self.tick_index += 1
 
-    def _publish(self, t: int) -> None:
-        start, _, version, maxst = self._train
+    def _take(self, events, cluster: ClusterTick) -> None:
+        """Finished requests to the transfer queue (those of discarded prompt groups that ended
+        while being interrupted are dropped), and the round's record."""
+        t = cluster.time if self.clock.kind == "wall" else cluster.tick
+        self._engine_steps += sum(g.activity in ("prefill", "decode") for g in events.groups)
+        for fr in events.finished:
+            if self.manager.status.get(fr.request_id) == DISCARDED:
+                continue
+            self.manager.on_finished(fr, t)
+        self.records.add_tick(events, cluster)
+
+    @contextmanager
+    def quiesce(self) -> Iterator[None]:
+        """Hold the run still: every group stops once its queued work (loads, moves in flight)
+        is done, and what it reported is taken in, so the control plane and the engines agree
+        (checkpoints, evaluation). A no-op on the logical clock, which is still between ticks."""
+        if self.clock.kind == "logical" or self._held:
+            yield
+            return
+        self._hold()
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _hold(self) -> None:
+        """Wall clock: pause every group and take in what they reported."""
+        self.backend.pause()
+        self._held = True
+        cluster = ClusterTick(
+            self.tick_index, self.manager.pending_count(), self.manager.in_flight,
+            self.queue.num_ready, self._train is not None, self.window.latest,
+            self.window.num_live(), self.now(),
+        )  # fmt: skip
+        self._take(self.backend.step(), cluster)
+        self.tick_index += 1
+
+    def _release(self) -> None:
+        self.backend.resume()
+        self._held = False
+
+    def _publish(self, t: float, version: int, t0: float, t1: float) -> None:
+        start, expected, maxst = self._train
+        if version != expected:
+            raise RuntimeError(f"trainer returned version {version}, expected {expected}")
         self.window.publish(version)
         self.backend.publish(version)
         self.steps_done += 1
         n = self.records.steps[-1].prompt_groups if self.records.steps else 0
+        if self.clock.kind == "wall":  # when the step really ran
+            start, t = t0, t1
         self.records.steps[-1] = StepRecord(start, t, version, n, maxst)
         self._train = None
         self._new_version = True
@@ -147,9 +256,13 @@ class Runtime:
                 if g.version != version:
                     self.backend.set_version(g.group, version, TRAINER)
                     self.records.transfers.append((t, g.group, version))
+                    if g.host != self.trainer_host:
+                        self.records.cross_host.append((t, "weights", -1, g.group, 1))
             self.manager.upgrade_unstarted(version)
             self.manager.retag_pending(version)
             self.manager.requeue(partials, version)
+        for obs in self.observers:
+            obs.on_publish(self, version)
 
     def _maybe_train(self, t: int) -> None:
         tbs = self.cfg.train_batch_prompts
@@ -169,13 +282,10 @@ class Runtime:
         self.window.begin_step([rg.version for rg in batch])
         self.queue.take(batch, v, t)
         self.manager.on_consumed(batch)
-        new_version = self.trainer.step(batch)
-        if new_version != v + 1:
-            raise RuntimeError(f"trainer returned version {new_version} after a step at v{v}")
-        ticks = max(1, int(self.trainer.duration_ticks(batch)))
         maxst = max(v - rg.version for rg in batch)
-        self._train = (t, t + ticks, new_version, maxst)
-        self.records.steps.append(StepRecord(t, t + ticks, new_version, len(batch), maxst))
+        self._train = (t, v + 1, maxst)
+        self.records.steps.append(StepRecord(t, t, v + 1, len(batch), maxst))
+        self.trainer.start(batch, t)
 
     # -- group versions and dispatch -------------------------------------------------------------
 
@@ -185,6 +295,8 @@ class Runtime:
             if g.version != latest and not g.requests and not self.manager.pending_count(g.version):
                 self.backend.set_version(g.group, latest, TRAINER)
                 self.records.transfers.append((t, g.group, latest))
+                if g.host != self.trainer_host:
+                    self.records.cross_host.append((t, "weights", -1, g.group, 1))
                 changed = True
         return self.backend.groups() if changed else infos
 
@@ -200,7 +312,8 @@ class Runtime:
             self.manager.dispatch(v, latest_supplement(in_flight, n, self.window.room(v)))
 
     def _plan_or_top_up(self, t: int, infos: list[GroupInfo]) -> list[GroupInfo]:
-        since = t - self._last_plan if self._last_plan is not None else t + 1
+        now = self._period_clock()
+        since = now - self._last_plan if self._last_plan is not None else now + 1
         idle_waiting = False
         if self.policy.plan_on_idle and self.manager.pending_count():
             waiting = self.manager.pending_by_version()
@@ -220,7 +333,7 @@ class Runtime:
             self._dispatch()
             return infos
         self._new_version = False
-        self._last_plan = t
+        self._last_plan = now
         w = self.window
         self.manager.upgrade_unstarted(w.latest)
         snap = Snapshot(
@@ -237,11 +350,18 @@ class Runtime:
         t0 = time.perf_counter()
         p = plan(snap, self.plan_policy)
         ms = (time.perf_counter() - t0) * 1e3
+        host = {g.group: g.host for g in infos}
         for m in p.migrations:
             self.backend.migrate(list(m.request_ids), m.src, m.dst)
+            if host[m.src] != host[m.dst]:
+                self.records.cross_host.append((t, "kv", m.src, m.dst, len(m.request_ids)))
         for x in p.transfers:
             self.backend.set_version(x.group, x.version, x.source)
             self.records.transfers.append((t, x.group, x.version))
+            src_host = self.trainer_host if x.source == TRAINER else host[x.source]
+            if src_host != host[x.group]:
+                src = -1 if x.source == TRAINER else x.source
+                self.records.cross_host.append((t, "weights", src, x.group, 1))
         n_sup = 0
         if self.dispatching:
             for v, n in p.supplements:
@@ -254,6 +374,68 @@ class Runtime:
         )
         return self.backend.groups()
 
+    def _period_clock(self) -> float:
+        """What ``plan_period_ticks`` counts: ticks, or on the wall clock engine steps per group
+        (groups step at their own pace, so rounds would count faster with more groups)."""
+        if self.clock.kind == "logical":
+            return self.tick_index
+        return self._engine_steps / max(1, self.records.num_groups)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    STATE_FORMAT = 1
+
+    def state_dict(self) -> dict:
+        """The control plane as plain data, between rounds: window, transfer queue, ledger and
+        pending requests, records, counters, and the logical trainer's running step. On the wall
+        clock no train step may be running (the run publishes it first)."""
+        job = None
+        if self._train is not None:
+            if not isinstance(self.trainer, TickedTrainer):
+                raise RuntimeError("a train step is running: publish it before saving")
+            job = self.trainer._job
+        return {
+            "format": self.STATE_FORMAT,
+            "clock": self.clock.kind,
+            "mode": self.policy.name,
+            "tick_index": self.tick_index,
+            "steps_done": self.steps_done,
+            "dispatching": self.dispatching,
+            "train": self._train,
+            "train_job": job,
+            "last_plan": self._last_plan,
+            "new_version": self._new_version,
+            "engine_steps": self._engine_steps,
+            "window": self.window.state_dict(),
+            "queue": self.queue.state_dict(),
+            "manager": self.manager.state_dict(),
+            "records": self.records,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != self.STATE_FORMAT:
+            raise ValueError(
+                f"control-plane state of format {state.get('format')!r}; this version reads "
+                f"format {self.STATE_FORMAT}"
+            )
+        self.tick_index, self.steps_done = state["tick_index"], state["steps_done"]
+        self.dispatching, self._train = state["dispatching"], state["train"]
+        self._last_plan, self._new_version = state["last_plan"], state["new_version"]
+        self._engine_steps = state["engine_steps"]
+        if isinstance(self.trainer, TickedTrainer):
+            self.trainer._job = state["train_job"]
+        elif self._train is not None:
+            raise ValueError("the saved state has a train step running, which only a logical "
+                             "run can continue")  # fmt: skip
+        self.window.load_state_dict(state["window"])
+        self.records = state["records"]
+        self.queue.consumed = self.records.consumed
+        self.queue.load_state_dict(state["queue"])
+        self.manager.load_state_dict(state["manager"])
+        if isinstance(self.clock, WallClock):
+            last = max([c.time for c in self.records.cluster[-1:]] + [self.records.horizon()])
+            self.clock.start(offset=last)
+
     # -- running ---------------------------------------------------------------------------------
 
     def done_draining(self) -> bool:
@@ -264,24 +446,62 @@ class Runtime:
             and self.manager.pending_count() == 0
         )
 
-    def run(self, num_steps: int, *, drain: bool = False, max_ticks: int = 1_000_000) -> RunResult:
-        """Tick until ``num_steps`` train steps have ended; with ``drain``, then stop dispatching
-        and tick until every dispatched request has been consumed (or discarded)."""
+    def run(
+        self,
+        num_steps: int,
+        *,
+        drain: bool = False,
+        max_ticks: int = 1_000_000,
+        stall_s: float = 600.0,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> RunResult:
+        """The one loop: round after round until ``num_steps`` more train steps have been
+        published (observers see each one); with ``drain``, then stop dispatching and go on until
+        every dispatched request has been consumed (or discarded). When ``should_stop()`` turns
+        true, no new train step starts, the running one is published, and the run returns early
+        (``stopped`` is set). A run that makes no progress for ``max_ticks`` rounds (logical) or
+        ``stall_s`` seconds (wall) raises :class:`StallError`."""
         target = self.steps_done + num_steps
-        while self.steps_done < target:
-            self._guard(max_ticks)
-            self.tick()
-        if drain:
-            self.dispatching = False
-            while not self.done_draining():
-                self._guard(max_ticks)
+        wall = self.clock.kind == "wall"
+        self.stopped = False
+        self._step_limit = target if wall and not drain else None
+        if wall and self.tick_index == 0:
+            self.clock.start()  # the run's time starts with its first round
+        if self._held:
+            self._release()
+        progress = self._progress()
+        last_change = time.monotonic()
+        try:
+            while self.steps_done < target or (drain and not self.done_draining()):
+                if self.steps_done >= target:
+                    self.dispatching = False
+                if should_stop is not None and not self.stopping and should_stop():
+                    self.stopping = self.stopped = True
+                # a logical step in progress is part of the saved state; a worker's must end
+                if self.stopping and (self._train is None or not wall):
+                    break
                 self.tick()
+                now = self._progress()
+                if now != progress:
+                    progress, last_change = now, time.monotonic()
+                self._guard(max_ticks, stall_s, last_change)
+            if wall:
+                self._hold()  # between runs the groups wait (evaluation, checkpoints, the end)
+        finally:
+            self.stopping = False
+            self._step_limit = None
         return RunResult(self.records.summary(target), self.records, dict(self.manager.status))
 
-    def _guard(self, max_ticks: int) -> None:
-        if self.tick_index >= max_ticks:
+    def _progress(self) -> tuple[int, int, int]:
+        return (self.steps_done, len(self.queue.consumed), self.manager.dispatched_prompt_groups)
+
+    def _guard(self, max_ticks: int, stall_s: float, last_change: float) -> None:
+        wall = self.clock.kind == "wall"
+        stalled = time.monotonic() - last_change > stall_s if wall else self.tick_index >= max_ticks
+        if stalled:
+            limit = f"{stall_s:.0f} s without progress" if wall else f"{max_ticks} ticks"
             raise StallError(
-                f"{self.policy.name}: no end after {max_ticks} ticks: steps {self.steps_done}, "
+                f"{self.policy.name}: no end after {limit}: steps {self.steps_done}, "
                 f"window v{self.window.latest} open {self.window.live_versions()}, "
                 f"in flight {self.manager.in_flight}, ready {self.queue.num_ready}, "
                 f"pending {self.manager.pending_by_version()}, training {self._train}"

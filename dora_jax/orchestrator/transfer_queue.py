@@ -51,6 +51,18 @@ class TransferQueue:
         self._ready: dict[int, ReadyGroup] = {}  # in the order they became ready
         self.consumed: list[ConsumedRecord] = []
 
+    def state_dict(self) -> dict:
+        return {
+            "open": {pg: (v, list(done)) for pg, (v, done) in self._open.items()},
+            "ready": list(self._ready.values()),
+            "consumed": list(self.consumed),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._open = {pg: (v, list(done)) for pg, (v, done) in state["open"].items()}
+        self._ready = {rg.prompt_group: rg for rg in state["ready"]}
+        self.consumed[:] = state["consumed"]  # the same list the records hold
+
     def open(self, prompt_group: int, version: int) -> None:
         """Expect ``G`` trajectories of ``prompt_group``, tagged ``version``."""
         if prompt_group in self._open or prompt_group in self._ready:

@@ -117,6 +117,16 @@ class VersionWindow:
                 return False
         return True
 
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"first": self.first, "latest": self.latest, "training": self.training,
+                "open": dict(self._open)}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.first, self.latest = state["first"], state["latest"]
+        self.training, self._open = state["training"], dict(state["open"])
+
     # -- updates ---------------------------------------------------------------------------------
 
     def add(self, version: int, n: int = 1) -> None:

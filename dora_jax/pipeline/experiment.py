@@ -2,7 +2,9 @@
 
 Policy (random init, a HF checkpoint, or the warm start) -> trainer on the trainer submesh ->
 engines on the group submeshes (the real :class:`EngineBackend`) -> the control-plane
-:class:`Runtime` in the configured mode, driven tick by tick with a callback per train step.
+:class:`Runtime` in the configured mode and clock (``orchestrator.clock``: on the wall clock
+every group and the trainer run on their own worker threads). :func:`run` drives the runtime's one
+loop with observers for the step logs, freeing old versions and periodic checkpoints.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from dora_jax.config import ConfigError, ExperimentConfig
 from dora_jax.data import ArithmeticTask, boxed_math_reward, exact_reward, load_jsonl_prompts
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.data.rewards import SafeReward, safe_reward
+from dora_jax.execution.backend import EngineBackend
+from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes
 from dora_jax.model import abstract_params, init_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, load_hf_params
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, check_vocabularies, eos_ids, load_tokenizer
-from dora_jax.orchestrator.engine_backend import EngineBackend
-from dora_jax.orchestrator.runtime import RunResult, Runtime
+from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
+from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
 from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts
 from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
@@ -58,6 +62,12 @@ class Experiment:
     @property
     def trainer(self) -> Trainer:
         return self.grpo.trainer
+
+    def close(self) -> None:
+        """Stop the worker threads of a wall-clock run (a no-op on the logical clock)."""
+        self.backend.close()
+        if isinstance(self.runtime.trainer, ThreadedTrainer):
+            self.runtime.trainer.close()
 
     def evaluate(self, step: int) -> EvalResult:
         """The held-out evaluation of the trainer's current params (needs ``evaluator``)."""
@@ -131,9 +141,12 @@ def build(
     run_dir: Path,
     on_warm_step: Callable[[int, float], None] | None = None,
     warm_start_dir: Path | None = None,
+    process=None,
 ) -> Experiment:
     """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
-    ``run_dir / "warm_start"``), so runs that share it start from the same policy."""
+    ``run_dir / "warm_start"``), so runs that share it start from the same policy. With a
+    ``process`` (``dora_jax.distributed.process.Process``, index 0 of several), rollout groups
+    on the other processes' devices run there."""
     cfg = resolve_model(cfg)
     meshes = build_meshes(cfg.mesh)
     plan = _memory_plan(cfg, meshes)  # before anything is allocated
@@ -170,17 +183,25 @@ def build(
     trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
     del params  # version 0 lives on as the trainer's export (engines alias it when colocated)
     grpo = GRPOTrainer(trainer, tokenizer, reward)
+    wall = cfg.orchestrator.clock == "wall"
+    clock, bus = (WallClock() if wall else LogicalClock()), Bus()
+    stops = eos_ids(tokenizer)
+    cluster = _cluster(cfg, meshes, process, bus, clock, stops)
     backend = EngineBackend(
         cfg.model,
         cfg.rollout,
         meshes.groups,
-        eos_ids(tokenizer),
+        stops,
         grpo.params_for(0),
         grpo.params_for,
         seed=cfg.seed,
+        clock=clock,
+        bus=bus,
+        cluster=cluster,
     )
     prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len)
-    runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, grpo, prompts)
+    runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
+    runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
     problems = _eval_problems(cfg)
     evaluator = None
     if problems:
@@ -213,6 +234,39 @@ def _memory_plan(cfg: ExperimentConfig, meshes: Meshes) -> MemoryPlan:
     return plan
 
 
+def _cluster(
+    cfg: ExperimentConfig, meshes: Meshes, process, bus: Bus, clock, stops: tuple[int, ...]
+):
+    """The other processes of a multi-process run, their groups' engines built (None alone).
+    ``cfg`` is the resolved config (``rollout.num_pages`` sized by the memory plan): the other
+    processes build their engines from it and from the EOS ids ``stops``."""
+    if process is None or process.count == 1:
+        return None
+    from dora_jax.config import to_dict
+    from dora_jax.distributed.cluster import Cluster
+    from dora_jax.distributed.process import ProcessError
+    from dora_jax.mesh import make_mesh
+    from dora_jax.sharding import rollout_rules
+
+    cluster = Cluster(process)
+    if cluster.owner(meshes.trainer, "the trainer mesh") != process.index:
+        raise ProcessError("the trainer mesh must be on process 0's devices (a trainer spanning "
+                           "hosts is not supported yet): check mesh.trainer.devices")  # fmt: skip
+    tp = cfg.mesh.rollout.tp
+    staging: list = []
+
+    def stage_shardings():  # the group layout on process 0's devices, for weights going out
+        if not staging:
+            mesh = make_mesh(jax.local_devices()[:tp], 1, tp)
+            staging.append(tree_shardings(param_axes(cfg.model), abstract_params(cfg.model),
+                                          rollout_rules(), mesh))  # fmt: skip
+        return staging[0]
+
+    cluster.connect(bus.post, clock.now, stage_shardings)
+    cluster.start_hosts(to_dict(cfg), list(stops), cfg.seed, cfg.orchestrator.clock == "wall")
+    return cluster
+
+
 def run(
     exp: Experiment,
     num_steps: int,
@@ -222,49 +276,66 @@ def run(
     checkpointer=None,
     every_steps: int = 0,
     should_stop: Callable[[], bool] | None = None,
+    observers: tuple[Observer, ...] = (),
 ) -> RunResult:
-    """Tick the runtime until ``num_steps`` more train steps have been published; ``on_step``
-    sees each step's log as soon as the trainer produced it. With a ``checkpointer``, save every
-    ``every_steps`` published steps; when ``should_stop()`` turns true (SIGTERM), save at the
-    next tick boundary and return early (``exp.stopped`` is set)."""
-    rt, grpo = exp.runtime, exp.grpo
-    target = rt.steps_done + num_steps
-    seen = len(grpo.log)
+    """Run until ``num_steps`` more train steps have been published. Observers, in order, at
+    every published version: ``on_step`` sees each new step log, versions no longer needed are
+    freed, the checkpointer saves every ``every_steps`` steps, then ``observers``. When
+    ``should_stop()`` turns true (SIGTERM) the run stops early (``exp.stopped`` is set); with a
+    checkpointer, the end or the stop is saved too."""
+    rt = exp.runtime
+    rt.observers = [_StepLogs(exp, on_step), _FreeVersions(exp)]
+    if checkpointer is not None and every_steps:
+        rt.observers.append(_Checkpoints(exp, checkpointer, every_steps))
+    rt.observers += list(observers)
     t0 = time.perf_counter()
-    start_tick = rt.tick_index
-    exp.stopped = False
-    while rt.steps_done < target:
-        if rt.tick_index - start_tick > max_ticks:
-            raise RuntimeError(f"no progress after {max_ticks} ticks")
-        before = rt.steps_done
-        rt.tick()
-        while seen < len(grpo.log):
-            if on_step is not None:
-                on_step(grpo.log[seen])
-            seen += 1
-        published = rt.steps_done > before
-        if published:  # versions are only added on publish; free the unreferenced ones then
-            grpo.forget(_live_versions(exp))
-        if should_stop is not None and should_stop():
-            exp.stopped = True
-            break
-        if (
-            checkpointer is not None
-            and every_steps
-            and published
-            and (rt.steps_done % every_steps == 0)
-        ):
-            exp.wall_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            checkpointer.save(exp)
-    exp.wall_s += time.perf_counter() - t0
+    try:
+        result = rt.run(
+            num_steps, max_ticks=max_ticks, stall_s=exp.cfg.orchestrator.stall_s,
+            should_stop=should_stop,
+        )  # fmt: skip
+    finally:
+        rt.observers = []
+        exp.wall_s += time.perf_counter() - t0
+    exp.stopped = rt.stopped
     if checkpointer is not None:
-        checkpointer.save(exp)  # the end of the run, or the stop
+        with rt.quiesce():
+            checkpointer.save(exp)  # the end of the run, or the stop
         checkpointer.wait()
-    return RunResult(rt.records.summary(rt.steps_done), rt.records, dict(rt.manager.status))
+    return result
 
 
-def _live_versions(exp: Experiment) -> set[int]:
-    """Versions whose params may still be needed: held by a group or the trainer's newest."""
-    held = {g.version for g in exp.backend.groups()}
-    return held | {exp.trainer.version}
+class _StepLogs:
+    """Hands the step log of each published version to ``on_step`` (a logical run's step runs
+    when its batch is taken, a few ticks before it is published)."""
+
+    def __init__(self, exp: Experiment, on_step: Callable[[StepLog], None] | None):
+        self.exp, self.on_step, self.seen = exp, on_step, exp.runtime.steps_done
+
+    def on_publish(self, runtime: Runtime, version: int) -> None:
+        log = self.exp.grpo.log
+        while self.seen < len(log) and log[self.seen].version <= version:
+            if self.on_step is not None:
+                self.on_step(log[self.seen])
+            self.seen += 1
+
+
+class _FreeVersions:
+    """Frees the params of versions nothing needs any more (versions appear only on publish)."""
+
+    def __init__(self, exp: Experiment):
+        self.exp = exp
+
+    def on_publish(self, runtime: Runtime, version: int) -> None:
+        held = {g.version for g in self.exp.backend.groups()}
+        self.exp.grpo.forget(held | {self.exp.trainer.version})
+
+
+class _Checkpoints:
+    def __init__(self, exp: Experiment, checkpointer, every_steps: int):
+        self.exp, self.checkpointer, self.every = exp, checkpointer, every_steps
+
+    def on_publish(self, runtime: Runtime, version: int) -> None:
+        if runtime.steps_done % self.every == 0:
+            with runtime.quiesce():
+                self.checkpointer.save(self.exp)

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from dora_jax.data.prompts import PromptSource
+from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids, undecodable
-from dora_jax.orchestrator.engine_backend import Completion, PromptPayload
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.orchestrator.transfer_queue import ReadyGroup
 from dora_jax.train import Trainer, Trajectory

@@ -71,6 +71,23 @@ class EngineSnapshot:
 
 
 @dataclass
+class Handover:
+    """Requests leaving an engine for another of the same version: running ones with their KV
+    packed (``running``), queued ones as they are (``queued``, no KV yet), parked ones with their
+    KV in host memory (``parked``). Nothing is recomputed where they land."""
+
+    running: ExportedRequests | None
+    queued: list[Request]
+    parked: list[ExportedRequests]
+
+    @property
+    def ids(self) -> list[Hashable]:
+        out = [r.id for r in self.running.requests] if self.running else []
+        out += [r.id for r in self.queued]
+        return out + [r.id for p in self.parked for r in p.requests]
+
+
+@dataclass
 class StepReport:
     finished: list[FinishedRequest]
     prefill_tokens: int = 0  # context tokens prefilled (re-prefills included)
@@ -184,6 +201,16 @@ class Engine:
     def max_concurrent_decodes(self) -> int:
         return self.rcfg.max_slots
 
+    @property
+    def param_shardings(self) -> Params:
+        """Where this engine keeps its params (the group mesh, rollout rules)."""
+        return self._param_shardings
+
+    @property
+    def buffer_sharding(self) -> NamedSharding:
+        """Where a pack buffer of this engine's KV pages lives (``export_requests``)."""
+        return NamedSharding(self.mesh, BUFFER_SPEC)
+
     def load_params(self, params: Params, version: int) -> None:
         """Serve ``version`` with ``params`` (copied into this group's shardings). Refused while
         the engine holds requests of another version: drain, migrate or interrupt them first."""
@@ -254,9 +281,22 @@ class Engine:
         ld = self.load()
         return ld.active + ld.pending + ld.parked
 
+    @property
+    def has_work(self) -> bool:
+        """Whether :meth:`step` would do anything (run, admit or resume a request)."""
+        return any(r is not None for r in self.slots) or bool(self.pending or self.parked)
+
     def request_ids(self) -> list[Hashable]:
         ids = [r.id for r in self.slots if r is not None] + [r.id for r in self.pending]
         return ids + [r.id for p in self.parked for r in p.requests]
+
+    def held_pages(self) -> dict[Hashable, int]:
+        """Every request the engine holds and the device KV pages it holds now (0 for requests
+        queued for admission or parked in host memory)."""
+        out = {r.id: len(self.alloc.table(r.id)) for r in self.slots if r is not None}
+        out.update((r.id, 0) for r in self.pending)
+        out.update((r.id, 0) for p in self.parked for r in p.requests)
+        return out
 
     # -- moving requests -----------------------------------------------------------------------
     def export_requests(self, ids: Sequence[Hashable]) -> ExportedRequests:
@@ -310,12 +350,7 @@ class Engine:
     def import_requests(self, exported: ExportedRequests) -> None:
         """Take requests exported by an engine of the same version (any mesh of the same shape,
         or parked on the host) and continue them from their cached KV."""
-        for r in exported.requests:
-            if r.version != self.version:
-                raise EngineError(
-                    f"request {r.id!r} is of version {r.version}, this engine serves "
-                    f"version {self.version}: requests never move across versions"
-                )
+        self._check_version(exported.requests)
         if not self.can_import(exported):
             raise EngineError(
                 f"no room for {len(exported.requests)} imported request(s): "
@@ -331,8 +366,46 @@ class Engine:
         kv = exported.kv
         if kv.shape[3] != ids.shape[0]:
             raise EngineError(f"KV buffer holds {kv.shape[3]} pages, expected {ids.shape[0]}")
-        kv = jax.device_put(kv, NamedSharding(self.mesh, BUFFER_SPEC))
+        kv = jax.device_put(kv, self.buffer_sharding)
         self.cache = _unpack(self.cache, kv, ids, self.impl, self.interpret)
+
+    def move_out(self, ids: Iterable[Hashable]) -> Handover:
+        """Take requests out for another engine of this version, wherever they are here: running
+        ones with their KV, queued ones as they are, parked ones with their host KV. Ids this
+        engine does not hold (finished meanwhile) are skipped; :attr:`Handover.ids` says which
+        were taken."""
+        wanted = set(ids)
+        running = [r.id for r in self.slots if r is not None and r.id in wanted]
+        exported = self.export_requests(running) if running else None
+        queued = [r for r in self.pending if r.id in wanted]
+        self.pending = deque(r for r in self.pending if r.id not in wanted)
+        parked = []
+        for p in list(self.parked):
+            mine = [r.id in wanted for r in p.requests]
+            if any(mine):
+                if not all(mine):
+                    raise EngineError("move_out must name all requests parked together")
+                self.parked.remove(p)
+                parked.append(p)
+        return Handover(exported, queued, parked)
+
+    def move_in(self, handover: Handover) -> None:
+        """Take a :class:`Handover` from an engine of the same version: running requests continue
+        from their KV when slots and pages allow, else wait parked (KV in host memory, resumed
+        before any new admission); queued ones wait for admission. Nothing is re-prefilled."""
+        for r in handover.queued:
+            self._check_admissible(r)
+        if handover.running is not None:
+            if self.can_import(handover.running):
+                self.import_requests(handover.running)
+            else:
+                self._check_version(handover.running.requests)
+                handover.running.kv = np.asarray(handover.running.kv)
+                self.parked.append(handover.running)  # counted as moved when it is resumed
+        for p in handover.parked:
+            self._check_version(p.requests)
+            self.parked.append(p)
+        self.pending.extend(handover.queued)
 
     def park(self, ids: Sequence[Hashable]) -> ExportedRequests:
         """Export requests with their KV copied to host memory (the hierarchical KV store)."""
@@ -383,6 +456,14 @@ class Engine:
                 f"request {r.id!r}: max_new_tokens={r.max_new_tokens} must be in "
                 f"[1, rollout.max_new_tokens={rc.max_new_tokens}]"
             )
+
+    def _check_version(self, requests: Iterable[Request]) -> None:
+        for r in requests:
+            if r.version != self.version:
+                raise EngineError(
+                    f"request {r.id!r} is of version {r.version}, this engine serves "
+                    f"version {self.version}: requests never move across versions"
+                )
 
     def _free_slot(self) -> int | None:
         return next((i for i, r in enumerate(self.slots) if r is None), None)

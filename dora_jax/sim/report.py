@@ -1,8 +1,7 @@
 """The simulator's outputs: the comparison table (ours beside the paper's), JSON, timeline plots.
 
-The paper's figures are read from ``shared/reference/paper_figures.yaml``, beside the repository
-(``../shared/reference/paper_figures.yaml`` from its root); if the file is missing, the table says
-so and shows ours only.
+The paper's figures are read from ``paper_figures.yaml`` beside this module (each figure with
+the section and figure of the paper it comes from).
 """
 
 from __future__ import annotations
@@ -17,26 +16,37 @@ import yaml
 from dora_jax.config.loading import to_dict
 from dora_jax.sim.run import SimMetrics, SimRun, cost_model
 
-ROOT = Path(__file__).resolve().parents[2]
-PAPER_FIGURES = ROOT.parent / "shared" / "reference" / "paper_figures.yaml"
+PAPER_FIGURES = Path(__file__).resolve().with_name("paper_figures.yaml")
+
+
+def _values(node: dict) -> tuple[dict, dict]:
+    """``{name: value}`` and ``{name: source}`` of a mapping of ``{value, source}`` figures."""
+    values = {k: v["value"] if isinstance(v, dict) else v for k, v in node.items()}
+    sources = {k: v["source"] for k, v in node.items() if isinstance(v, dict) and "source" in v}
+    return values, sources
 
 
 def load_paper(key: str | None, path: Path = PAPER_FIGURES) -> tuple[dict | None, str]:
-    """The paper's figures under the dotted ``key`` (e.g. ``dense_32b.gpus_64``), and a note."""
+    """The paper's figures under the dotted ``key`` (e.g. ``dense_32b.gpus_64``), the overheads
+    of that cluster size and the sources of both, and a note."""
     if key is None:
         return None, "no paper_key in the config: ours only"
     if not path.is_file():
         return None, f"paper figures file {path} is missing: ours only"
-    node = yaml.safe_load(path.read_text())
+    full = yaml.safe_load(path.read_text())
+    node = full
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
             return None, f"{key!r} not found in {path}: ours only"
         node = node[part]
-    full = yaml.safe_load(path.read_text())
-    ov = full.get(key.split(".")[0], {}).get("overheads_fraction_of_total_time") or {}
+    figures, sources = _values(node)
+    ov, ov_sources = _values(
+        full.get(key.split(".")[0], {}).get("overheads_fraction_of_total_time") or {}
+    )
     idx = {"gpus_64": 0, "gpus_128": 1}.get(key.split(".")[-1])
     extra = {k: v[idx] for k, v in ov.items() if idx is not None and isinstance(v, list)}
-    return {"figures": node, "overheads": extra}, f"paper: {path}"
+    sources.update({f"overheads.{k}": ov_sources[k] for k in extra if k in ov_sources})
+    return {"figures": figures, "overheads": extra, "sources": sources}, f"paper: {path.name}"
 
 
 def _label(m: SimMetrics) -> str:

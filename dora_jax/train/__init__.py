@@ -22,7 +22,7 @@ from dora_jax.train.state import (
     state_shardings,
     uses_master,
 )
-from dora_jax.train.step import Trainer, train_step
+from dora_jax.train.step import Trainer, train_step, train_step_with_grads
 
 __all__ = [
     "Surrogate",
@@ -47,5 +47,6 @@ __all__ = [
     "token_logprobs",
     "token_weights",
     "train_step",
+    "train_step_with_grads",
     "uses_master",
 ]

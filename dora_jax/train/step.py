@@ -119,6 +119,16 @@ def _microbatch_loss(
 
 def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
     """One GRPO optimizer step on ``batch``; see the module docstring."""
+    new_state, metrics, _ = train_step_with_grads(state, batch)
+    return new_state, metrics
+
+
+def train_step_with_grads(
+    state: TrainState, batch: TrainBatch
+) -> tuple[TrainState, Metrics, Params]:
+    """:func:`train_step` that also returns the accumulated float32 gradients of the loss (before
+    clipping), for gradient checks in tests. Under ``jit``, :func:`train_step` is this function
+    with the gradients dropped, so both compute the same update."""
     tcfg = state.train_cfg
     S, G, M = batch.rewards.shape[0], tcfg.group_size, tcfg.microbatches
     B = batch.tokens.shape[0]
@@ -196,7 +206,7 @@ def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metric
     metrics = _metrics(state, batch, adv, loss, sums, grad_norm, ok)
     metrics["version"] = new_state.version
     metrics["skipped_total"] = new_state.skipped
-    return new_state, metrics
+    return new_state, metrics, grads
 
 
 def _metrics(

@@ -1,0 +1,384 @@
+"""The real :class:`~dora_jax.orchestrator.backend.RolloutBackend`: one engine per group submesh.
+
+The control plane's view (which group holds which request, at which version) is kept here and
+changes the moment the control plane decides; the engines catch up through their handles
+(:mod:`dora_jax.execution.group`):
+
+- on the **logical** clock every call is carried out before it returns and :meth:`step` advances
+  every engine by one step, in group order (deterministic);
+- on the **wall** clock every engine runs on its own worker thread; calls are queued to it,
+  :meth:`step` returns what the workers reported since the last call (waiting a bounded time for
+  the first report), weight loads and KV moves stall only the groups they involve, and
+  :meth:`pause` quiesces every worker (checkpoints, evaluation).
+
+Weights move trainer -> group by ``jax.device_put`` into the group's rollout shardings, and group
+-> group between meshes of identical shape and PartitionSpecs (shard to shard). A migration packs
+the requests' KV pages on the source mesh, copies the buffer to the destination mesh and unpacks
+it there: no request is prefilled twice.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.sharding import Mesh
+
+from dora_jax.config import ModelConfig, RolloutConfig
+from dora_jax.execution.group import FromTrainer, GroupEvent, SyncGroup, ThreadGroup
+from dora_jax.execution.payloads import Completion, PromptPayload
+from dora_jax.model.params import Params
+from dora_jax.orchestrator.backend import (
+    TRAINER,
+    BackendError,
+    FinishedRequest,
+    GroupInfo,
+    GroupTick,
+    PartialRequest,
+    RequestSpec,
+    Source,
+    StepEvents,
+)
+from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
+from dora_jax.rollout import Engine, Request, request_key
+
+
+@dataclass
+class Overheads:
+    """Seconds spent moving data for the control plane (weight loads, KV packing/unpacking)."""
+
+    weight_transfer_s: float = 0.0
+    weight_transfers: int = 0
+    migration_s: float = 0.0
+    migrated_requests: int = 0
+    log: list[tuple[str, int, float, float]] = field(default_factory=list)  # kind, group, t0, s
+
+
+class EngineBackend:
+    """Groups = engines on ``meshes``; version 0 (``initial_params``) is loaded everywhere.
+
+    ``eos_id``: one id or several (any of them ends a response; the engines add
+    ``rollout.extra_eos_ids``). ``initial_params`` should be the trainer's export of version 0
+    (``GRPOTrainer.params_for(0)``), not a separate copy: an engine on the trainer's devices with
+    the same layout then aliases it instead of holding a second version 0.
+
+    ``clock``: a :class:`LogicalClock` (default) or a :class:`WallClock` (worker threads; call
+    :meth:`close` when done). ``trainer_params(version)`` returns the trainer's export of a
+    published version.
+    """
+
+    WAIT_S = 0.05  # wall clock: longest wait of one step() for the first report
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        rollout_cfg: RolloutConfig,
+        meshes: Sequence[Mesh],
+        eos_id: int | Sequence[int],
+        initial_params: Params,
+        trainer_params: Callable[[int], Params],
+        *,
+        seed: int,
+        clock: LogicalClock | WallClock | None = None,
+        bus: Bus | None = None,
+        max_new_tokens: int | None = None,
+        interpret: bool | None = None,
+        cluster: Any = None,
+    ):
+        self.clock = clock or LogicalClock()
+        self.wall = self.clock.kind == "wall"
+        self.bus = bus or Bus()
+        self.cluster = cluster  # multi-process: groups on other processes get remote handles
+        transfers = cluster.transfers if cluster is not None else None
+        self.handles: list[Any] = []
+        self._hosts: list[int] = []
+        for g, m in enumerate(meshes):
+            host = cluster.owner(m, f"rollout group {g}") if cluster is not None else 0
+            self._hosts.append(host)
+            if cluster is not None and host != cluster.index:
+                h = cluster.remote(g, host, not self.wall, rollout_cfg.num_pages - 1)
+            else:
+                e = Engine(model_cfg, rollout_cfg, m, eos_id, interpret=interpret)
+                e.load_params(initial_params, 0)
+                if self.wall:
+                    h = ThreadGroup(g, e, self.clock.now, self.bus.post, transfers=transfers)
+                    h.start()
+                else:
+                    h = SyncGroup(g, e, self.clock.now, transfers=transfers)
+            self.handles.append(h)
+        for h in self.handles:
+            if h.params is not None and not h.params.done():  # another process's: version 0
+                h.load(FromTrainer(initial_params), 0)
+        self.seed = seed
+        self.max_slots = rollout_cfg.max_slots
+        self.tokens_per_slot_tick = rollout_cfg.decode_steps  # for utilisation figures
+        self.max_new_tokens = max_new_tokens or rollout_cfg.max_new_tokens
+        self.trainer_params = trainer_params
+        self.published = 0
+        self.overheads = Overheads()
+        self._tick = 0
+        n = len(meshes)
+        self._version = [0] * n  # what each group holds, or is receiving
+        self._members: list[dict[int, None]] = [{} for _ in range(n)]  # ids in arrival order
+        self._where: dict[int, int] = {}  # request id -> its group
+        self._meta: dict[int, tuple[int, PromptPayload, list[int]]] = {}  # pg, prompt, versions
+        self._held: list[GroupEvent] = []  # reports pulled while pausing, for the next step()
+        self._closed = False
+
+    # -- queries ---------------------------------------------------------------------------------
+    def groups(self) -> list[GroupInfo]:
+        out = []
+        for g, h in enumerate(self.handles):
+            st = h.status
+            ids = tuple(self._members[g])
+            out.append(
+                GroupInfo(
+                    group=g,
+                    version=self._version[g],
+                    busy_ticks=0 if h.params.done() else 1,
+                    max_slots=self.max_slots,
+                    free_slots=max(self.max_slots - len(ids), 0),
+                    kv_pages_used=st.pages_used,
+                    kv_pages_total=st.pages_total,
+                    requests=ids,
+                    request_pages=tuple(st.pages.get(r, 0) for r in ids),
+                    host=self._hosts[g],
+                )
+            )
+        return out
+
+    def live_requests(self) -> int:
+        return len(self._where)
+
+    # -- versions --------------------------------------------------------------------------------
+    def publish(self, version: int) -> None:
+        if version != self.published + 1:
+            raise BackendError(f"published version {version} after {self.published}")
+        self.published = version
+
+    def set_version(self, group: int, version: int, source: Source) -> None:
+        self._check_group(group)
+        if self._version[group] == version:
+            return
+        if self._members[group]:
+            raise BackendError(f"group {group} still holds {len(self._members[group])} request(s)")
+        if source == TRAINER:
+            if version != self.published:
+                raise BackendError(
+                    f"the trainer only serves version {self.published}, not {version}"
+                )
+            src = FromTrainer(self.trainer_params(version))
+        else:
+            self._check_group(source)
+            if self._version[source] != version:
+                raise BackendError(
+                    f"group {source} holds version {self._version[source]}, not {version}"
+                )
+            src = self.handles[source]  # (it may still be loading that version)
+        self._version[group] = version
+        self.handles[group].load(src, version)
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, group: int, requests: list[RequestSpec]) -> None:
+        self._check_group(group)
+        free = self.max_slots - len(self._members[group])
+        if len(requests) > free:
+            raise BackendError(f"{len(requests)} requests, group {group} has {free} free slots")
+        reqs = []
+        for spec in requests:
+            if spec.version != self._version[group]:
+                raise BackendError(
+                    f"request {spec.request_id} of version {spec.version} "
+                    f"submitted to group {group} of version {self._version[group]}"
+                )
+            if spec.resume is not None:  # partial rollout: continue under the new version
+                if spec.request_id not in self._meta or spec.request_id in self._where:
+                    raise BackendError(f"request {spec.request_id} was not interrupted")
+                r: Request = spec.resume.payload
+                r.version = spec.version
+                self._meta[spec.request_id][2].append(spec.version)
+            else:
+                prompt = spec.payload
+                if not isinstance(prompt, PromptPayload):
+                    raise BackendError(
+                        f"request {spec.request_id}: payload must be a PromptPayload"
+                    )
+                if spec.request_id in self._meta:
+                    raise BackendError(f"request {spec.request_id} was already submitted")
+                r = Request(
+                    spec.request_id,
+                    list(prompt.tokens),
+                    spec.version,
+                    request_key(self.seed, spec.request_id),
+                    prompt.max_new_tokens or self.max_new_tokens,
+                )
+                self._meta[spec.request_id] = (spec.prompt_group, prompt, [spec.version])
+            reqs.append(r)
+        for r in reqs:
+            self._join(r.id, group)
+        self.handles[group].submit(reqs)
+
+    def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
+        self._check_group(src)
+        self._check_group(dst)
+        if src == dst:
+            raise BackendError(f"cannot migrate from group {src} to itself")
+        if self._version[src] != self._version[dst]:
+            raise BackendError(
+                f"cannot migrate from group {src} (version {self._version[src]}) to group "
+                f"{dst} (version {self._version[dst]})"
+            )
+        for rid in request_ids:
+            if self._where.get(rid) != src:
+                raise BackendError(f"request {rid} is not on group {src}")
+        free = self.max_slots - len(self._members[dst])
+        if len(request_ids) > free:
+            raise BackendError(f"group {dst} has {free} free slots for {len(request_ids)}")
+        for rid in request_ids:
+            self._leave(rid)
+            self._join(rid, dst)
+        self.overheads.migrated_requests += len(request_ids)
+        self.handles[src].migrate(list(request_ids), self.handles[dst])
+
+    def interrupt(self, request_ids: list[int]) -> list[PartialRequest]:
+        by_group: dict[int, list[int]] = {}
+        for rid in request_ids:
+            if rid not in self._where:
+                raise BackendError(f"request {rid} is not in flight")
+            by_group.setdefault(self._where[rid], []).append(rid)
+        out = []
+        for g, ids in by_group.items():
+            for rid in ids:
+                self._leave(rid)  # those not returned below finished meanwhile: their event comes
+            for r in self.handles[g].interrupt(ids):
+                pg, prompt, versions = self._meta[r.id]
+                out.append(
+                    PartialRequest(r.id, pg, len(prompt.tokens), len(r.tokens), tuple(versions), r)
+                )
+        return out
+
+    # -- progress --------------------------------------------------------------------------------
+    def step(self) -> StepEvents:
+        """Logical clock: one engine step of every group. Wall clock: every report since the last
+        call (waiting at most ``WAIT_S`` for the first)."""
+        if self.wall:
+            events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
+        else:
+            events = [e for h in self.handles for e in h.step()]
+        ticks, finished = [], []
+        for e in events:
+            if e.error is not None:
+                where = "".join(traceback.format_exception(e.error)[-6:])
+                raise BackendError(f"group {e.group}'s worker failed:\n{where}") from e.error
+            if e.span is not None:
+                self._account(e.span)
+                if self.wall or e.span.activity not in ("transfer", "migrate"):
+                    ticks.append(e.span)  # logical: one record per group and tick
+            finished += [self._finished(f) for f in e.finished]
+        out = StepEvents(self._tick, tuple(finished), tuple(ticks))
+        self._tick += 1
+        return out
+
+    def pause(self, timeout: float = 600.0) -> None:
+        """Wall clock: stop every worker once it has carried out every call made so far (moves
+        included; their reports wait for the next :meth:`step`). A no-op on the logical clock."""
+        if not self.wall:
+            return
+        for h in self.handles:
+            h.pause()
+        deadline = time.monotonic() + timeout
+        while not all(h.paused() for h in self.handles):
+            if time.monotonic() > deadline:
+                raise BackendError(f"groups did not quiesce within {timeout:.0f} s")
+            self._held += self._pull(0.01)
+
+    def resume(self) -> None:
+        if self.wall:
+            for h in self.handles:
+                h.resume()
+
+    def close(self) -> None:
+        """Stop the worker threads (wall clock) and the other processes' groups; the backend is
+        unusable afterwards."""
+        if not self._closed:
+            if self.wall:
+                for h in self.handles:
+                    h.stop()
+            if self.cluster is not None:
+                self.cluster.stop_hosts()
+        self._closed = True
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything in flight as plain data plus engine snapshots (KV of running requests as
+        host arrays). Only at a tick boundary (logical) or while paused (wall)."""
+        if self.wall and not all(h.paused() for h in self.handles):
+            raise BackendError("state_dict needs the groups paused (call pause() first)")
+        return {
+            "published": self.published,
+            "tick": self._tick,
+            "versions": list(self._version),
+            "members": [list(m) for m in self._members],
+            "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
+            "overheads": self.overheads,
+            "engines": [h.snapshot_state() for h in self.handles],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], params_for: Callable[[int], Params]) -> None:
+        """Continue from :meth:`state_dict` on a freshly built backend (same groups)."""
+        if len(state["engines"]) != len(self.handles):
+            raise BackendError(
+                f"the state has {len(state['engines'])} groups, this backend {len(self.handles)}"
+            )
+        self.published, self._tick = state["published"], state["tick"]
+        self.overheads = state["overheads"]
+        self._meta = {rid: (pg, p, list(v)) for rid, (pg, p, v) in state["meta"].items()}
+        self._members = [dict.fromkeys(m) for m in state["members"]]
+        self._where = {rid: g for g, m in enumerate(self._members) for rid in m}
+        self._version = list(state["versions"])
+        for g, (h, snap) in enumerate(zip(self.handles, state["engines"], strict=True)):
+            if snap.version != self._version[g]:
+                raise BackendError(
+                    f"group {g}: snapshot of v{snap.version}, state v{self._version[g]}"
+                )
+            h.restore_state(snap, params_for(snap.version))  # on the group's own thread
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_group(self, group) -> None:
+        if not isinstance(group, int) or not 0 <= group < len(self.handles):
+            raise BackendError(f"no group {group!r}")
+
+    def _join(self, rid: int, group: int) -> None:
+        self._where[rid] = group
+        self._members[group][rid] = None
+
+    def _leave(self, rid: int) -> None:
+        g = self._where.pop(rid, None)
+        if g is not None:
+            self._members[g].pop(rid, None)
+
+    def _pull(self, timeout: float) -> list[GroupEvent]:
+        """The workers' reports from the bus (wake-ups from other senders dropped)."""
+        return [e for e in self.bus.collect(timeout) if isinstance(e, GroupEvent)]
+
+    def _account(self, span: GroupTick) -> None:
+        o = self.overheads
+        if span.activity == "transfer":
+            o.weight_transfer_s += span.time_s
+            o.weight_transfers += 1
+        elif span.activity == "migrate":
+            o.migration_s += span.time_s
+        else:
+            return
+        o.log.append((span.activity, span.group, span.t0, span.time_s))
+
+    def _finished(self, f) -> FinishedRequest:
+        pg, prompt, versions = self._meta.pop(f.id)
+        self._leave(f.id)
+        comp = Completion(
+            prompt, f.tokens, f.logprobs, f.finish_reason, f.prefill_tokens, f.migrations
+        )
+        return FinishedRequest(f.id, pg, len(prompt.tokens), len(f.tokens), tuple(versions), comp)

@@ -1,0 +1,33 @@
+"""What travels with a request through the control plane without the control plane reading it.
+
+The control plane sees request ids, prompt groups and lengths; a request's prompt tokens and
+reference answer ride along as a :class:`PromptPayload`, and a finished request's tokens and
+behavior logprobs come back as a :class:`Completion`. The backends build these, the pipeline
+reads them; neither the control plane nor the engine depends on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PromptPayload:
+    """What a request needs beyond the control plane's view: its prompt and answer."""
+
+    index: int  # position of the prompt in the prompt stream
+    tokens: tuple[int, ...]
+    answer: str
+    max_new_tokens: int | None = None  # None: the backend's default
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Payload of a finished request: everything the trainer needs to score and learn."""
+
+    prompt: PromptPayload
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    prefill_tokens: int
+    migrations: int

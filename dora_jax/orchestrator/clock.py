@@ -1,0 +1,71 @@
+"""Clocks of the control plane, and the bus on which wall-clock workers report.
+
+Two clocks drive one control plane (this module imports nothing but the standard library):
+
+- :class:`LogicalClock`: time is the index of the control round (a *tick*); every group advances
+  one engine step per tick on the caller's thread. Deterministic: the same seed and config give
+  the same run, bit for bit, and a checkpoint resumes it exactly.
+- :class:`WallClock`: time is seconds since the run started; every group runs its own engine
+  loop on its own thread and the trainer its steps on another, and they report what they did,
+  stamped with this clock, on a :class:`Bus` that the control loop waits on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+
+class LogicalClock:
+    """Ticks: ``now()`` is set by the runtime to the index of the current round."""
+
+    kind = "logical"
+
+    def __init__(self) -> None:
+        self.tick = 0
+
+    def now(self) -> int:
+        return self.tick
+
+
+class WallClock:
+    """Seconds since :meth:`start` (``time.perf_counter``); shared by every worker of a run."""
+
+    kind = "wall"
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def start(self, offset: float = 0.0) -> None:
+        """Restart at ``offset`` seconds (a resumed run continues its timeline)."""
+        self._t0 = time.perf_counter() - offset
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+
+class Bus:
+    """Events from workers to the control loop: ``post`` from any thread, ``collect`` from one.
+
+    ``collect(timeout)`` returns every event posted since the last call, waiting up to
+    ``timeout`` seconds for the first one (never longer: every wait is bounded).
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._items: deque[Any] = deque()
+
+    def post(self, item: Any) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify_all()
+
+    def collect(self, timeout: float) -> list[Any]:
+        with self._cv:
+            if not self._items and timeout > 0:
+                self._cv.wait(timeout)
+            out = list(self._items)
+            self._items.clear()
+        return out

@@ -1,0 +1,139 @@
+"""Observers of the run loop: what happens at every published version besides training.
+
+- :class:`MetricsLog`: one ``metrics.jsonl`` line (and TensorBoard scalars) per train step, and the
+  progress bar (or a printed line every ``logging.every_steps`` steps without one).
+- :class:`HeldOutEval`: the held-out evaluation every ``eval.every_steps`` steps, appended to
+  ``eval.jsonl`` (a resumed run keeps the evaluations up to its checkpoint). On the wall clock it
+  holds the run still (:meth:`Runtime.quiesce`) while it evaluates.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dora_jax.config import ExperimentConfig
+from dora_jax.metrics import MetricsWriter, progress, read_metrics
+from dora_jax.pipeline.evaluation import EvalResult
+from dora_jax.pipeline.experiment import Experiment
+
+
+def step_reward(log) -> float:
+    return float(np.mean(log.rewards))
+
+
+def step_solved(log) -> float:
+    """Share of full-mark trajectories (exact answers) in a step."""
+    return float(np.mean([r >= 1.0 for r in log.rewards]))
+
+
+class MetricsLog:
+    """Writes every new step log of the trainer at the version's publication."""
+
+    def __init__(self, exp: Experiment, run_dir: Path, resume: bool):
+        cfg = exp.cfg
+        self.exp, self.cfg = exp, cfg
+        done = exp.runtime.steps_done  # published steps; a logical step may have run already
+        if resume:  # metrics.jsonl continues; drop lines past the checkpoint
+            _truncate(run_dir / "metrics.jsonl", done)
+        self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+        self.bar = progress(
+            cfg.train.total_steps, f"GRPO ({cfg.orchestrator.mode})", enabled=cfg.logging.progress
+        )
+        self.bar.update(done)
+        self.seen = done
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def echo(self, text: str) -> None:
+        (print if self.bar.disable else self.bar.write)(text)
+
+    def on_publish(self, runtime, version: int) -> None:
+        log = self.exp.grpo.log
+        while self.seen < len(log) and log[self.seen].version <= version:
+            self.write(log[self.seen])
+            self.seen += 1
+
+    def write(self, log) -> None:
+        m = {k: np.asarray(v).tolist() for k, v in log.metrics.items()}
+        reward, solved = step_reward(log), step_solved(log)
+        self.tokens += int(m["num_tokens"])
+        elapsed = time.perf_counter() - self.t0
+        self.writer.write(
+            log.version,
+            {**m, "reward": reward, "solved": solved, "elapsed_s": elapsed,
+             "reward_errors": self.exp.reward.errors},
+        )  # fmt: skip
+        self.bar.update(1)
+        self.bar.set_postfix(
+            reward=f"{reward:.2f}", solved=f"{solved:.2f}", stale=f"{m['staleness_mean']:.1f}",
+            tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}",
+        )  # fmt: skip
+        if self.bar.disable and log.version % self.cfg.logging.every_steps == 0:
+            print(
+                f"step {log.version}: reward {reward:.3f} solved {solved:.2f} "
+                f"loss {m['loss']:.4f} staleness {m['staleness_mean']:.2f} "
+                f"len {m['response_len_mean']:.1f}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
+
+
+class HeldOutEval:
+    """Evaluates the trainer's params when due and appends the result to ``eval.jsonl``."""
+
+    FILE = "eval.jsonl"
+
+    def __init__(
+        self, exp: Experiment, run_dir: Path, cfg: ExperimentConfig, resume: bool, echo=print
+    ):
+        self.exp, self.every, self.echo = exp, cfg.eval.every_steps, echo
+        self.results: list[EvalResult] = []
+        self.seconds = 0.0
+        self.writer = None
+        if exp.evaluator is None:
+            return
+        path = run_dir / self.FILE
+        if resume and path.is_file():
+            kept = [r for r in read_metrics(path) if r["step"] <= exp.runtime.steps_done]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.results = [EvalResult.from_metrics(r["step"], r) for r in kept]
+        elif path.is_file():
+            path.unlink()
+        self.writer = MetricsWriter(
+            run_dir, cfg.logging.tensorboard, filename=self.FILE, tb_dir="tb/eval"
+        )
+
+    def on_publish(self, runtime, version: int) -> None:
+        if version % self.every == 0:
+            with runtime.quiesce():
+                self.at(version)
+
+    def at(self, step: int) -> None:
+        """Evaluate the trainer's current params at ``step`` unless that step has a result."""
+        if self.writer is None or any(r.step == step for r in self.results):
+            return
+        r = self.exp.evaluate(step)
+        self.results.append(r)
+        self.seconds += r.seconds
+        self.writer.write(step, r.metrics())
+        self.echo(
+            f"held-out eval at step {step}: solved {r.solved:.3f} reward {r.reward:.3f} "
+            f"response {r.response_len:.1f} tokens ({r.seconds:.1f} s)"
+        )
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _truncate(path: Path, keep: int) -> None:
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(lines[:keep]))

@@ -1,0 +1,101 @@
+"""The end of a run: timeline plots, reward curves, ``summary.json``/``summary.md``, and the lines
+printed to the terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from dora_jax.orchestrator.runtime import RunResult
+from dora_jax.pipeline.evaluation import binomial_se
+from dora_jax.pipeline.experiment import Experiment
+from dora_jax.pipeline.observers import HeldOutEval, step_reward, step_solved
+from dora_jax.report import head, plot_timeline, reward_curve_plot, write_summary
+
+CLOSE_UP_TICKS = 300  # the close-up timeline's extent (ticks; on the wall clock, a tenth of it)
+
+
+def write_run_report(
+    exp: Experiment, result: RunResult, evals: HeldOutEval, run_dir: Path, wall_s: float,
+    warm_start_s: float,
+) -> None:  # fmt: skip
+    """Plots and summary files in ``run_dir``; prints the run's figures."""
+    cfg, o = exp.cfg, exp.cfg.orchestrator
+    rewards = [(sl.version, step_reward(sl)) for sl in exp.grpo.log]  # the whole run, resumes too
+    solved = [(sl.version, step_solved(sl)) for sl in exp.grpo.log]
+    rec = result.records
+    wall = rec.clock == "wall"
+    title = f"{o.mode}: rollout groups over time, coloured by policy version"
+    plot_timeline(rec, run_dir / "timeline.png", title=title)
+    close_up = rec.horizon() / 10 if wall else CLOSE_UP_TICKS
+    what = f"the first {close_up:.1f} s" if wall else f"the first {CLOSE_UP_TICKS} ticks"
+    plot_timeline(head(rec, close_up), run_dir / "timeline_start.png", title=f"{o.mode}: {what}")
+    reward_curve_plot(
+        {"reward": rewards, "solved (exact answer)": solved}, run_dir / "reward.png",
+        xlabel="train step",
+    )  # fmt: skip
+    oh = exp.backend.overheads
+    write_summary(
+        run_dir,
+        summary=result.summary,
+        records=rec,
+        rewards=rewards,
+        wall_s=wall_s,
+        overheads={
+            "weight_transfer_s": oh.weight_transfer_s,
+            "migration_s": oh.migration_s,
+            "warm_start_s": warm_start_s,
+            "eval_s": evals.seconds,
+        },
+        held_out=[dataclasses.asdict(r) for r in evals.results],
+        extra={
+            "reward_errors": exp.reward.errors,
+            "config": "config.yaml",
+            "stopped_early": exp.stopped,
+            "request_states": _counts(result.ledger),
+            "consumed_request_ids": [c.request_id for c in rec.consumed],
+        },
+    )
+    if exp.stopped:
+        print(
+            f"stopped at step {exp.runtime.steps_done} with a checkpoint in "
+            f"{run_dir / 'checkpoints'}; continue with: python launch/train.py --resume "
+            f"run_dir={cfg.run_dir}"
+        )
+    s = result.summary
+    overlap = f", trainer busy with rollout decoding {s.overlap:.0%}" if wall else ""
+    print(
+        f"done in {wall_s:.0f} s: {s.steps} steps, {s.trajectories} trajectories, "
+        f"bubble {s.bubble:.1%}{overlap}, staleness mean {s.staleness_mean:.2f} max "
+        f"{s.staleness_max}, {s.migrated} migrated, {s.reprefill_tokens} re-prefill tokens"
+    )
+    if rewards:
+        k = max(1, len(rewards) // 5)
+        first = float(np.mean([r for _, r in rewards[:k]]))
+        last = float(np.mean([r for _, r in rewards[-k:]]))
+        s0 = float(np.mean([x for _, x in solved[:k]]))
+        s1 = float(np.mean([x for _, x in solved[-k:]]))
+        print(
+            f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
+            f"solved (exact answer): {s0:.3f} -> {s1:.3f}"
+        )
+    if len(evals.results) >= 2:
+        e0, e1 = evals.results[0], evals.results[-1]
+        n = len(exp.evaluator.prompts)
+        print(
+            f"held-out eval ({n} problems, one sample each): solved {e0.solved:.3f} at step "
+            f"{e0.step} -> {e1.solved:.3f} at step {e1.step} (+-{binomial_se(e1.solved, n):.3f}); "
+            f"mean response {e0.response_len:.1f} -> {e1.response_len:.1f} tokens"
+        )
+    print(
+        f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
+    )
+
+
+def _counts(ledger: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for state in ledger.values():
+        out[state] = out.get(state, 0) + 1
+    return out
