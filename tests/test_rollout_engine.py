@@ -154,15 +154,17 @@ def test_migration_continues_bit_identically(params, temperature, where, impl):
     src_devs, dst_devs = {"other_submesh": ((0,), (1,)), "host_park": ((2,), (2,)),
                           "tp2_submesh": ((4, 5), (6, 7))}[where]  # fmt: skip
     reqs = make_requests(3, seed=4, max_new=(60, 60), prompt=(10, 20))
+    interpret = True if impl == "pallas" else None  # Pallas on a CPU: interpret, explicitly
 
     # Reference: the same requests, never moved.
-    ref_engine = Engine(CFG, rcfg, mesh_on(*src_devs), eos_id=-1)  # same TP layout
+    ref_engine = Engine(CFG, rcfg, mesh_on(*src_devs), eos_id=-1, interpret=interpret)  # same TP
+    assert ref_engine.impl == impl
     ref_engine.load_params(params, 0)
     ref_engine.submit([dataclasses.replace(r, tokens=[], logprobs=[]) for r in reqs])
     ref = {f.id: f for f in run_to_end(ref_engine)}
 
-    src = Engine(CFG, rcfg, mesh_on(*src_devs), eos_id=-1)
-    dst = Engine(CFG, rcfg, mesh_on(*dst_devs), eos_id=-1)
+    src = Engine(CFG, rcfg, mesh_on(*src_devs), eos_id=-1, interpret=interpret)
+    dst = Engine(CFG, rcfg, mesh_on(*dst_devs), eos_id=-1, interpret=interpret)
     src.load_params(params, 0)
     dst.load_params(params, 0)
     src.submit(reqs)
