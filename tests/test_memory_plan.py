@@ -76,6 +76,26 @@ def test_colocated_engines_alias_the_trainer_exports():
     assert plan.devices() == [0]
 
 
+def test_wall_clock_counts_the_trainer_and_every_engine_step_at_once():
+    """A trainer and three engines on one device: the logical clock steps them one after another
+    (the largest transient counts); the wall clock steps each on its own worker thread, so the
+    train step's and all three engines' temporaries count together."""
+    colocated = ["mesh.trainer.devices=0:1", "mesh.trainer.data=1", "mesh.trainer.model=1",
+                 "mesh.rollout.devices=0:1", "mesh.rollout.groups=3"]  # fmt: skip
+    plans = {c: plan_memory(small(*colocated, f"orchestrator.clock={c}"))
+             for c in ("logical", "wall")}  # fmt: skip
+    mine = {c: by_what(p, 0) for c, p in plans.items()}
+    train = mine["logical"]["train step temporaries"].bytes
+    engine = mine["logical"]["engine step temporaries"].bytes
+    assert mine["wall"]["train step temporaries"].bytes == train > 0
+    assert mine["wall"]["engine step temporaries"].bytes == 3 * engine > 0
+    resident = sum(i.bytes for i in mine["logical"].values() if i.kind != TRANSIENT)
+    assert plans["logical"].total([0]) == resident + max(train, engine)
+    assert plans["wall"].total([0]) == resident + train + 3 * engine
+    assert plans["wall"].to_dict()["transients_summed"] and "summed" in plans["wall"].table()
+    assert not plans["logical"].to_dict()["transients_summed"]
+
+
 def test_a_config_over_the_memory_is_refused_with_what_to_change():
     plan = plan_memory(small("mesh.device_memory_gib=0.0001"))
     with pytest.raises(MemoryPlanError) as e:

@@ -11,10 +11,13 @@ Per device, in bytes:
   (``device_put`` onto the same devices and layout aliases the trainer's export);
 - the engines' KV caches (``2 x L x num_pages x Z x K/tp x H`` each) and the held-out
   evaluator's engine (its params unless aliased, and its cache);
-- transients, one at a time (the tick loop runs the train step and the engine steps one after
-  the other): the compiled train step's temporaries at the longest bucket a sample can need, and
+- transients: the compiled train step's temporaries at the longest bucket a sample can need, and
   the compiled engine prefill/decode steps' temporaries, from XLA's memory analysis of an
-  abstract compilation (``jax.ShapeDtypeStruct`` inputs: nothing is allocated).
+  abstract compilation (``jax.ShapeDtypeStruct`` inputs: nothing is allocated). On the logical
+  clock one at a time (the control thread runs the train step and the engine steps one after the
+  other: the largest counts); on the wall clock (``orchestrator.clock: wall``) the trainer and
+  every group run on their own worker threads, so on a device they share, the train step's and
+  each engine's step temporaries are counted together.
 
 The limit per device is ``mesh.device_memory_gib`` or what the device reports; CPU devices report
 nothing and share the host's memory, so each of ``n`` CPU devices is planned with ``1 / n`` of
@@ -51,7 +54,7 @@ from dora_jax.train.state import init_state, state_shardings, uses_master
 from dora_jax.train.step import lower_train_step
 
 GiB = 1 << 30
-TRANSIENT = "transient"  # items of this kind are not summed: the largest one counts
+TRANSIENT = "transient"  # logical clock: the largest one counts; wall clock: summed
 
 
 class MemoryPlanError(ValueError):
@@ -77,6 +80,7 @@ class MemoryPlan:
     train_bucket: tuple[int, int]  # (rows, seq_len) the train step was compiled for
     notes: list[str] = field(default_factory=list)
     train_step: Any = None  # the compiled step at train_bucket (a Trainer can adopt it)
+    concurrent: bool = False  # wall clock: transients of one device can be live at once
 
     def devices(self) -> list[int]:
         return sorted({i.device for i in self.items})
@@ -86,12 +90,14 @@ class MemoryPlan:
         return {f"device {d}": [d] for d in self.devices()}
 
     def total(self, devices: list[int]) -> int:
-        """Resident bytes plus the largest transient of each device, summed over ``devices``."""
+        """Resident bytes plus the transients of each device (the largest one, or all of them
+        when ``concurrent``), summed over ``devices``."""
         out = 0
         for d in devices:
             mine = [i for i in self.items if i.device == d]
             out += sum(i.bytes for i in mine if i.kind != TRANSIENT)
-            out += max((i.bytes for i in mine if i.kind == TRANSIENT), default=0)
+            transients = [i.bytes for i in mine if i.kind == TRANSIENT]
+            out += sum(transients) if self.concurrent else max(transients, default=0)
         return out
 
     @property
@@ -111,6 +117,7 @@ class MemoryPlan:
             "memory_utilization": self.utilization,
             "num_pages": self.num_pages,
             "num_pages_sized_from_memory": self.pages_sized,
+            "transients_summed": self.concurrent,
             "train_bucket_rows_x_tokens": list(self.train_bucket),
             "devices": {
                 d: {
@@ -128,7 +135,9 @@ class MemoryPlan:
         }
 
     def table(self) -> str:
-        lines = ["memory plan (GiB per device; transients: the largest counts):"]
+        rule = ("summed (wall clock: the trainer and every group step at once)" if self.concurrent
+                else "the largest counts (logical clock: one step at a time)")  # fmt: skip
+        lines = [f"memory plan (GiB per device; transients: {rule}):"]
         for d in self.devices():
             mine = [i for i in self.items if i.device == d]
             lines.append(f"  device {d}: {self.total([d]) / GiB:.2f}")
@@ -318,12 +327,17 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
         notes.append(f"engines on device(s) {aliased} share the trainer's exports (same "
                      "devices and layout: no copy)")  # fmt: skip
 
-    # rollout step temporaries (one engine at a time per device)
+    # rollout step temporaries: one engine at a time per device, or (wall clock) every engine of
+    # the device at once, each stepping on its own worker thread
+    concurrent = o.clock == "wall"
     impl, interpret = resolve_impl_quiet(r.attention_impl)
     shapes = dataclasses.replace(r, num_pages=2, temperature=1.0, top_k=0, top_p=1.0)
     eng_tmp = _engine_temporaries(m, shapes, meshes.groups[0], impl, interpret)
-    for d in per_device_groups:
-        items.append(Item(d, "engine step temporaries (prefill/decode)", eng_tmp, TRANSIENT))
+    for d, n_groups in per_device_groups.items():
+        n = n_groups if concurrent else 1
+        at_once = f", {n} engines at once" if n > 1 else ""
+        items.append(Item(d, f"engine step temporaries (prefill/decode{at_once})", n * eng_tmp,
+                          TRANSIENT))  # fmt: skip
 
     # train step temporaries at the longest bucket a batch can need
     S = o.train_batch_prompts * t.group_size
@@ -352,7 +366,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     # KV caches
     page = _page_bytes(cfg, cfg.mesh.rollout.tp)
     plan = MemoryPlan(items, limit, cfg.mesh.memory_utilization, limit_source, 0, False, (rows, T),
-                      notes, compiled)  # fmt: skip
+                      notes, compiled, concurrent)  # fmt: skip
     if r.num_pages is None:
         plan.num_pages, plan.pages_sized = _size_pages(plan, per_device_groups, page, cfg), True
     else:
