@@ -57,6 +57,7 @@ def _host_state(exp) -> dict[str, Any]:
         "backend": exp.backend.state_dict(),
         "prompt_cursor": exp.source.cursor,
         "reward_errors": exp.reward.errors,
+        "undecodable_tokens": exp.grpo.undecodable_tokens,  # a cumulative metric
         "grpo_log": [
             (s.version, jax.device_get(s.metrics), s.rewards, s.trajectories) for s in exp.grpo.log
         ],
@@ -176,6 +177,7 @@ def _relink(exp, state: dict[str, Any]) -> None:
     exp.backend.load_state_dict(state["backend"], exp.grpo.params_for)
     exp.source.cursor = state["prompt_cursor"]
     exp.reward.errors = state["reward_errors"]
+    exp.grpo.undecodable_tokens = state.get("undecodable_tokens", 0)  # (older checkpoints: none)
     exp.grpo.log = [StepLog(v, m, r, t) for v, m, r, t in state["grpo_log"]]
     exp.grpo.consumed = state["grpo_consumed"]
     exp.wall_s = state["wall_s"]
