@@ -408,8 +408,16 @@ class DataConfig:
     # countdown prefix
     reward: Literal["exact", "boxed_math", "partial_credit"] = "exact"
     tokenizer: Literal["char", "hf"] = "char"
+    # arithmetic: the median number of countdown steps of a problem (lognormal, capped at 40);
+    # larger means longer responses and a longer tail
+    median_steps: int = 3
 
     def __post_init__(self):
+        _check(
+            1 <= self.median_steps <= 40,
+            "median_steps",
+            f"must be in [1, 40], got {self.median_steps}",
+        )
         _check(
             self.task != "jsonl" or bool(self.path),
             "path",

@@ -80,8 +80,9 @@ def _task_parts(cfg: ExperimentConfig):
     """(prompt source, reward fn, worked-example fn or None) for ``data.task``."""
     d = cfg.data
     if d.task == "arithmetic":
-        task = ArithmeticTask(cfg.seed)
-        sft = ArithmeticTask(cfg.seed + 1_000_003)  # warm-start problems differ from RL prompts
+        task = ArithmeticTask(cfg.seed, median_steps=d.median_steps)
+        # warm-start problems differ from RL prompts
+        sft = ArithmeticTask(cfg.seed + 1_000_003, median_steps=d.median_steps)
         example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
         reward = task.answer_reward if d.reward == "exact" else task.reward
         return task.source(), reward, example
@@ -97,7 +98,7 @@ def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     if e.num_prompts == 0:
         return []
     if d.task == "arithmetic":
-        held_out = ArithmeticTask(cfg.seed + 2_000_003)
+        held_out = ArithmeticTask(cfg.seed + 2_000_003, median_steps=d.median_steps)
         return [held_out.problem(i) for i in range(e.num_prompts)]
     if e.path is None:
         return []
@@ -173,7 +174,8 @@ def build(
             example,
             tokenizer,
             cache_dir=warm_start_dir or run_dir / "warm_start",
-            cache_key=repr((cfg.model, cfg.seed)),
+            cache_key=repr((cfg.model, cfg.seed))
+            + ("" if cfg.data.median_steps == 3 else f" median_steps={cfg.data.median_steps}"),
             on_step=on_warm_step,
         )
         params = jax.device_put(params, shardings)
@@ -187,6 +189,8 @@ def build(
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     stops = eos_ids(tokenizer)
     cluster = _cluster(cfg, meshes, process, bus, clock, stops)
+    if cluster is not None and not cluster.transfers.via_store:
+        grpo.export_shardings = cluster.link.stage_shardings()
     backend = EngineBackend(
         cfg.model,
         cfg.rollout,
