@@ -65,6 +65,24 @@ def test_plan_counts_state_exports_engines_kv_and_compiled_temporaries():
     plan.check()  # a tiny model fits anything
 
 
+def test_multiprocess_exports_are_counted_in_the_groups_layout(monkeypatch):
+    """A multi-process run on accelerators exports versions in the rollout groups' layout (tp 1:
+    whole models) on process 0's first device: the plan counts them there, not split over the
+    trainer mesh (checked here by pretending to be such a run)."""
+    from dora_jax.pipeline import memory_plan
+
+    cfg = small()
+    n = count_params(cfg.model)
+    before = by_what(plan_memory(cfg), 1)["exports"].bytes
+    monkeypatch.setattr(memory_plan, "exports_in_group_layout", lambda: True)
+    plan = plan_memory(cfg)
+    on = {d: [i for i in plan.items if i.device == d and i.what.startswith("exports")]
+          for d in (0, 1)}  # fmt: skip
+    v0, later = (i.bytes for i in on[0])
+    assert later == 3 * 4 * n  # K + 1 = 3 whole float32 models on device 0
+    assert v0 == before // 3 and [i.bytes for i in on[1]] == [before // 3]  # version 0 only
+
+
 def test_colocated_engines_alias_the_trainer_exports():
     cfg = small("mesh.trainer.devices=0:1", "mesh.trainer.data=1", "mesh.trainer.model=1",
                 "mesh.rollout.devices=0:1", "mesh.rollout.groups=3")  # fmt: skip

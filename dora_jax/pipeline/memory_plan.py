@@ -5,7 +5,9 @@ Per device, in bytes:
 - the train state on the trainer mesh: the optimizer's copy of the params (float32 master
   weights, or the params themselves), Adam's moments, the KL reference params;
 - the policy exports the trainer keeps for the rollout side, one per live version: the window
-  holds at most ``staleness_k + 1`` versions (model dtype, trainer sharding);
+  holds at most ``staleness_k + 1`` versions (model dtype, trainer sharding; a multi-process run
+  on accelerators keeps them in the rollout groups' layout on process 0's first ``tp`` devices,
+  see :func:`exports_in_group_layout`);
 - the engines' params: one copy per version an engine can serve, at most ``min(engines on the
   device, staleness_k + 1)``; none when the device is a trainer device with the same layout
   (``device_put`` onto the same devices and layout aliases the trainer's export);
@@ -44,7 +46,7 @@ from jax.sharding import Mesh
 
 from dora_jax.config import ExperimentConfig
 from dora_jax.config.schema import replace as config_replace
-from dora_jax.mesh import Meshes, build_meshes
+from dora_jax.mesh import Meshes, build_meshes, make_mesh
 from dora_jax.model.params import abstract_params, dtype_of, param_axes
 from dora_jax.rollout.attention import resolve_impl
 from dora_jax.rollout.steps import lower_steps
@@ -206,6 +208,14 @@ def _advice(items: list[Item], plan: MemoryPlan) -> list[str]:
     return list(dict.fromkeys(out)) or ["use a larger device or fewer devices' worth of work"]
 
 
+def exports_in_group_layout() -> bool:
+    """A multi-process run on accelerators exports each version after version 0 in the rollout
+    groups' layout on process 0's first ``mesh.rollout.tp`` devices, where the other processes
+    pull it from (``GRPOTrainer.export_shardings``); on CPUs the processes exchange host copies
+    and the exports keep the trainer's layout."""
+    return jax.process_count() > 1 and jax.local_devices()[0].platform != "cpu"
+
+
 def _per_device(abstract, shardings) -> dict[int, int]:
     """Bytes each device holds of a pytree of abstract arrays placed with ``shardings``."""
     ids = {d: i for i, d in enumerate(jax.devices())}
@@ -301,8 +311,20 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     p_abs = abstract_params(m)
     t_sh = tree_shardings(param_axes(m), p_abs, rules, tmesh)
     export = _per_device(p_abs, t_sh)
-    for d, n in export.items():
-        items.append(Item(d, f"exports ({live} live versions x {n / GiB:.2f} GiB)", live * n))
+    if exports_in_group_layout():
+        # version 0 in the trainer's layout, every later one in the groups' layout on process
+        # 0's first tp devices (counted as if all K + 1 live versions were there at once)
+        tp = cfg.mesh.rollout.tp
+        e_mesh = make_mesh(jax.local_devices()[:tp], 1, tp)
+        e_sh = tree_shardings(param_axes(m), p_abs, rollout_rules(), e_mesh)
+        for d, n in export.items():
+            items.append(Item(d, f"exports (version 0, {n / GiB:.2f} GiB)", n))
+        for d, n in _per_device(p_abs, e_sh).items():
+            items.append(Item(d, f"exports ({live} live versions x {n / GiB:.2f} GiB, the "
+                              "groups' layout for the other processes)", live * n))  # fmt: skip
+    else:
+        for d, n in export.items():
+            items.append(Item(d, f"exports ({live} live versions x {n / GiB:.2f} GiB)", live * n))
 
     # engines
     trainer_ids = set(_mesh_ids(tmesh))
