@@ -181,13 +181,18 @@ def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
         proc.on_peer_lost = lambda what: _resume_hint(run_dir, proc)
         proc.start_watchdog()
     exp = _build(cfg, run_dir, proc)
+    wandb_log = None
     try:
         checkpointer = _open_checkpoints(exp, run_dir, resume)
         if checkpointer is None:
             return 2
         warm_start_s = time.perf_counter() - t_start
-        metrics = MetricsLog(exp, run_dir, resume)
-        evals = HeldOutEval(exp, run_dir, cfg, resume, echo=metrics.echo)
+        if cfg.logging.wandb:  # process 0 only: the others serve their groups (see main)
+            from dora_jax.wandb_log import WandbLog
+
+            wandb_log = WandbLog(cfg, run_dir)
+        metrics = MetricsLog(exp, run_dir, resume, mirror=wandb_log)
+        evals = HeldOutEval(exp, run_dir, cfg, resume, echo=metrics.echo, mirror=wandb_log)
         if exp.runtime.steps_done == 0:
             evals.at(0)  # before the first step
         stop = _StopFlag()
@@ -206,6 +211,8 @@ def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
         evals.close()
         write_run_report(exp, result, evals, run_dir, time.perf_counter() - t_start, warm_start_s)
     finally:
+        if wandb_log is not None:
+            wandb_log.close()
         exp.close()
         if proc is not None:
             proc.finish()

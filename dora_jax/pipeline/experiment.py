@@ -18,9 +18,12 @@ from pathlib import Path
 import jax
 
 from dora_jax.config import ConfigError, ExperimentConfig
-from dora_jax.data import ArithmeticTask, boxed_math_reward, exact_reward, load_jsonl_prompts
+from dora_jax.data import ArithmeticTask, Example, Scorer, read_rows, to_examples
+from dora_jax.data.math_answers import FALLBACK_NOTE, MATH_VERIFY
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
-from dora_jax.data.rewards import SafeReward, safe_reward
+from dora_jax.data.reward_functions import RewardSpecError, load_reward_function, resolve_spec
+from dora_jax.data.reward_pool import RewardPool
+from dora_jax.data.rewards import exact_reward
 from dora_jax.execution.backend import EngineBackend
 from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes
@@ -48,7 +51,7 @@ class Experiment:
     cfg: ExperimentConfig
     meshes: Meshes
     tokenizer: Tokenizer
-    reward: SafeReward
+    reward: Scorer
     source: PromptSource
     grpo: GRPOTrainer
     backend: EngineBackend
@@ -64,10 +67,11 @@ class Experiment:
         return self.grpo.trainer
 
     def close(self) -> None:
-        """Stop the worker threads of a wall-clock run (a no-op on the logical clock)."""
+        """Stop the worker threads of a wall-clock run and the reward workers."""
         self.backend.close()
         if isinstance(self.runtime.trainer, ThreadedTrainer):
             self.runtime.trainer.close()
+        self.reward.close()
 
     def evaluate(self, step: int) -> EvalResult:
         """The held-out evaluation of the trainer's current params (needs ``evaluator``)."""
@@ -77,23 +81,46 @@ class Experiment:
 
 
 def _task_parts(cfg: ExperimentConfig):
-    """(prompt source, reward fn, worked-example fn or None) for ``data.task``."""
+    """(prompt source, inline reward fn or None, worked-example fn or None) for ``data.task``;
+    the reward is None when it runs in worker processes (:func:`_scorers`)."""
     d = cfg.data
     if d.task == "arithmetic":
         task = ArithmeticTask(cfg.seed, median_steps=d.median_steps)
         # warm-start problems differ from RL prompts
         sft = ArithmeticTask(cfg.seed + 1_000_003, median_steps=d.median_steps)
         example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
-        reward = task.answer_reward if d.reward == "exact" else task.reward
+        reward = {"exact": task.answer_reward, "partial_credit": task.reward}.get(d.reward)
         return task.source(), reward, example
-    items = load_jsonl_prompts(d.path, d.prompt_field, d.answer_field)
-    reward = {"exact": exact_reward, "boxed_math": boxed_math_reward}[d.reward]
-    return PromptSource(shuffled_epochs(items, cfg.seed), f"jsonl:{d.path}"), reward, None
+    items = load_examples(cfg, d.path)
+    source = PromptSource(shuffled_epochs(items, cfg.seed, d.shuffle), f"{d.task}:{d.path}")
+    return source, {"exact": exact_reward}.get(d.reward), None
 
 
-def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]]:
-    """Held-out ``(prompt, reference)`` pairs: the built-in task's come from a seed no training
-    or warm-start problem uses; a JSONL run's from ``eval.path`` (none without it)."""
+def load_examples(cfg: ExperimentConfig, path: str) -> list[Example]:
+    """The rows of ``path`` read as ``data.task``, with ``data``'s field paths."""
+    d = cfg.data
+    return to_examples(read_rows(d.task, path, d.split), d.prompt_field, d.answer_field, path)
+
+
+def _scorers(cfg: ExperimentConfig, inline, now) -> tuple[Scorer, Scorer]:
+    """The run's scorer and the evaluation's (its own error counts; one worker pool)."""
+    if inline is not None:
+        return Scorer(inline), Scorer(inline)
+    spec = cfg.data.reward
+    try:
+        load_reward_function(spec)  # fail now, naming data.reward, not in every worker
+    except RewardSpecError as e:
+        raise ExperimentError(str(e)) from None
+    if spec == "boxed_math" and not MATH_VERIFY:
+        print(f"note: {FALLBACK_NOTE}", flush=True)
+    d = cfg.data
+    pool = RewardPool(resolve_spec(spec), d.reward_workers, d.reward_timeout_s, now=now)
+    return Scorer(pool=pool), Scorer(pool=pool)
+
+
+def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]] | list[Example]:
+    """Held-out problems: the built-in task's come from a seed no training or warm-start
+    problem uses; a dataset run's from ``eval.path`` (none without it), read like ``data``."""
     e, d = cfg.eval, cfg.data
     if e.num_prompts == 0:
         return []
@@ -102,7 +129,7 @@ def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]]:
         return [held_out.problem(i) for i in range(e.num_prompts)]
     if e.path is None:
         return []
-    return load_jsonl_prompts(e.path, d.prompt_field, d.answer_field)[: e.num_prompts]
+    return load_examples(cfg, e.path)[: e.num_prompts]
 
 
 def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -157,6 +184,9 @@ def build(
     if note:
         print(f"note: {note}", flush=True)
     source, reward_fn, example = _task_parts(cfg)
+    wall = cfg.orchestrator.clock == "wall"
+    clock, bus = (WallClock() if wall else LogicalClock()), Bus()
+    reward, eval_reward = _scorers(cfg, reward_fn, clock.now)
     shardings = tree_shardings(
         param_axes(cfg.model),
         abstract_params(cfg.model),
@@ -179,14 +209,11 @@ def build(
             on_step=on_warm_step,
         )
         params = jax.device_put(params, shardings)
-    reward = safe_reward(reward_fn)
     rules = trainer_rules(cfg.mesh.trainer)
     trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params, rules=rules)
     trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
     del params  # version 0 lives on as the trainer's export (engines alias it when colocated)
     grpo = GRPOTrainer(trainer, tokenizer, reward)
-    wall = cfg.orchestrator.clock == "wall"
-    clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     stops = eos_ids(tokenizer)
     cluster = _cluster(cfg, meshes, process, bus, clock, stops)
     if cluster is not None and not cluster.transfers.via_store:
@@ -203,7 +230,11 @@ def build(
         bus=bus,
         cluster=cluster,
     )
-    prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len)
+    if reward.pool is not None:  # score each request as it finishes, in the workers
+        backend.on_finished = grpo.prefetch
+    d = cfg.data
+    prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len,
+                               d.system_prompt, d.prompt_template)  # fmt: skip
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
     problems = _eval_problems(cfg)
@@ -216,8 +247,10 @@ def build(
                 meshes.trainer.devices.flat[0],
                 tokenizer,
                 problems,
-                safe_reward(reward_fn),  # its own error count: eval errors are not the run's
+                eval_reward,  # its own error count: eval errors are not the run's
                 cfg.seed,
+                encode=prompts.encode,
+                samples_per_prompt=cfg.eval.samples_per_prompt,
             )
         except ValueError as e:
             raise ExperimentError(f"eval: {e}") from None

@@ -202,7 +202,8 @@ def _advice(items: list[Item], plan: MemoryPlan) -> list[str]:
             out.append("lower orchestrator.staleness_k (fewer live versions) or give the "
                        "rollout groups their own devices")  # fmt: skip
         elif w.startswith("evaluator"):
-            out.append("lower eval.num_prompts (or 0: no held-out evaluation)")
+            out.append("lower eval.num_prompts or eval.samples_per_prompt (or num_prompts 0: "
+                       "no held-out evaluation)")  # fmt: skip
     if "CPU devices" in plan.limit_source:
         out.append("or give each CPU device more of the host: mesh.device_memory_gib")
     return list(dict.fromkeys(out)) or ["use a larger device or fewer devices' worth of work"]
@@ -377,7 +378,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     ev = min(trainer_ids, key=lambda d: _mesh_ids(tmesh).index(d))
     eval_pages = 0
     if _evaluates(cfg):
-        slots = min(64, cfg.eval.num_prompts)
+        slots = min(64, cfg.eval.num_prompts * cfg.eval.samples_per_prompt)  # as Evaluator's
         eval_pages = slots * -(-(r.max_prompt_len + r.max_new_tokens) // r.page_size) + 1
         if t_layout != (1, 1):
             per = sum(math.prod(a.shape) for a in jax.tree.leaves(p_abs)) * model_bytes
