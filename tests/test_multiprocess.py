@@ -32,6 +32,9 @@ TINY = [
     "orchestrator.rollout_batch_prompts=4", "train.group_size=4", "rollout.max_new_tokens=64",
     "mesh.trainer.devices=0:2", "mesh.trainer.data=1", "mesh.trainer.model=2",
     "mesh.rollout.devices=2:8", "mesh.rollout.groups=6", "orchestrator.kv_pressure_threshold=0.3",
+    # host ignored by the planner: the 2-process run decides as the 1-process run does, and its
+    # moves cross processes (the preference for local moves is tested on the planner)
+    "orchestrator.prefer_local_moves=false",
 ]  # fmt: skip
 
 pytestmark = pytest.mark.slow

@@ -140,6 +140,10 @@ def test_moves_prefer_the_source_host_across_processes():
     assert [(m.request_ids, m.src, m.dst) for m in p.migrations] == [(g0.requests, 0, 2)]
     p = plan(snap([g._replace(host=0) for g in groups], 5, pending={5: 16}), POLICY)
     assert [(m.src, m.dst) for m in p.migrations] == [(0, 1)]  # one host: the most room
+    off = dataclasses.replace(POLICY, prefer_local=False)  # hosts ignored: as on one host
+    assert [(m.src, m.dst) for m in plan(snap(groups, 5, pending={5: 16}), off).migrations] == [
+        (0, 1)
+    ]
     # no room on its own host (80 pages + 15 > 90): the requests cross to host 0
     full = [g0, g1, on(grp(2, 4, 3, pages=[30, 25, 25]), 1), g5]
     p = plan(snap(full, 5, pending={5: 16}), POLICY)
@@ -157,6 +161,9 @@ def test_weights_come_from_a_holder_on_the_receivers_host():
     same = [g._replace(host=0) for g in groups]
     p = plan(snap(same, 5, oldest=3, pending={4: 8}), POLICY)
     assert [(t.group, t.version, t.source) for t in p.transfers] == [(1, 4, 0)]  # lowest id
+    off = dataclasses.replace(POLICY, prefer_local=False)
+    p = plan(snap(groups, 5, oldest=3, pending={4: 8}), off)
+    assert [(t.group, t.version, t.source) for t in p.transfers] == [(1, 4, 0)]
     busy = [groups[0], groups[1], groups[2]._replace(busy_ticks=2)]  # still loading: not first
     p = plan(snap(busy, 5, oldest=3, pending={4: 8}), POLICY)
     assert [(t.group, t.version, t.source) for t in p.transfers] == [(1, 4, 0)]

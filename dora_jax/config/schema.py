@@ -361,6 +361,10 @@ class OrchestratorConfig:
     # dora: a KV-pressure or idle trigger whose plan moved nothing stays quiet until what it
     # looks at changes (groups' versions, idle or hot groups, room, pending versions)
     plan_hysteresis: bool = True
+    # dora, multi-process runs: migrations go to groups on the source's own host first and an
+    # older version's weights come from a holder on the receiver's host first (off: the same
+    # choices as one process would make, host ignored)
+    prefer_local_moves: bool = True
     # dora, beyond the paper (off by default): re-choose K after every train step within
     # [adaptive_k_min, staleness_k], raising it when the trainer waited for the window's oldest
     # version longer than staleness_cost (the share of a step's progress one more unit of

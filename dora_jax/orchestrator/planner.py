@@ -96,6 +96,8 @@ class PlanPolicy:
     consolidate_fill: float = 0.9  # KV share an older version's groups are packed to
     spread: bool = True  # spare groups take over part of the gate version's load
     spread_fill: float = 0.15  # the gate is spread until its groups hold this share of KV
+    # several processes: moves within a host first (migration destinations, weight sources)
+    prefer_local: bool = True
 
 
 @dataclass(frozen=True)
@@ -259,14 +261,14 @@ class _Pool:
     on the source's own host before the others, when the groups span several hosts), with the
     version's free slots and KV room in total (a quick refusal when they do not suffice)."""
 
-    def __init__(self, dsts: list[_Load], limit: float):
+    def __init__(self, dsts: list[_Load], limit: float, prefer_local: bool = True):
         self.limit = limit
         ok = [d for d in dsts if d.free > 0 and d.kv < limit]
         self.heap = [(d.kv - limit, d.info.group, d) for d in ok]
         heapq.heapify(self.heap)
         self.free = sum(d.free for d in ok)
         self.room = sum(limit - d.kv for d in ok)
-        self.hosts = len({d.info.host for d in ok})
+        self.hosts = len({d.info.host for d in ok}) if prefer_local else 1
 
     def _queues(self, host: int) -> list[list]:
         """Heaps to take destinations from, in order: the source's host first (a move within a
@@ -421,7 +423,7 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
             if n_req:
                 if u not in pools:
                     dsts = [loads[i] for i in kept[u] if i not in leaving and i not in moved]
-                    pools[u] = _Pool(dsts, limit)
+                    pools[u] = _Pool(dsts, limit, policy.prefer_local)
                 out = pools[u].take(loads[gid])
                 if out is None:
                     continue  # its requests would not fit in the groups its version keeps
@@ -433,8 +435,9 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
             source: Source = TRAINER
             if v != s.latest:  # a ready holder first, then one on the receiver's own host
                 host = loads[gid].info.host
+                local = policy.prefer_local
                 source = min(holding, key=lambda i: (
-                    loads[i].info.busy_ticks, loads[i].info.host != host, i))  # fmt: skip
+                    loads[i].info.busy_ticks, local and loads[i].info.host != host, i))  # fmt: skip
             transfers.append(WeightTransfer(gid, v, source))
             need -= 1
     if policy.prewarm and (s.latest in work or s.room.get(s.latest)):

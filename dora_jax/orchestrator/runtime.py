@@ -143,6 +143,7 @@ class Runtime:
             rollout_batch_prompts=self.policy.rollout_batch,
             kv_pressure_threshold=cfg.kv_pressure_threshold,
             legacy_fill=self.policy.legacy_fill,
+            prefer_local=cfg.prefer_local_moves,
         )
         infos = backend.groups()
         self.records = Records(
