@@ -58,6 +58,7 @@ def _host_state(exp) -> dict[str, Any]:
         "prompt_cursor": exp.source.cursor,
         "reward_errors": exp.reward.errors,
         "reward_errors_by_kind": exp.reward.error_counts(),
+        "undecodable_tokens": exp.grpo.undecodable_tokens,  # a cumulative metric
         "grpo_log": [
             (s.version, jax.device_get(s.metrics), s.rewards, s.trajectories, s.reward_metrics)
             for s in exp.grpo.log
@@ -181,6 +182,7 @@ def _relink(exp, state: dict[str, Any]) -> None:
     kinds = state.get("reward_errors_by_kind", {"exception": state["reward_errors"]})
     for k, n in kinds.items():
         exp.reward.errors_by_kind[k] = int(n)
+    exp.grpo.undecodable_tokens = state.get("undecodable_tokens", 0)  # (older checkpoints: none)
     exp.grpo.log = [StepLog(*entry) for entry in state["grpo_log"]]
     exp.grpo.consumed = state["grpo_consumed"]
     exp.wall_s = state["wall_s"]

@@ -3,13 +3,15 @@
 Model code names axes logically (``("batch", "seq", "embed")``); only this module knows how a role
 lays them on its mesh. A dimension whose size does not divide by its mesh axes is replicated
 instead (so a tiny test model still runs on a wide mesh); :func:`spec_for` reports that choice
-through ``dropped`` for callers that want to log it.
+through ``dropped``, and :func:`tree_shardings` warns (:class:`ShardingWarning`) naming the
+parameter and the mesh axis, since a replicated weight costs the memory of an unsharded one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -83,7 +85,9 @@ def spec_for(
             size *= mesh.shape[a]
         if shape is not None and mesh_axes and shape[i] % size != 0:
             if dropped is not None:
-                dropped.append(f"{name}({shape[i]} % {size})")
+                where = "x".join(mesh_axes)
+                dropped.append(f"dimension {i} ({name}, size {shape[i]}) over mesh axis "
+                               f"'{where}' ({size})")  # fmt: skip
             mesh_axes = ()
         used.update(mesh_axes)
         if not mesh_axes or size == 1:
@@ -93,13 +97,35 @@ def spec_for(
     return PartitionSpec(*out)
 
 
+class ShardingWarning(UserWarning):
+    """A parameter dimension does not divide by its mesh axis and is replicated instead."""
+
+
 def tree_shardings(axes_tree: Any, shapes_tree: Any, rules: Rules, mesh: Mesh) -> Any:
-    """NamedShardings for a pytree of logical-axes tuples and a matching tree of shaped leaves."""
+    """NamedShardings for a pytree of logical-axes tuples and a matching tree of shaped leaves.
+    A dimension replicated because it does not divide by its mesh axis is reported with a
+    :class:`ShardingWarning` naming the leaf (e.g. ``layers/wq``) and the axis."""
+    dropped: list[str] = []
 
-    def one(axes: LogicalAxes, leaf: Any) -> NamedSharding:
-        return NamedSharding(mesh, spec_for(axes, rules, mesh, leaf.shape))
+    def one(path: Any, axes: LogicalAxes, leaf: Any) -> NamedSharding:
+        mine: list[str] = []
+        spec = spec_for(axes, rules, mesh, leaf.shape, mine)
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        dropped.extend(f"{name}: {d}" for d in mine)
+        return NamedSharding(mesh, spec)
 
-    return jax.tree.map(one, axes_tree, shapes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    out = jax.tree_util.tree_map_with_path(
+        one, axes_tree, shapes_tree, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    if dropped:
+        axes = dict(mesh.shape)
+        warnings.warn(
+            f"mesh {axes}: replicated instead of sharded (size % mesh axis size != 0): "
+            + "; ".join(dropped),
+            ShardingWarning,
+            stacklevel=2,
+        )
+    return out
 
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(

@@ -22,6 +22,10 @@ Rounds alternate the contenders; ratios are of medians. Writes
 ``benchmarks/results/bench_rollout.json`` with units and the command.
 
     python launch/bench_rollout.py [--quick] [--model tiny]
+
+``--model qwen2.5-0.5b`` runs (a) only, at Qwen2.5-0.5B's shape (random weights), in float32
+and in bfloat16, on a small uniform workload (``--requests``, ``--tokens``, ``--rounds``), and
+writes ``benchmarks/results/bench_rollout_qwen2.5-0.5b.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dora_jax.platform import fake_cpu_devices  # noqa: E402
 fake_cpu_devices(8)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -64,6 +69,18 @@ MODELS = {
         num_kv_heads=2,
         head_dim=32,
         max_position_embeddings=8192,
+    ),
+    # Qwen2.5-0.5B-Instruct's shape (494M params, tied embeddings), random weights
+    "qwen2.5-0.5b": ModelConfig(
+        family="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
     ),
 }
 SLOTS = 16  # engine slots = HF static batch size
@@ -275,17 +292,106 @@ def bench_migration(cfg: ModelConfig, params, context: int, repeats: int) -> dic
     }
 
 
+def greedy_agreement(wl: Workload, ours: Result, theirs: Result) -> dict:
+    """How far the two greedy outputs agree: per request, the number of leading response tokens
+    equal (at a real shape with random weights a near-tie of two logits can flip an argmax
+    between two correct implementations, and after that the sequences differ)."""
+    same = []
+    for i in range(len(wl.prompts)):
+        a, b = ours.outputs[i], theirs.outputs[i]
+        same.append(next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                         min(len(a), len(b))))  # fmt: skip
+    return {
+        "requests_equal": sum(n == int(k) for n, k in zip(same, wl.lengths, strict=True)),
+        "requests": len(same),
+        "leading_tokens_equal": same,
+        "first_token_equal": sum(n > 0 for n in same),
+    }
+
+
+def bench_real_shape(args, base: ModelConfig) -> dict:
+    """Engine vs HF ``generate`` at a real model's shape (random weights), in float32 and in
+    bfloat16: ``--requests`` requests of ``--tokens`` response tokens each (uniform lengths: no
+    scheduling gain, one static batch per ``SLOTS`` requests), one warm-up round (compiles; its
+    greedy outputs are compared) and ``--rounds`` timed rounds. In float32 every request's
+    first response token must agree with HF's (the same weights and prompt), else the run fails."""
+    import torch
+    import transformers
+
+    rng = np.random.default_rng(0)
+    prompts = [
+        list(rng.integers(3, base.vocab_size, int(rng.integers(16, 65))))
+        for _ in range(args.requests)
+    ]
+    wl = Workload("uniform", prompts, np.full(args.requests, args.tokens, int))
+    rows = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(base, param_dtype=dtype, compute_dtype=dtype)
+        with tempfile.TemporaryDirectory() as d:  # the same weights, through our HF export
+            save_hf_checkpoint(init_params(cfg, jax.random.key(0)), cfg, d, dtype=dtype)
+            hf = transformers.Qwen2ForCausalLM.from_pretrained(
+                d, torch_dtype=getattr(torch, dtype)
+            ).eval()
+            params = load_hf_params(d, cfg)
+        probe = Workload("probe", prompts[:4], np.full(min(4, len(prompts)), 4, int))
+        threads, speeds = pick_torch_threads(hf, probe)
+        print(
+            f"  {dtype}: HF generate on {threads} torch thread(s) (probe: "
+            + ", ".join(f"{n}: {v:.2f} tok/s" for n, v in speeds.items())
+            + ")"
+        )
+        t0 = time.perf_counter()
+        ours = run_engine(cfg, params, wl)
+        warm_engine_s = time.perf_counter() - t0
+        theirs = run_hf(hf, wl)
+        agree = greedy_agreement(wl, ours, theirs)
+        print(f"  {dtype}: warm-up (engine compiles: {warm_engine_s:.0f} s); greedy outputs: "
+              f"{agree['requests_equal']}/{agree['requests']} requests equal token for token, "
+              f"first token equal in {agree['first_token_equal']}")  # fmt: skip
+        if dtype == "float32" and agree["first_token_equal"] < agree["requests"]:
+            raise SystemExit("float32: a first response token differs from HF generate's")
+        a, b = [], []
+        for r in range(args.rounds):
+            a.append(run_engine(cfg, params, wl).tokens_per_s)
+            b.append(run_hf(hf, wl).tokens_per_s)
+            print(f"  {dtype} round {r}: engine {a[-1]:.2f} tok/s, HF generate {b[-1]:.2f} "
+                  "tok/s", flush=True)  # fmt: skip
+        rows[dtype] = {
+            "engine_tokens_per_s": a,
+            "hf_generate_tokens_per_s": b,
+            "engine_over_hf": statistics.median(a) / statistics.median(b),
+            "greedy_agreement": agree,
+            "engine_warmup_s_with_compile": warm_engine_s,
+            "torch_threads": threads,
+            "torch_threads_probe_tokens_per_s": speeds,
+        }
+        del hf, params
+    return {
+        "units": "generated tokens per second; ratio engine / HF of medians",
+        "workload": f"{args.requests} requests, prompts of 16-64 random tokens, {args.tokens} "
+        f"response tokens each (uniform: the per-step gain only), greedy, no EOS",
+        "rounds": args.rounds,
+        "by_dtype": rows,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests and rounds")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny", help="model shapes")
-    ap.add_argument("--out", default="benchmarks/results/bench_rollout.json")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/bench_rollout"
+                    "[_MODEL].json")  # fmt: skip
+    ap.add_argument("--requests", type=int, default=8, help="real shapes: requests")
+    ap.add_argument("--tokens", type=int, default=16, help="real shapes: response tokens each")
+    ap.add_argument("--rounds", type=int, default=2, help="real shapes: timed rounds")
     args = ap.parse_args()
     import torch
     import transformers
 
     cfg = MODELS[args.model]
     load_start = os.getloadavg()[0]
+    if args.model != "tiny":
+        return main_real_shape(args, cfg, load_start)
     n_req, rounds = (32, 2) if args.quick else (64, 3)
     workloads = make_workloads(cfg, n_req, np.random.default_rng(0))
     for wl in workloads:
@@ -374,9 +480,54 @@ def main() -> int:
             "target": "migrate <= 10% of re-prefill",
         },
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write(out, args.out or "benchmarks/results/bench_rollout.json")
+    return 0
+
+
+def write(out: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def main_real_shape(args, cfg: ModelConfig, load_start: float) -> int:
+    import torch
+
+    print(f"{args.model} shape, random weights ({cfg.num_layers} layers, hidden "
+          f"{cfg.hidden_size}, vocab {cfg.vocab_size}): {args.requests} requests x {args.tokens} "
+          f"tokens, {args.rounds} timed round(s) per dtype", flush=True)  # fmt: skip
+    res = bench_real_shape(args, cfg)
+    for dtype, row in res["by_dtype"].items():
+        print(f"(a) {dtype}: engine {statistics.median(row['engine_tokens_per_s']):.2f} tok/s, "
+              f"HF generate {statistics.median(row['hf_generate_tokens_per_s']):.2f} tok/s -> "
+              f"{row['engine_over_hf']:.2f}x")  # fmt: skip
+    out = {
+        "command": f"python launch/bench_rollout.py --model {args.model}"
+        + (f" --requests {args.requests}" if args.requests != 8 else "")
+        + (f" --tokens {args.tokens}" if args.tokens != 16 else "")
+        + (f" --rounds {args.rounds}" if args.rounds != 2 else ""),
+        "machine": f"{os.cpu_count()} CPU cores, one process, jax {jax.__version__} "
+        f"({jax.devices()[0].platform}), torch {torch.__version__}; 1-minute load average "
+        f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (other processes "
+        "share the cores)",
+        "model": {
+            "name": args.model,
+            "family": cfg.family,
+            "layers": cfg.num_layers,
+            "hidden": cfg.hidden_size,
+            "vocab": cfg.vocab_size,
+            "weights": "random (init_params, key 0), through our HF export to both sides",
+        },
+        "engine_settings": f"continuous batching over {SLOTS} slots, paged KV (page {PAGE}), "
+        f"reference attention on CPU, decode_steps={DECODE_STEPS} per device call, greedy",
+        "hf_settings": f"model.generate (eager) in static batches of {SLOTS} (left padded), "
+        "greedy; torch threads: the faster of 1 and one per core on a 4 x 4-token probe "
+        "(best of two runs each; a thread pool loses badly when other processes share the "
+        "cores)",
+        "throughput": res,
+        "migration": "not measured at this shape (the tiny model's run measures it)",
+    }
+    write(out, args.out or f"benchmarks/results/bench_rollout_{args.model}.json")
     return 0
 
 

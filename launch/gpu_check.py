@@ -15,6 +15,8 @@ kernels  Compiled Pallas paged decode attention (ours and JAX's) and the kv-cach
          and of page pack/unpack against an elementwise device copy of the same bytes.
 engine   Decode tokens/s of the rollout engine (a small bf16 model, greedy, continuous batching)
          with the reference attention and with the Pallas kernels.
+train    Train-step tokens/s and MFU of the GRPO step at Qwen2.5-0.5B's shape (bf16, float32
+         master weights, blockwise attention, nested remat) at 4k and 16k tokens per row.
 
 Every case runs in its own try: a case that raises is recorded with its error text and the run
 goes on. Results are written after every case, so a crash or a kill loses only the case in
@@ -93,6 +95,9 @@ class Plan:
     migration: tuple[int, int, int, int, int, int]  # L K P Z H n of the pack/unpack timing
     engine_model: dict  # ModelConfig fields (bf16 params and compute)
     engine_rollout: dict  # RolloutConfig fields
+    train_model: dict  # ModelConfig fields of the train-step timing (bf16, fp32 master weights)
+    train_lengths: tuple[int, ...]  # tokens per row of the timed train steps
+    train_rows: int  # rows per train step (one trajectory each)
 
 
 def _attn(batch, num_heads, num_kv_heads, head_dim, page_size, pages_per_seq) -> dict:
@@ -134,6 +139,21 @@ def gpu_plan(repeats: int | None = None) -> Plan:
         engine_rollout=dict(
             max_slots=64, page_size=16, max_prompt_len=128, max_new_tokens=256, prefill_chunk=128
         ),
+        # Qwen2.5-0.5B's shape (494M params), blockwise attention, nested remat
+        train_model=dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_layers=24,
+            num_heads=14,
+            num_kv_heads=2,
+            rope_theta=1000000.0,
+            max_position_embeddings=32768,
+            attention_block=256,
+            seq_chunk=256,
+        ),
+        train_lengths=(4096, 16384),
+        train_rows=4,
     )
 
 
@@ -161,6 +181,19 @@ def smoke_plan(repeats: int | None = None) -> Plan:
         engine_rollout=dict(
             max_slots=4, page_size=8, max_prompt_len=8, max_new_tokens=8, prefill_chunk=8
         ),
+        train_model=dict(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            max_position_embeddings=256,
+            attention_block=16,
+            seq_chunk=16,
+        ),
+        train_lengths=(32, 64),
+        train_rows=2,
     )
 
 
@@ -443,6 +476,7 @@ SHOWN = dict(
     correctness=("max_abs_err", "tuning_used"),
     timing=("time_us", "bandwidth_gbs", "ratio_to_copy", "tuning_used"),
     engine=("decode_tokens_per_s", "tokens_per_s"),
+    train=("tokens_per_s", "mfu", "step_s"),
 )
 
 
@@ -826,9 +860,85 @@ def engine_section(rec: Recorder, plan: Plan) -> None:
         )
 
 
+# Dense bf16 peak FLOP/s by device kind (vendor datasheets, without sparsity); MFU is left out
+# for a device not listed.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_kind), None)
+
+
+def train_flops_per_token(cfg, seq_len: int) -> float:
+    """Model FLOPs of one trained token (forward + backward, no recomputation): 6 x the
+    parameters of the matmuls it touches (embeddings are a lookup, the tied output projection a
+    matmul) plus causal attention, 6 x 2 x L x N x H x T / 2 (scores and values, half masked)."""
+    d, f, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f  # q, o; k, v; gate, up, down
+    return 6 * (L * per_layer + d * v) + 6 * L * n * h * seq_len
+
+
+def train_section(rec: Recorder, plan: Plan) -> None:
+    """Train-step tokens/s and MFU at each of ``plan.train_lengths`` tokens per row: the GRPO
+    step (bf16 compute, float32 master weights and Adam moments, blockwise attention, nested
+    remat) on one device, ``plan.train_rows`` rows of one trajectory each."""
+    from dora_jax.config import ModelConfig, TrainConfig
+    from dora_jax.train import Trainer, Trajectory
+
+    dev = jax.devices()[0]
+    peak = peak_flops(dev.device_kind)
+
+    def run(seq: int) -> dict:
+        cfg = ModelConfig(**plan.train_model, param_dtype="bfloat16", compute_dtype="bfloat16",
+                          remat="nested")  # fmt: skip
+        tcfg = TrainConfig(lr=1e-6, fp32_master_weights=True, length_buckets=(seq,),
+                           group_size=plan.train_rows)  # fmt: skip
+        trainer = Trainer(cfg, tcfg)
+        rng = np.random.default_rng(0)
+        prompt, resp = seq // 8, seq - seq // 8
+        trajs = [
+            Trajectory(rng.integers(1, cfg.vocab_size, prompt).tolist(),
+                       rng.integers(1, cfg.vocab_size, resp).tolist(),
+                       (-rng.random(resp)).tolist(), float(i % 2), 0, 0)
+            for i in range(plan.train_rows)
+        ]  # fmt: skip
+        batch = trainer.pack(trajs)
+        for _ in range(plan.warmup):  # the first call compiles
+            trainer.step(batch)
+        jax.block_until_ready(trainer.state.params)
+        times = []
+        for _ in range(max(2, plan.repeats // 5)):
+            t0 = time.perf_counter()
+            metrics = trainer.step(batch)
+            jax.block_until_ready(trainer.state.params)
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        tokens = batch.num_rows * batch.seq_len
+        achieved = train_flops_per_token(cfg, seq) * tokens / step_s
+        loss = float(metrics["loss"])
+        return dict(
+            model=f"L{cfg.num_layers} D{cfg.hidden_size} V{cfg.vocab_size} bf16",
+            rows=batch.num_rows,
+            seq_len=batch.seq_len,
+            step_s=step_s,
+            tokens_per_s=tokens / step_s,
+            model_tflops_per_s=achieved / 1e12,
+            mfu=achieved / peak if peak else None,
+            peak_tflops=peak / 1e12 if peak else None,
+            loss=loss,
+            ok=bool(np.isfinite(loss)),
+        )
+
+    for seq in plan.train_lengths:
+        rec.run_case("train", "train", f"train/step/{seq}", lambda seq=seq: run(seq),
+                     seq_len=seq)  # fmt: skip
+
+
 SECTIONS: dict[str, Callable[[Recorder, Plan], None]] = {
     "kernels": kernels_section,
     "engine": engine_section,
+    "train": train_section,
 }
 
 

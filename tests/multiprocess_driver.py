@@ -35,6 +35,7 @@ def main(argv: list[str]) -> int:
 
     from dora_jax.config import load_config
     from dora_jax.mesh import make_mesh
+    from dora_jax.model.tokenizer import eos_ids
     from dora_jax.pipeline.experiment import build
     from dora_jax.rollout import Engine, Request, request_key
 
@@ -46,8 +47,8 @@ def main(argv: list[str]) -> int:
         result = exp.runtime.run(steps, drain=True, stall_s=cfg.orchestrator.stall_s)
         rec, s = result.records, result.summary
         # regenerate migrated trajectories alone, never moved, under their version's params
-        engine = Engine(cfg.model, cfg.rollout, make_mesh(jax.local_devices()[-1:], 1, 1),
-                        exp.tokenizer.eos_id)  # fmt: skip
+        engine = Engine(exp.cfg.model, exp.cfg.rollout, make_mesh(jax.local_devices()[-1:], 1, 1),
+                        eos_ids(exp.tokenizer))  # fmt: skip
         mismatches, checked = [], 0
         for rid, version, comp in [c for c in exp.grpo.consumed if c[2].migrations > 0][:6]:
             engine.load_params(exp.grpo.params_for(version), version)

@@ -7,6 +7,7 @@ JAX engines on the logical and on the wall clock.
 - On the real engines (logical clock), migrated requests continue bit-identically: each one is
   generated again alone, never moved, under the params of its version, and gives the same tokens
   and logprobs. The wall clock's migrations are checked the same way in ``test_wall_clock.py``.
+- The real engines end a response at the first of several EOS ids, on both clocks.
 """
 
 import jax
@@ -71,6 +72,7 @@ class LongTailPrompts:
 
 class _FixedTok:
     eos_id = NO_EOS
+    vocab_size = 32  # the model's: no sampled id is undecodable
 
     def decode(self, ids, skip_special=True):
         return "x" * len(ids)
@@ -216,3 +218,39 @@ def _check_migrated_requests_continue_bit_identically(s: Setup, real_setup) -> N
         (again,) = [f for _ in range(200) for f in engine.step().finished][:1]
         assert again.tokens == comp.tokens
         assert again.logprobs == comp.logprobs
+
+
+@pytest.mark.parametrize("kind", ["real-logical", "real-wall"])
+def test_real_backend_ends_a_response_at_any_of_several_eos_ids(kind, real_setup):
+    """Several EOS ids (the tokenizer's, as Qwen2.5-Instruct's <|im_end|> and <|endoftext|>)
+    reach every engine: a completion ends at the first of any of them, finish reason "eos", with
+    the tokens of a run without EOS before it; the others run to their length."""
+    cfg, meshes, params = real_setup
+    stops = (7, 9)
+    runs = {}
+    for eos in (NO_EOS, stops):
+        clock, bus = (WallClock() if kind == "real-wall" else LogicalClock()), Bus()
+        backend = EngineBackend(cfg.model, cfg.rollout, meshes.groups, eos, params,
+                                lambda v: params, seed=cfg.seed, clock=clock, bus=bus)  # fmt: skip
+        done = {}
+        try:
+            for g in range(4):
+                backend.submit(g, [_spec(4 * g + i) for i in range(1, 5)])
+            for _ in range(10_000):
+                done.update({f.request_id: f.payload for f in backend.step().finished})
+                if len(done) == 16:
+                    break
+        finally:
+            backend.close()
+        assert len(done) == 16, f"{kind}: {len(done)} of 16 requests finished"
+        runs[eos] = done
+    ended = 0
+    for rid, free in runs[NO_EOS].items():
+        got = runs[stops][rid]
+        cut = next((i for i, t in enumerate(free.tokens) if t in stops), None)
+        if cut is None:
+            assert got.tokens == free.tokens and got.finish_reason == "length"
+        else:
+            ended += 1
+            assert got.tokens == free.tokens[: cut + 1] and got.finish_reason == "eos"
+    assert ended >= 4  # several requests did stop on one of the ids

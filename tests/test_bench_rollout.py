@@ -48,3 +48,22 @@ def test_greedy_mismatch_stops_the_benchmark(bench):
     bench.check_greedy_equal(wl, ours, bench.Result(1.0, {0: [5, 6, 7], 1: [8, 9]}, 3))
     with pytest.raises(SystemExit, match="request 1 differs from HF generate at response token 1"):
         bench.check_greedy_equal(wl, ours, bench.Result(1.0, {0: [5, 6, 7], 1: [8, 0]}, 3))
+
+
+def test_greedy_agreement_counts_leading_equal_tokens(bench):
+    wl = bench.Workload("uniform", [[3], [4], [5]], np.array([3, 3, 3]))
+    ours = bench.Result(1.0, {0: [5, 6, 7], 1: [8, 9, 1], 2: [2, 2, 2]}, 3)
+    theirs = bench.Result(1.0, {0: [5, 6, 7], 1: [8, 0, 1], 2: [4, 2, 2]}, 3)
+    agree = bench.greedy_agreement(wl, ours, theirs)
+    assert agree["leading_tokens_equal"] == [3, 1, 0]
+    assert agree["requests_equal"] == 1 and agree["first_token_equal"] == 2
+
+
+def test_real_shape_is_qwen2_5_0_5b(bench):
+    """494,032,768 parameters: Qwen2.5-0.5B's published count (tied embeddings)."""
+    import jax
+
+    from dora_jax.model.params import abstract_params
+
+    leaves = jax.tree.leaves(abstract_params(bench.MODELS["qwen2.5-0.5b"]))
+    assert sum(int(np.prod(x.shape)) for x in leaves) == 494_032_768

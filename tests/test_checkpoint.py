@@ -50,6 +50,9 @@ def test_stop_resume_equals_uninterrupted(tmp_path):
     assert ids == [c.request_id for c in again.runtime.records.consumed]
     assert len(ids) == len(set(ids)) == 4 * 2 * 4  # steps x TBS x G, none twice
     assert again.runtime.records.summary().reprefill_tokens == 0  # KV came back with them
+    # every step's metrics, the cumulative counters (undecodable_tokens) included
+    chex.assert_trees_all_equal([jax.device_get(s.metrics) for s in straight.grpo.log],
+                                [jax.device_get(s.metrics) for s in again.grpo.log])  # fmt: skip
 
 
 def test_corrupt_latest_falls_back_and_shape_change_is_refused(tmp_path, caplog):

@@ -12,6 +12,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 H200_LIMIT = 232_448  # 227 KiB per thread block
 
@@ -158,3 +160,32 @@ def test_the_script_and_its_sections_import_no_plotting_or_tensorboard():
     proc = _run(["-c", code])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------
+# The train section
+# ---------------------------------------------------------------------------------------------
+
+
+def test_train_flops_per_token_at_the_0_5b_shape():
+    """The matmul parameters of Qwen2.5-0.5B: its published 494,032,768 parameters less the q/k/v
+    biases (24 x (896 + 128 + 128)) and the RMSNorm scales (24 x 2 x 896 + 896); the tied
+    embedding counts once, as the output projection. Attention adds 6 x 2 x L x N x H x T / 2."""
+    from dora_jax.config import ModelConfig
+
+    cfg = ModelConfig(**gpu_check.gpu_plan().train_model)
+    matmul = 494_032_768 - 24 * (896 + 128 + 128) - (24 * 2 * 896 + 896)
+    assert gpu_check.train_flops_per_token(cfg, 0) == 6 * matmul
+    assert gpu_check.train_flops_per_token(cfg, 4096) - 6 * matmul == 6 * 24 * 14 * 64 * 4096
+    assert gpu_check.peak_flops("NVIDIA H200") == 989e12 and gpu_check.peak_flops("cpu") is None
+
+
+@pytest.mark.slow
+def test_train_section_smoke(tmp_path):
+    """The train section on the CPU at tiny shapes: two step lengths, finite losses, tokens/s."""
+    out = tmp_path / "gc"
+    rc = gpu_check.main(["--cpu-smoke", "--out", str(out), "--sections", "train"])
+    result = json.loads((out / "gpu_check.json").read_text())
+    rows = result["sections"]["train"]["cases"]
+    assert rc == 0 and [r["seq_len"] for r in rows] == [32, 64]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows)

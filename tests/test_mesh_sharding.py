@@ -51,12 +51,28 @@ def test_spec_for_replicates_indivisible_dims_and_rejects_unknown_axes():
     rules = sh.trainer_rules(load_config().mesh.trainer)
     dropped: list[str] = []
     spec = sh.spec_for(("vocab", "embed"), rules, ms.trainer, (6, 8), dropped)
-    assert spec == PartitionSpec(None, None) and dropped == ["vocab(6 % 4)"]
+    assert spec == PartitionSpec(None, None)
+    assert dropped == ["dimension 0 (vocab, size 6) over mesh axis 'model' (4)"]
     assert sh.spec_for(("batch", "mlp"), rules, ms.trainer, (4, 8)) == PartitionSpec(
         "data", "model"
     )
     with pytest.raises(KeyError, match="logical axis 'nonsense' has no sharding rule"):
         sh.spec_for(("nonsense",), rules, ms.trainer, (4,))
+
+
+def test_tree_shardings_warn_naming_the_parameter_and_axis():
+    """A parameter dimension that does not divide by its mesh axis is replicated, and said."""
+    ms = build_meshes(load_config(None, ["mesh.trainer.devices=0:8", "mesh.trainer.model=4"]).mesh)
+    cfg = load_config(None, ["model.num_heads=6", "model.num_kv_heads=2", "model.hidden_size=48"])
+    rules = sh.trainer_rules(cfg.mesh.trainer)
+    with pytest.warns(sh.ShardingWarning) as record:
+        out = sh.tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rules,
+                                ms.trainer)  # fmt: skip
+    message = str(record[0].message)
+    assert "layers/wq: dimension 2 (q_heads, size 6) over mesh axis 'model' (4)" in message
+    assert "layers/wk: dimension 2 (kv_heads, size 2)" in message
+    assert out["layers"]["wq"].spec == PartitionSpec(None, None, None, None)
+    assert out["embed"].spec == PartitionSpec("model", None)  # 64 divides by 4: sharded
 
 
 @pytest.mark.parametrize("data, model, fsdp", [(2, 4, False), (4, 2, True)])

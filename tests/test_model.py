@@ -44,26 +44,50 @@ def forward_jaxpr(params, cfg, args):
 # the primitive jax.checkpoint binds, found by tracing it (its name is jax's business)
 REMAT = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
 POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": [jax.checkpoint_policies.nothing_saveable],
+    "dots": [jax.checkpoint_policies.dots_with_no_batch_dims_saveable],
+    "none": [],
+    "nested": [],  # a custom_vjp per layer and per group of layers instead (no jax.checkpoint)
 }
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
-def test_remat_policies_change_nothing_numerically(remat):
+def custom_vjps(jaxpr):
+    return sum(e.primitive.name == "custom_vjp_call" for e in all_eqns(jaxpr))
+
+
+@pytest.mark.parametrize("remat, seq_chunk", [("full", 0), ("dots", 0), ("none", 5), ("nested", 5)])
+def test_remat_policies_change_nothing_numerically(remat, seq_chunk):
     params = init_params(CFG, jax.random.key(0))
     args = batch()
-    cfg_r = dataclasses.replace(CFG, remat=remat)
-    # the layer scan's body is rematerialised with the configured policy, and only with remat
-    found = [e for e in all_eqns(forward_jaxpr(params, cfg_r, args)) if e.primitive is REMAT]
-    assert [e.params["policy"] for e in found] == [POLICIES[remat]]
-    assert not [e for e in all_eqns(forward_jaxpr(params, CFG, args)) if e.primitive is REMAT]
+    cfg_r = dataclasses.replace(CFG, remat=remat, seq_chunk=seq_chunk)
+    # the layer scan's body is rematerialised with the configured policy, and only with remat;
+    # with seq_chunk, the two position-wise parts of a layer are mapped over chunks, each chunk
+    # rematerialised (jax.checkpoint without a policy)
+    jaxpr, plain = forward_jaxpr(params, cfg_r, args), forward_jaxpr(params, CFG, args)
+    policies = [e.params["policy"] for e in all_eqns(jaxpr) if e.primitive is REMAT]
+    assert [p for p in policies if p is not None] == POLICIES[remat]
+    assert policies.count(None) == (2 if seq_chunk else 0)
+    assert not [e for e in all_eqns(plain) if e.primitive is REMAT]
+    assert custom_vjps(jaxpr) == custom_vjps(plain) + (2 if remat == "nested" else 0)
     np.testing.assert_allclose(forward(params, *args, cfg_r), forward(params, *args, CFG),
                                atol=1e-6)  # fmt: skip
     g0 = jax.grad(loss_fn)(params, CFG, *args)
     g1 = jax.grad(loss_fn)(params, cfg_r, *args)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_nested_remat_keeps_16_bit_layer_inputs_exactly():
+    """bfloat16: nested remat keeps layer and group inputs as bit patterns; the gradient is the
+    one without remat."""
+    cfg = dataclasses.replace(CFG, param_dtype="bfloat16", compute_dtype="bfloat16")
+    params = init_params(cfg, jax.random.key(0))
+    grad = jax.jit(jax.grad(loss_fn), static_argnums=1)
+    g0 = grad(params, cfg, *batch())
+    g1 = grad(params, dataclasses.replace(cfg, remat="nested"), *batch())
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=1e-5)  # fmt: skip
 
 
 def test_bf16_params_and_compute():

@@ -68,7 +68,9 @@ def test_cached_decode_matches_full_forward(params, impl):
     tokens); every step's logits within 1e-4. Pallas runs in interpret mode on the CPU (its
     compile is most of this test's time, so it runs the full length too)."""
     rcfg = dataclasses.replace(RCFG, temperature=0.0, attention_impl=impl, max_new_tokens=80)
-    engine = Engine(CFG, rcfg, mesh_on(4), eos_id=-1, return_logits=True)
+    interpret = True if impl == "pallas" else None  # Pallas on a CPU: interpret, explicitly
+    engine = Engine(CFG, rcfg, mesh_on(4), eos_id=-1, return_logits=True, interpret=interpret)
+    assert engine.impl == impl
     engine.load_params(params, 0)
     reqs = make_requests(3, seed=1, max_new=(80, 80))
     joins = {0: reqs[0], 5: reqs[1], 11: reqs[2]}
@@ -152,15 +154,17 @@ def test_migration_continues_bit_identically(params, temperature, where, impl):
     src_devs, dst_devs = {"other_submesh": ((0,), (1,)), "host_park": ((2,), (2,)),
                           "tp2_submesh": ((4, 5), (6, 7))}[where]  # fmt: skip
     reqs = make_requests(3, seed=4, max_new=(60, 60), prompt=(10, 20))
+    interpret = True if impl == "pallas" else None  # Pallas on a CPU: interpret, explicitly
 
     # Reference: the same requests, never moved.
-    ref_engine = Engine(CFG, rcfg, mesh_on(*src_devs), eos_id=-1)  # same TP layout
+    ref_engine = Engine(CFG, rcfg, mesh_on(*src_devs), eos_id=-1, interpret=interpret)  # same TP
+    assert ref_engine.impl == impl
     ref_engine.load_params(params, 0)
     ref_engine.submit([dataclasses.replace(r, tokens=[], logprobs=[]) for r in reqs])
     ref = {f.id: f for f in run_to_end(ref_engine)}
 
-    src = Engine(CFG, rcfg, mesh_on(*src_devs), eos_id=-1)
-    dst = Engine(CFG, rcfg, mesh_on(*dst_devs), eos_id=-1)
+    src = Engine(CFG, rcfg, mesh_on(*src_devs), eos_id=-1, interpret=interpret)
+    dst = Engine(CFG, rcfg, mesh_on(*dst_devs), eos_id=-1, interpret=interpret)
     src.load_params(params, 0)
     dst.load_params(params, 0)
     src.submit(reqs)
@@ -239,3 +243,39 @@ def test_multi_step_decode_matches_single_step(params):
     for rid, f in outs[1].items():
         assert outs[4][rid].tokens == f.tokens
         np.testing.assert_allclose(outs[4][rid].logprobs, f.logprobs, atol=1e-5)
+
+
+def test_any_of_several_eos_ids_ends_a_response(params):
+    """EOS ids from the tokenizer (two here, as Qwen2.5-Instruct's <|im_end|> and
+    <|endoftext|>) plus rollout.extra_eos_ids: a response ends at the first of any of them, on
+    the host and inside multi-step device calls; the tokens before it are unchanged."""
+    stops = {EOS, 7, 9}
+    runs = {}
+    for name, eos in (("none", -1), ("several", [EOS, 7])):
+        rcfg = dataclasses.replace(RCFG, decode_steps=4, extra_eos_ids=(9,) if eos != -1 else ())
+        engine = Engine(CFG, rcfg, mesh_on(6), eos_id=eos)
+        assert engine.eos_ids == ((-1,) if eos == -1 else (EOS, 7, 9))
+        engine.load_params(params, 0)
+        engine.submit(make_requests(12, seed=7, max_new=(40, 72)))
+        runs[name] = {f.id: f for f in run_to_end(engine)}
+    ended = 0
+    for rid, free in runs["none"].items():
+        got = runs["several"][rid]
+        cut = next((i for i, t in enumerate(free.tokens) if t in stops), None)
+        if cut is None:
+            assert got.tokens == free.tokens and got.finish_reason == "length"
+        else:
+            ended += 1
+            assert got.tokens == free.tokens[: cut + 1] and got.finish_reason == "eos"
+    assert ended >= 3  # several requests did stop on one of the ids
+
+
+def test_pallas_on_cpu_warns_and_runs_the_reference_unless_interpret_is_asked():
+    rcfg = dataclasses.replace(RCFG, attention_impl="pallas")
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("a CPU-only guard")
+    with pytest.warns(UserWarning, match="interpret mode"):
+        engine = Engine(CFG, rcfg, mesh_on(7), eos_id=EOS)
+    assert (engine.impl, engine.interpret) == ("reference", False)
+    explicit = Engine(CFG, rcfg, mesh_on(7), eos_id=EOS, interpret=True)
+    assert (explicit.impl, explicit.interpret) == ("pallas", True)

@@ -62,3 +62,42 @@ def test_hf_tokenizer_bad_files(hf_dir):
         load_tokenizer("hf", hf_dir)
     with pytest.raises(TokenizerError, match="no model.hf_path is set"):
         load_tokenizer("hf", None)
+
+
+def test_eos_ids_from_generation_config_end_responses(hf_dir):
+    """Qwen2.5-Instruct style: eos_token <|im_end|> plus generation_config.json's list
+    [<|im_end|>, <|endoftext|>]: both end a response and both are stripped before scoring."""
+    from dora_jax.model.tokenizer import eos_ids, response_ids
+
+    assert HFTokenizer(hf_dir).eos_ids == (2,)  # no generation_config.json: the eos_token only
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    tok = HFTokenizer(hf_dir)
+    assert tok.eos_id == 2 and tok.eos_ids == eos_ids(tok) == (2, 3)
+    hello, world = tok.encode("hello world")
+    assert response_ids(tok, [hello, 3]) == response_ids(tok, [hello, 2]) == [hello]
+    assert response_ids(tok, [hello, world]) == [hello, world]
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert HFTokenizer(hf_dir).eos_ids == (2, 3)  # a single id is accepted too
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 999]}))
+    with pytest.raises(TokenizerError, match="eos_token_id 999 is not a token id"):
+        HFTokenizer(hf_dir)
+
+
+def test_vocabulary_check_and_undecodable_ids(hf_dir):
+    """A tokenizer larger than the model is refused; a model larger than the tokenizer (as
+    Qwen's padded 151936 rows for 151665 tokens) is accepted with a note, and sampled ids past
+    the tokenizer are counted rather than silently decoded to nothing."""
+    from dora_jax.model.tokenizer import check_vocabularies, undecodable
+
+    tok = HFTokenizer(hf_dir)
+    n = tok.vocab_size
+    with pytest.raises(TokenizerError, match=f"model.vocab_size is {n - 1} but the hf "
+                                             f"tokenizer has {n} tokens"):  # fmt: skip
+        check_vocabularies(tok, n - 1, "hf")
+    assert check_vocabularies(tok, n, "hf") is None
+    note = check_vocabularies(tok, n + 10, "hf")
+    assert note is not None and "10 ids cannot be decoded" in note
+    hello = tok.encode("hello")[0]
+    assert tok.decode([hello, n + 3]) == "hello"  # the library drops the unknown id...
+    assert undecodable(tok, [hello, n + 3, n + 9, 2]) == 2  # ...so it is counted here
+    assert undecodable(CharTokenizer(), [5, 70]) == 1

@@ -1,8 +1,8 @@
 """The jitted GRPO train step: NumPy-oracle loss and metrics, staleness-0 ratio, sharded (2x4 and
 4x2) == unsharded without recompiles, microbatching, learning direction, the non-finite guard,
-fp32 master weights, and the gradients and first update of every loss option (GRPO / Dr. GRPO /
-RLOO, the three aggregations, TIS, KL against a reference that differs from the policy,
-microbatches) against ``jax.grad`` of an independent float64 model and loss."""
+fp32 master weights, Adam moment dtypes, and the gradients and first update of every loss option
+(GRPO / Dr. GRPO / RLOO, the three aggregations, TIS, KL against a reference that differs from
+the policy, microbatches) against ``jax.grad`` of an independent float64 model and loss."""
 
 import dataclasses
 
@@ -320,6 +320,27 @@ def test_fp32_master_weights_with_bf16_params(params0, batch0):
     bf0 = np.asarray(jnp.asarray(w0, jnp.bfloat16), np.float32)
     bf1 = np.asarray(exported["layers"]["w_up"], np.float32)
     assert np.mean(bf0 == bf1) > 0.5
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_adam_moments_are_float32_unless_asked_otherwise(params0, batch0, moments):
+    """bf16 params without master weights: the moments follow train.adam_moment_dtype (float32
+    by default, not the params' dtype) and keep it through a step; the params stay bf16."""
+    mcfg = dataclasses.replace(MODEL, param_dtype="bfloat16")
+    tcfg = dataclasses.replace(TRAIN, adam_moment_dtype=moments)
+    assert TrainConfig().adam_moment_dtype == "float32"
+    p_bf16 = jax.tree.map(lambda w: jnp.asarray(w, jnp.bfloat16), params0)
+    tr = Trainer(mcfg, tcfg, params=p_bf16)
+
+    def moment_dtypes():
+        adam = tr.state.opt_state[1][0]  # (clip, adamw: (scale_by_adam, ...))
+        return {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))}
+
+    assert moment_dtypes() == {jnp.dtype(moments)}
+    m = host(tr.step(batch0))
+    assert int(m["version"]) == 1 and np.isfinite(float(m["loss"]))
+    assert moment_dtypes() == {jnp.dtype(moments)}
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(tr.state.params))
 
 
 # ---------------------------------------------------------------- gradient oracle

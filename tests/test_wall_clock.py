@@ -81,9 +81,10 @@ def test_groups_keep_decoding_while_weights_and_kv_move(setup):
             backend.submit(g, specs)
         ids = [s.request_id for specs in throwaway.values() for s in specs]
         warm = time.monotonic() + 300
-        while not all(i in finished for i in ids) or sum(
-            g.activity == "decode" for g in spans if g.group == 2
-        ) < 2:
+        while (
+            not all(i in finished for i in ids)
+            or sum(g.activity == "decode" for g in spans if g.group == 2) < 2
+        ):
             assert time.monotonic() < warm, "the groups never started decoding"
             pump(0.0)
         # group 2 decodes long requests the whole time; group 0 gets requests that will move
@@ -132,6 +133,7 @@ def test_groups_keep_decoding_while_weights_and_kv_move(setup):
 
 class _Tok:
     eos_id = NO_EOS
+    vocab_size = 64  # the model's: no sampled id is undecodable
 
     def decode(self, ids, skip_special=True):
         return "x" * len(ids)

@@ -82,8 +82,20 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     param_dtype: Dtype = "float32"
     compute_dtype: Dtype = "float32"
-    remat: Literal["none", "full", "dots"] = "none"
+    # none; full (keep each layer's input only, recompute the layer in the backward pass); dots
+    # (also keep matmul outputs); nested (full within groups of ~sqrt(L) layers and again over
+    # the groups: L/g + g saved layer inputs instead of L, for one more forward pass)
+    remat: Literal["none", "full", "dots", "nested"] = "none"
     hf_path: str | None = None  # a Hugging Face checkpoint directory to start from
+    # Full-sequence attention (train step, warm start, engine prefill chunks): "dense" (the
+    # reference; float32 [B, K, G, T, S] scores), "blockwise" (flash-style online softmax in plain
+    # JAX, never T x S) or "cudnn" (GPU, bfloat16, one sequence per row). See model/attention.py.
+    attention: Literal["dense", "blockwise", "cudnn"] = "blockwise"
+    attention_block: int = 512  # query and key block of "blockwise"
+    # Position-wise work of the full-sequence pass (the MLP, the trainer's log-probabilities) in
+    # chunks of this many positions per row, each rematerialised: the backward pass then holds
+    # [B, seq_chunk, F] instead of [B, T, F]. 0: whole sequences.
+    seq_chunk: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -110,6 +122,30 @@ class ModelConfig:
             "max_position_embeddings",
             f"must be > 0, got {self.max_position_embeddings}",
         )
+        _check(self.seq_chunk >= 0, "seq_chunk", f"must be >= 0, got {self.seq_chunk}")
+        _check(
+            self.attention_block > 0,
+            "attention_block",
+            f"must be > 0, got {self.attention_block}",
+        )
+        if self.attention == "cudnn":
+            _check(
+                self.compute_dtype == "bfloat16",
+                "attention",
+                "cudnn needs compute_dtype bfloat16 (cuDNN flash attention has no float32 path); "
+                "use attention: blockwise",
+            )
+            _check(
+                hd % 8 == 0 and hd <= 128,
+                "attention",
+                f"cudnn needs a head_dim that is a multiple of 8 and <= 128, got {hd}; "
+                "use attention: blockwise",
+            )
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every attention implementation (decided once, here)."""
+        return self.resolved_head_dim**-0.5
 
     @property
     def resolved_head_dim(self) -> int:
@@ -157,6 +193,24 @@ class RolloutMeshConfig:
 class MeshConfig:
     trainer: TrainerMeshConfig = field(default_factory=TrainerMeshConfig)
     rollout: RolloutMeshConfig = field(default_factory=RolloutMeshConfig)
+    # Memory of one device for the memory plan (pipeline/memory_plan.py). None: what the device
+    # reports (GPU/TPU); each of n CPU devices gets 1/n of the host's available memory.
+    device_memory_gib: float | None = None
+    # The share of that memory the plan may fill (the rest: framework overhead, fragmentation,
+    # what the plan does not count); a config over it is refused before anything runs.
+    memory_utilization: float = 0.9
+
+    def __post_init__(self):
+        _check(
+            self.device_memory_gib is None or self.device_memory_gib > 0,
+            "device_memory_gib",
+            f"must be > 0 or null, got {self.device_memory_gib}",
+        )
+        _check(
+            0 < self.memory_utilization <= 1,
+            "memory_utilization",
+            f"must be in (0, 1], got {self.memory_utilization}",
+        )
 
 
 @dataclass(frozen=True)
@@ -165,7 +219,9 @@ class RolloutConfig:
 
     max_slots: int = 16  # concurrent requests per engine
     page_size: int = 16
-    num_pages: int = 256  # KV pages per engine (page 0 is reserved as padding)
+    # KV pages per engine (page 0 is reserved as padding); null: as many as the memory left by
+    # everything else allows (the memory plan sizes them, like vLLM's gpu_memory_utilization)
+    num_pages: int | None = 256
     max_prompt_len: int = 64
     max_new_tokens: int = 128
     prefill_chunk: int = 64
@@ -180,11 +236,23 @@ class RolloutConfig:
     # Decode steps per device call: > 1 amortises the host round trip (tokens past a request's
     # EOS or budget are dropped). 1 keeps one token per request per engine step (tick).
     decode_steps: int = 1
+    # Token ids that also end a response, besides the tokenizer's EOS ids (its eos_token and the
+    # model's generation_config.json eos_token_id, which may list several)
+    extra_eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("max_slots", "page_size", "num_pages", "max_prompt_len", "max_new_tokens"):
+        for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        _check(self.num_pages >= 2, "num_pages", "must be >= 2 (page 0 is reserved)")
+        _check(
+            self.num_pages is None or self.num_pages >= 2,
+            "num_pages",
+            f"must be >= 2 (page 0 is reserved) or null, got {self.num_pages}",
+        )
+        _check(
+            all(i >= 0 for i in self.extra_eos_ids),
+            "extra_eos_ids",
+            f"must be token ids >= 0, got {list(self.extra_eos_ids)}",
+        )
         _check(self.prefill_chunk > 0, "prefill_chunk", f"must be > 0, got {self.prefill_chunk}")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
@@ -207,6 +275,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     microbatches: int = 1
     fp32_master_weights: bool = False
+    # Adam's first and second moments. float32 unless asked otherwise: in bfloat16 the second
+    # moment of small gradients underflows and the moments lose the precision the update needs.
+    adam_moment_dtype: Dtype = "float32"
     logprob_chunk: int = 4096  # vocabulary chunk for per-token log-probabilities
     group_size: int = 8  # G: samples per prompt
     advantage: Literal["grpo", "rloo"] = "grpo"
@@ -519,6 +590,12 @@ class ExperimentConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
+        _check(
+            self.model.attention != "cudnn" or self.train.pack_rows == 0,
+            "model.attention",
+            "cudnn takes one sequence per row (no packed segments), so it needs "
+            f"train.pack_rows=0, got {self.train.pack_rows}; use attention: blockwise",
+        )
         kv, tp = self.model.num_kv_heads, self.mesh.rollout.tp
         _check(
             kv % tp == 0,

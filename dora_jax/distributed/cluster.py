@@ -33,11 +33,12 @@ class Cluster:
         hosts = [p for p in range(self.count) if p != self.index]
         self.link = HostLink(self.channel, self.transfers, hosts, post, now, stage_shardings)
 
-    def start_hosts(self, config: dict, eos_id: int, seed: int, wall: bool) -> None:
-        """Every other process builds the engines of its groups (a bounded wait for each)."""
+    def start_hosts(self, config: dict, eos_ids: list[int], seed: int, wall: bool) -> None:
+        """Every other process builds the engines of its groups (a bounded wait for each); any of
+        ``eos_ids`` ends a response there too."""
         for p in range(self.count):
             if p != self.index:
-                self.link.request(p, {"op": "init", "config": config, "eos_id": eos_id,
+                self.link.request(p, {"op": "init", "config": config, "eos_ids": list(eos_ids),
                                       "seed": seed, "wall": wall}, wait=True)  # fmt: skip
 
     def remote(self, group: int, host: int, sync: bool, pages_total: int) -> RemoteGroup:

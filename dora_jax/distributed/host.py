@@ -29,7 +29,8 @@ def serve(proc: Process, log=print) -> int:
             meshes = build_meshes(cfg.mesh)
             mine = {g: m for g, m in enumerate(meshes.groups)
                     if {d.process_index for d in m.devices.flat} == {proc.index}}  # fmt: skip
-            engines = {g: Engine(cfg.model, cfg.rollout, m, msg["eos_id"]) for g, m in mine.items()}
+            stops = msg["eos_ids"]  # the tokenizer's EOS ids (rollout.extra_eos_ids: the config)
+            engines = {g: Engine(cfg.model, cfg.rollout, m, stops) for g, m in mine.items()}
             host.append(GroupHost(channel, transfers, engines, msg["wall"]))
             log(f"process {proc.index}: hosting rollout groups {sorted(engines)}", flush=True)
             channel.send(0, {"op": "reply", "reply": msg["reply"], "value": sorted(engines)})

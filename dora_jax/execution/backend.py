@@ -60,6 +60,11 @@ class Overheads:
 class EngineBackend:
     """Groups = engines on ``meshes``; version 0 (``initial_params``) is loaded everywhere.
 
+    ``eos_id``: one id or several (any of them ends a response; the engines add
+    ``rollout.extra_eos_ids``). ``initial_params`` should be the trainer's export of version 0
+    (``GRPOTrainer.params_for(0)``), not a separate copy: an engine on the trainer's devices with
+    the same layout then aliases it instead of holding a second version 0.
+
     ``clock``: a :class:`LogicalClock` (default) or a :class:`WallClock` (worker threads; call
     :meth:`close` when done). ``trainer_params(version)`` returns the trainer's export of a
     published version.
@@ -72,7 +77,7 @@ class EngineBackend:
         model_cfg: ModelConfig,
         rollout_cfg: RolloutConfig,
         meshes: Sequence[Mesh],
-        eos_id: int,
+        eos_id: int | Sequence[int],
         initial_params: Params,
         trainer_params: Callable[[int], Params],
         *,

@@ -2,14 +2,13 @@
 
 Axis letters: B batch, T query length, S key length, D model, N q heads, K kv heads, G = N // K,
 H head dim, F ffn. The attention block takes an ``attend`` callable so that the same layer code
-serves the full-sequence forward pass (dense masked attention here) and the rollout engine
+serves the full-sequence forward pass (:mod:`dora_jax.model.attention`) and the rollout engine
 (paged KV cache and the decode kernels).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,9 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dora_jax.config import ModelConfig
+from dora_jax.model.attention import (  # noqa: F401  (re-exported: the dense reference)
+    NEG_INF,
+    Attend,
+    dense_attention,
+    segment_causal_mask,
+)
 from dora_jax.sharding import constrain
-
-NEG_INF = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -80,30 +83,26 @@ def qkv_projection(
     return q, k, v
 
 
-def dense_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
-) -> jax.Array:
-    """GQA attention. ``q [B,T,N,H]``, ``k, v [B,S,K,H]``, ``mask bool[B,T,S]`` -> ``[B,T,N,H]``.
+def map_seq_chunks(fn: Any, xs: Any, chunk: int) -> Any:
+    """``fn(xs)`` for position-wise ``fn`` over a pytree ``xs`` of ``[B, T, ...]`` arrays, computed
+    ``chunk`` positions of every row at a time (a ``lax.map`` whose body is rematerialised, so the
+    backward pass holds one chunk's intermediates, e.g. ``[B, chunk, F]`` instead of
+    ``[B, T, F]``). Ragged ends are padded with zeros and cut off. ``chunk <= 0`` or ``>= T``:
+    one call."""
+    B, T = jax.tree.leaves(xs)[0].shape[:2]
+    if chunk <= 0 or chunk >= T:
+        return fn(xs)
+    n = -(-T // chunk)
 
-    Scores and softmax in float32.
-    """
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-    return out.reshape(B, T, N, H)
+    def split(x: jax.Array) -> jax.Array:
+        x = jnp.pad(x, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(B, n, chunk, *x.shape[2:]), 1, 0)
 
+    def join(y: jax.Array) -> jax.Array:
+        return jnp.moveaxis(y, 0, 1).reshape(B, n * chunk, *y.shape[3:])[:, :T]
 
-def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """``bool[B, T, T]``: causal, within the same segment, never onto padding (segment 0)."""
-    T = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    real = (segment_ids != 0)[:, None, :]
-    return causal[None] & same & real
+    ys = jax.lax.map(jax.checkpoint(fn), jax.tree.map(split, xs))
+    return jax.tree.map(join, ys)
 
 
 def mlp(lp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -114,9 +113,6 @@ def mlp(lp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return jnp.einsum("BTF,FD->BTD", h, lp["w_down"])
 
 
-Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
-
-
 def decoder_layer(
     lp: dict[str, jax.Array],
     x: jax.Array,
@@ -124,13 +120,23 @@ def decoder_layer(
     cfg: ModelConfig,
     attend: Attend,
 ) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder layer. ``attend(q, k, v) -> (out [B,T,N,H], aux)``; returns
-    ``(x [B,T,D], aux)`` so a caller can thread a KV cache through ``aux``."""
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = qkv_projection(lp, h, positions, cfg)
-    o, aux = attend(q, k, v)
-    x = x + jnp.einsum("BTNH,NHD->BTD", o, lp["wo"])
-    x = constrain(x, ("batch", "seq", "embed"))
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = constrain(x + mlp(lp, h), ("batch", "seq", "embed"))
-    return x, aux
+    """One pre-norm decoder layer. ``attend(q, k, v, scale) -> (out [B,T,N,H], aux)``; returns
+    ``(x [B,T,D], aux)`` so a caller can thread a KV cache through ``aux``. The softmax scale is
+    decided here, once for every implementation (``cfg.attention_scale``).
+
+    Everything but ``attend`` is position-wise, so with ``cfg.seq_chunk`` it runs in chunks of
+    positions (:func:`map_seq_chunks`): only ``x`` and ``q, k, v, o`` are whole-sequence arrays."""
+
+    def project(xp):
+        x, positions = xp
+        return qkv_projection(lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, cfg)
+
+    def out_and_mlp(xo):
+        x, o = xo
+        x = constrain(x + jnp.einsum("BTNH,NHD->BTD", o, lp["wo"]), ("batch", "seq", "embed"))
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        return constrain(x + mlp(lp, h), ("batch", "seq", "embed"))
+
+    q, k, v = map_seq_chunks(project, (x, positions), cfg.seq_chunk)
+    o, aux = attend(q, k, v, cfg.attention_scale)
+    return map_seq_chunks(out_and_mlp, (x, o), cfg.seq_chunk), aux

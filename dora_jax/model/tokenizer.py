@@ -20,6 +20,9 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer(Protocol):
+    """``eos_id`` is the EOS a demonstration ends with; a tokenizer may also have ``eos_ids``,
+    every id that ends a response (``eos_id`` first; see :func:`eos_ids`)."""
+
     vocab_size: int
     pad_id: int
     eos_id: int
@@ -52,6 +55,7 @@ class CharTokenizer:
         self._ids = {c: i + len(SPECIALS) for i, c in enumerate(alphabet)}
         self.vocab_size = len(SPECIALS) + len(alphabet)
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.eos_ids = (self.eos_id,)
 
     def encode(self, text: str) -> list[int]:
         out = []
@@ -86,7 +90,13 @@ class CharTokenizer:
 
 class HFTokenizer:
     """A ``tokenizer.json`` through the ``tokenizers`` library, plus ``tokenizer_config.json``'s
-    special tokens and Jinja chat template when present."""
+    special tokens and Jinja chat template when present.
+
+    ``eos_ids``: the ``eos_token`` and every ``eos_token_id`` of the model's
+    ``generation_config.json`` (Qwen2.5-Instruct lists ``<|im_end|>`` and ``<|endoftext|>``);
+    ids outside the vocabulary are refused. ``vocab_size`` counts added tokens; a model's
+    vocabulary is often larger (padding rows), and ids past the tokenizer's decode to nothing
+    (see :func:`undecodable`)."""
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _Tok
@@ -108,6 +118,19 @@ class HFTokenizer:
         self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         pad = _token_text(self.config.get("pad_token"))
         self.pad_id = self._tok.token_to_id(pad) if pad else self.eos_id
+        self.eos_ids = self._eos_ids(path / "generation_config.json")
+
+    def _eos_ids(self, gen_path: Path) -> tuple[int, ...]:
+        gen = _read_json(gen_path).get("eos_token_id")
+        extra = [] if gen is None else [gen] if isinstance(gen, int) else list(gen)
+        ids = [self.eos_id]
+        for i in extra:
+            if not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise TokenizerError(f"{gen_path}: eos_token_id {i!r} is not a token id of "
+                                     f"tokenizer.json (vocabulary {self.vocab_size})")  # fmt: skip
+            if i not in ids:
+                ids.append(i)
+        return tuple(ids)
 
     def _require_id(self, token: str | None, name: str, where: Path) -> int:
         tid = self._tok.token_to_id(token) if token else None
@@ -143,9 +166,44 @@ def encode_prompt(tokenizer: Tokenizer, text: str | Sequence[Message]) -> list[i
     return tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
+def eos_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Every id that ends a response: the tokenizer's ``eos_ids``, or its one ``eos_id``."""
+    return tuple(getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,))
+
+
 def response_ids(tokenizer: Tokenizer, ids: Sequence[int]) -> list[int]:
     """A generated response without its EOS tokens (what a reward function reads)."""
-    return [t for t in ids if t != tokenizer.eos_id]
+    stop = set(eos_ids(tokenizer))
+    return [t for t in ids if t not in stop]
+
+
+def undecodable(tokenizer: Tokenizer, ids: Sequence[int]) -> int:
+    """How many of ``ids`` the tokenizer cannot decode (ids at or past its vocabulary, which a
+    model with a larger, padded vocabulary can still sample): they decode to nothing, so callers
+    count them instead of dropping them silently."""
+    return sum(1 for t in ids if not 0 <= int(t) < tokenizer.vocab_size)
+
+
+def check_vocabularies(tokenizer: Tokenizer, model_vocab_size: int, what: str) -> str | None:
+    """Raise :class:`TokenizerError` when the tokenizer has ids the model cannot embed; return a
+    note when the model's vocabulary is larger (its extra ids cannot be decoded), else None."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise TokenizerError(
+            f"model.vocab_size is {model_vocab_size} but the {what} tokenizer has "
+            f"{tokenizer.vocab_size} tokens: token ids past the model's vocabulary cannot be "
+            "embedded (use the model's own tokenizer)"
+        )
+    bad = [i for i in eos_ids(tokenizer) if not 0 <= i < model_vocab_size]
+    if bad:
+        raise TokenizerError(f"EOS id(s) {bad} are outside the model's vocabulary "
+                             f"({model_vocab_size})")  # fmt: skip
+    if tokenizer.vocab_size < model_vocab_size:
+        return (
+            f"the model's vocabulary ({model_vocab_size}) is larger than the {what} tokenizer's "
+            f"({tokenizer.vocab_size}): {model_vocab_size - tokenizer.vocab_size} ids cannot be "
+            "decoded; sampled ones are counted (metric undecodable_tokens)"
+        )
+    return None
 
 
 def render_chat_template(

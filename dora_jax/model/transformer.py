@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from dora_jax.config import ModelConfig
-from dora_jax.model.layers import decoder_layer, dense_attention, rms_norm, segment_causal_mask
+from dora_jax.model.attention import make_attend
+from dora_jax.model.layers import decoder_layer, rms_norm
 from dora_jax.model.params import Params, dtype_of
 from dora_jax.sharding import constrain
 
@@ -51,20 +52,72 @@ def hidden_states(
     """Final-normed hidden states ``[B, T, D]`` in the compute dtype."""
     p = cast_params(params, cfg)
     x = embed_tokens(p, tokens, cfg)
-    mask = segment_causal_mask(segment_ids)
-    scale = cfg.resolved_head_dim**-0.5
 
-    def attend(q, k, v):
-        return dense_attention(q, k, v, mask, scale), None
+    def apply(x, lp, positions, segment_ids):
+        x, _ = decoder_layer(lp, x, positions, cfg, make_attend(cfg, segment_ids))
+        return x
 
-    def layer(x, lp):
-        x, _ = decoder_layer(lp, x, positions, cfg, attend)
-        return x, None
+    if cfg.remat == "nested":
+        apply = _full_remat(apply)
+    elif cfg.remat != "none":
+        apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
 
-    if cfg.remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
-    x, _ = jax.lax.scan(layer, x, p["layers"])
+    def layers(x, lps, positions, segment_ids):
+        def layer(x, lp):
+            return apply(x, lp, positions, segment_ids), None
+
+        return jax.lax.scan(layer, x, lps)[0]
+
+    if cfg.remat == "nested":
+        g = remat_group_size(cfg.num_layers)
+        grouped = jax.tree.map(lambda w: w.reshape(-1, g, *w.shape[1:]), p["layers"])
+        group = _full_remat(layers)
+
+        def one_group(x, lps):
+            return group(x, lps, positions, segment_ids), None
+
+        x, _ = jax.lax.scan(one_group, x, grouped)
+    else:
+        x = layers(x, p["layers"], positions, segment_ids)
     return rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+
+
+def remat_group_size(num_layers: int) -> int:
+    """Layers per group of ``remat: nested``: the divisor of ``num_layers`` nearest its square
+    root, so ``L / g + g`` layer inputs are kept instead of ``L``."""
+    divisors = [g for g in range(1, num_layers + 1) if num_layers % g == 0]
+    return min(divisors, key=lambda g: (num_layers // g + g, g))
+
+
+def _full_remat(apply):
+    """``apply(x, lp, positions, segment_ids)`` whose backward pass recomputes it from its input
+    ``x``, the only thing kept between the passes (what ``jax.checkpoint`` with
+    ``nothing_saveable`` does, written as a ``custom_vjp``; ``remat: nested`` uses it for layers
+    and for groups of layers). A 16-bit ``x`` is kept as its bit pattern (uint16): XLA's CPU
+    backend widens a saved bfloat16 stack ``[L, B, T, D]`` to float32 around its dynamic slices
+    and hoists that conversion out of the backward loop (measured: the saved activations
+    materialised again at twice their size); integers are left alone."""
+
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+    @jax.custom_vjp
+    def f(x, lp, positions, segment_ids):
+        return apply(x, lp, positions, segment_ids)
+
+    def fwd(x, lp, positions, segment_ids):
+        y = apply(x, lp, positions, segment_ids)
+        return y, (bits(x), jnp.zeros((0,), x.dtype), lp, positions, segment_ids)
+
+    def bwd(res, g):
+        xb, like, lp, positions, segment_ids = res
+        x = jax.lax.bitcast_convert_type(xb, like.dtype) if xb.dtype != like.dtype else xb
+        _, vjp = jax.vjp(lambda x, lp: apply(x, lp, positions, segment_ids), x, lp)
+        dx, dlp = vjp(g)
+        return dx, dlp, None, None
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
 def logits_from_hidden(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:

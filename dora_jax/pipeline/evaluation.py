@@ -30,7 +30,7 @@ from dora_jax.data.examples import Example
 from dora_jax.data.scoring import Scorer
 from dora_jax.mesh import make_mesh
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids
+from dora_jax.model.tokenizer import Tokenizer, encode_prompt, eos_ids, response_ids
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.requests import Request, request_key
 
@@ -131,7 +131,7 @@ class Evaluator:
             decode_steps=max(rollout_cfg.decode_steps, 8),
         )
         self.max_new_tokens = cfg.max_new_tokens
-        self.engine = Engine(model_cfg, cfg, make_mesh([device], 1, 1), tokenizer.eos_id)
+        self.engine = Engine(model_cfg, cfg, make_mesh([device], 1, 1), eos_ids(tokenizer))
 
     def __call__(self, params: Params, step: int) -> EvalResult:
         t0 = time.perf_counter()

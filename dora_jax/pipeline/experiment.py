@@ -30,11 +30,13 @@ from dora_jax.mesh import Meshes, build_meshes
 from dora_jax.model import abstract_params, init_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, load_hf_params
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer, load_tokenizer
+from dora_jax.model.tokenizer import Tokenizer, check_vocabularies, eos_ids, load_tokenizer
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
 from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts
+from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
+from dora_jax.pipeline.memory_plan import resolve as resolve_pages
 from dora_jax.pipeline.warm_start import warm_start
 from dora_jax.sharding import trainer_rules, tree_shardings
 from dora_jax.train import Trainer
@@ -56,6 +58,7 @@ class Experiment:
     runtime: Runtime
     warm_start_losses: list[float] = field(default_factory=list)
     evaluator: Evaluator | None = None  # held-out evaluation (eval.num_prompts > 0)
+    memory_plan: MemoryPlan | None = None
     wall_s: float = 0.0
     stopped: bool = False  # the last run() ended early on a stop request
 
@@ -141,6 +144,9 @@ def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
         compute_dtype=m.compute_dtype,
         remat=m.remat,
         hf_path=m.hf_path,
+        attention=m.attention,
+        attention_block=m.attention_block,
+        seq_chunk=m.seq_chunk,
     )
     try:
         return dataclasses.replace(cfg, model=hf)
@@ -171,13 +177,12 @@ def build(
     on the other processes' devices run there."""
     cfg = resolve_model(cfg)
     meshes = build_meshes(cfg.mesh)
+    plan = _memory_plan(cfg, meshes)  # before anything is allocated
+    cfg = resolve_pages(cfg, plan)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ExperimentError(
-            f"model.vocab_size is {cfg.model.vocab_size} but the "
-            f"{cfg.data.tokenizer} tokenizer has {tokenizer.vocab_size} "
-            "tokens"
-        )
+    note = check_vocabularies(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer)
+    if note:
+        print(f"note: {note}", flush=True)
     source, reward_fn, example = _task_parts(cfg)
     wall = cfg.orchestrator.clock == "wall"
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
@@ -204,17 +209,21 @@ def build(
             on_step=on_warm_step,
         )
         params = jax.device_put(params, shardings)
-    trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params)
+    rules = trainer_rules(cfg.mesh.trainer)
+    trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params, rules=rules)
+    trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
+    del params  # version 0 lives on as the trainer's export (engines alias it when colocated)
     grpo = GRPOTrainer(trainer, tokenizer, reward)
-    cluster = _cluster(cfg, meshes, process, bus, clock, tokenizer.eos_id)
+    stops = eos_ids(tokenizer)
+    cluster = _cluster(cfg, meshes, process, bus, clock, stops)
     if cluster is not None and not cluster.transfers.via_store:
         grpo.export_shardings = cluster.link.stage_shardings()
     backend = EngineBackend(
         cfg.model,
         cfg.rollout,
         meshes.groups,
-        tokenizer.eos_id,
-        params,
+        stops,
+        grpo.params_for(0),
         grpo.params_for,
         seed=cfg.seed,
         clock=clock,
@@ -246,12 +255,28 @@ def build(
         except ValueError as e:
             raise ExperimentError(f"eval: {e}") from None
     return Experiment(
-        cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses, evaluator=evaluator
-    )
+        cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses, evaluator=evaluator,
+        memory_plan=plan,
+    )  # fmt: skip
 
 
-def _cluster(cfg: ExperimentConfig, meshes: Meshes, process, bus: Bus, clock, eos_id: int):
-    """The other processes of a multi-process run, their groups' engines built (None alone)."""
+def _memory_plan(cfg: ExperimentConfig, meshes: Meshes) -> MemoryPlan:
+    """The memory plan, printed; a config that does not fit is refused (ExperimentError)."""
+    try:
+        plan = plan_memory(cfg, meshes)
+        print(plan.table(), flush=True)
+        plan.check()
+    except MemoryPlanError as e:
+        raise ExperimentError(str(e)) from None
+    return plan
+
+
+def _cluster(
+    cfg: ExperimentConfig, meshes: Meshes, process, bus: Bus, clock, stops: tuple[int, ...]
+):
+    """The other processes of a multi-process run, their groups' engines built (None alone).
+    ``cfg`` is the resolved config (``rollout.num_pages`` sized by the memory plan): the other
+    processes build their engines from it and from the EOS ids ``stops``."""
     if process is None or process.count == 1:
         return None
     from dora_jax.config import to_dict
@@ -275,7 +300,7 @@ def _cluster(cfg: ExperimentConfig, meshes: Meshes, process, bus: Bus, clock, eo
         return staging[0]
 
     cluster.connect(bus.post, clock.now, stage_shardings)
-    cluster.start_hosts(to_dict(cfg), eos_id, cfg.seed, cfg.orchestrator.clock == "wall")
+    cluster.start_hosts(to_dict(cfg), list(stops), cfg.seed, cfg.orchestrator.clock == "wall")
     return cluster
 
 

@@ -24,7 +24,7 @@ from dora_jax.data.prompts import PromptSource
 from dora_jax.data.scoring import Scorer
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids
+from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids, undecodable
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.orchestrator.transfer_queue import ReadyGroup
 from dora_jax.train import Trainer, Trajectory
@@ -97,6 +97,9 @@ class GRPOTrainer:
         self.export_shardings: Params | None = None
         self.log: list[StepLog] = []
         self.consumed: list[tuple[int, int, Completion]] = []  # (request id, version, completion)
+        # sampled ids the tokenizer cannot decode (a model vocabulary larger than the
+        # tokenizer's): they read as nothing to the reward, so they are counted, per step
+        self.undecodable_tokens = 0
 
     def item(self, comp: Completion) -> tuple[str, str, dict | None]:
         """What the reward function reads: the response text, the answer, the row's fields."""
@@ -111,6 +114,10 @@ class GRPOTrainer:
     def step(self, batch: list[ReadyGroup]) -> int:
         trajectories, rewards, ids = [], [], []
         found = [(t.request_id, t.payload) for rg in batch for t in rg.trajectories]
+        # counted here, once per consumed response (``item`` also runs for prefetches)
+        self.undecodable_tokens += sum(
+            undecodable(self.tokenizer, response_ids(self.tokenizer, c.tokens)) for _, c in found
+        )
         outcomes = iter(self.scorer.score_many(
             [self.item(c) for _, c in found], keys=[rid for rid, _ in found]
         ))  # fmt: skip
@@ -137,6 +144,7 @@ class GRPOTrainer:
                 )
         packed = self.trainer.pack(trajectories, num_groups=len(batch))
         metrics = self.trainer.step(packed)
+        metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
         version = self.trainer.version
         export = self.trainer.export_params()
         if self.export_shardings is not None:

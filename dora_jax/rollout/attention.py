@@ -8,6 +8,7 @@ K kv heads, H head dim, P pages, Z page size, S = pages_per_seq * Z.
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import jax
@@ -17,12 +18,28 @@ from jax.sharding import PartitionSpec as P
 
 from dora_jax.kernels.kv_cache_ops import append_kv, append_kv_chunk
 from dora_jax.kernels.paged_attention import paged_decode_attention
-from dora_jax.model.layers import NEG_INF
+from dora_jax.model.attention import NEG_INF, blockwise_attention
 
 HEADS = P(None, "model", None)  # [B, N|K, H]
 CHUNK_HEADS = P(None, None, "model", None)  # [B, C, N|K, H]
 PAGES = P("model", None, None, None)  # [K, P, Z, H]
 REPLICATED = P()
+
+
+def resolve_impl(impl: str, interpret: bool | None) -> tuple[str, bool]:
+    """``(impl, interpret)`` the engine runs. On a CPU the Pallas kernels only run in interpret
+    mode (an order of magnitude slower than the reference): unless ``interpret=True`` is asked
+    for explicitly (tests), ``rollout.attention_impl=pallas`` on a CPU warns and runs the
+    reference instead."""
+    on_cpu = jax.devices()[0].platform == "cpu"
+    if impl == "pallas" and on_cpu and interpret is not True:
+        warnings.warn(
+            "rollout.attention_impl=pallas on a CPU would run the Pallas kernels in interpret "
+            "mode (much slower than the reference): using rollout.attention_impl=reference",
+            stacklevel=3,
+        )
+        return "reference", False
+    return impl, bool(interpret) if interpret is not None else False
 
 
 def decode_attend(
@@ -35,6 +52,7 @@ def decode_attend(
     lengths: jax.Array,
     active: jax.Array,
     *,
+    scale: float,
     mesh: Mesh,
     impl: str,
     interpret: bool,
@@ -52,7 +70,7 @@ def decode_attend(
 
     def local(q, k, v, kp, vp, bt, ln, sp, so, act):
         kp, vp = append_kv(kp, vp, k, v, sp, so, act, impl=impl, interpret=interpret)
-        out = paged_decode_attention(q, kp, vp, bt, ln, impl=impl, interpret=interpret)
+        out = paged_decode_attention(q, kp, vp, bt, ln, scale=scale, impl=impl, interpret=interpret)
         return out, kp, vp
 
     fn = jax.shard_map(
@@ -87,20 +105,31 @@ def prefill_attend(
     start: jax.Array,
     num_valid: jax.Array,
     *,
+    scale: float,
     mesh: Mesh,
     impl: str,
     interpret: bool,
+    chunk_attention: str = "dense",
+    block: int = 512,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write a prompt chunk's K/V (positions ``start .. start+num_valid-1``) and attend each chunk
     token causally over everything the sequence has in the cache so far.
 
     ``q [B,C,N,H]``, ``k, v [B,C,K,H]``. Rows with ``num_valid = 0`` write nothing. Query rows past
-    ``num_valid`` produce finite values that callers ignore. Returns ``(out, k_pages, v_pages)``.
+    ``num_valid`` produce finite values that callers ignore. ``chunk_attention`` is ``"dense"``
+    (``[B, K, G, C, S]`` scores) or ``"blockwise"`` (:func:`blockwise_attention` over the gathered
+    pages, blocks of ``block``). Returns ``(out, k_pages, v_pages)``.
     """
+    if chunk_attention not in ("dense", "blockwise"):
+        raise ValueError(f"chunk_attention must be 'dense' or 'blockwise', got {chunk_attention!r}")
 
     def local(q, k, v, kp, vp, bt, st, nv):
         kp, vp = append_kv_chunk(kp, vp, k, v, bt, st, nv, impl=impl, interpret=interpret)
-        return _paged_chunk_attention(q, kp, vp, bt, st, nv), kp, vp
+        if chunk_attention == "blockwise":
+            out = _paged_chunk_blockwise(q, kp, vp, bt, st, nv, scale, block)
+        else:
+            out = _paged_chunk_attention(q, kp, vp, bt, st, nv, scale)
+        return out, kp, vp
 
     fn = jax.shard_map(
         local,
@@ -112,22 +141,41 @@ def prefill_attend(
     return fn(q, k, v, k_pages, v_pages, block_tables, start, num_valid)
 
 
-@partial(jax.named_call, name="paged_chunk_attention")
-def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid):
-    """Dense attention of a chunk over its sequence's gathered pages (pure jnp, single device)."""
-    B, C, N, H = q.shape
-    K, _, Z, _ = k_pages.shape
-    S = block_tables.shape[1] * Z
-    # [K, B, pages_per_seq, Z, H] -> [B, S, K, H]
+def _gather_pages(k_pages, v_pages, block_tables):
+    """A sequence's pages in token order: ``[K, P, Z, H]`` pages -> ``[B, S, K, H]``."""
+    K, _, Z, H = k_pages.shape
+    B, S = block_tables.shape[0], block_tables.shape[1] * Z
     ks = k_pages[:, block_tables].reshape(K, B, S, H).transpose(1, 2, 0, 3)
     vs = v_pages[:, block_tables].reshape(K, B, S, H).transpose(1, 2, 0, 3)
+    return ks, vs
+
+
+@partial(jax.named_call, name="paged_chunk_blockwise")
+def _paged_chunk_blockwise(q, k_pages, v_pages, block_tables, start, num_valid, scale, block):
+    """Blockwise attention of a chunk over its gathered pages: key ``s`` is visible to chunk
+    token ``c`` iff ``s <= start + c`` and ``s < start + num_valid`` (pure jnp, one device)."""
+    B, C = q.shape[:2]
+    ks, vs = _gather_pages(k_pages, v_pages, block_tables)
+    S = ks.shape[1]
+    kv_seg = (jnp.arange(S)[None, :] < (start + num_valid)[:, None]).astype(jnp.int32)
+    q_seg = jnp.ones((B, C), jnp.int32)
+    return blockwise_attention(q, ks, vs, q_seg, kv_seg, scale, q_offset=start, block=block)
+
+
+@partial(jax.named_call, name="paged_chunk_attention")
+def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid, scale):
+    """Dense attention of a chunk over its sequence's gathered pages (pure jnp, single device)."""
+    B, C, N, H = q.shape
+    K = k_pages.shape[0]
+    ks, vs = _gather_pages(k_pages, v_pages, block_tables)
+    S = ks.shape[1]
     q_pos = start[:, None] + jnp.arange(C)[None, :]  # [B, C]
     kv_pos = jnp.arange(S)
     end = (start + num_valid)[:, None, None]
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < end)
     qg = q.reshape(B, C, K, N // K, H)
     scores = jnp.einsum("BCKGH,BSKH->BKGCS", qg, ks, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores * H**-0.5, NEG_INF)
+    scores = jnp.where(mask[:, None, None], scores * scale, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(vs.dtype)
     out = jnp.einsum("BKGCS,BSKH->BCKGH", probs, vs)
     return out.reshape(B, C, N, H)

@@ -29,10 +29,18 @@ from dora_jax import sharding as sh
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.kernels.kv_cache_ops import pack_pages, unpack_pages
 from dora_jax.model.params import Params, abstract_params, param_axes
+from dora_jax.rollout.attention import resolve_impl
 from dora_jax.rollout.page_allocator import PageAllocator
 from dora_jax.rollout.requests import ExportedRequests, FinishedRequest, Request
 from dora_jax.rollout.sampling import SamplingParams
-from dora_jax.rollout.steps import KVCache, StepStatic, decode_step, init_cache, prefill_step
+from dora_jax.rollout.steps import (
+    KVCache,
+    StepStatic,
+    decode_step,
+    init_cache,
+    prefill_step,
+    stop_ids,
+)
 
 # Pack buffer [2, 1, K, L * n, Z, H]: the kernels' [2, L, K, n, Z, H] layout applied to the
 # layer-major cache viewed as one "layer" (see KVCache); page j of layer l sits at l * n + j.
@@ -135,16 +143,19 @@ class Engine:
         cfg: ModelConfig,
         rcfg: RolloutConfig,
         mesh: Mesh,
-        eos_id: int,
+        eos_id: int | Sequence[int],
         *,
         interpret: bool | None = None,
         return_logits: bool = False,
     ):
-        self.cfg, self.rcfg, self.mesh, self.eos_id = cfg, rcfg, mesh, eos_id
-        self.impl = rcfg.attention_impl
-        if interpret is None:
-            interpret = jax.devices()[0].platform == "cpu"
-        self.interpret = interpret
+        # eos_id: one id or several (any of them ends a response), plus rollout.extra_eos_ids
+        self.eos_ids = stop_ids(eos_id, rcfg.extra_eos_ids)
+        self.cfg, self.rcfg, self.mesh, self.eos_id = cfg, rcfg, mesh, self.eos_ids[0]
+        if rcfg.num_pages is None:
+            raise EngineError("rollout.num_pages is null: the memory plan sizes it "
+                              "(pipeline.memory_plan), or set it")  # fmt: skip
+        self.impl, self.interpret = resolve_impl(rcfg.attention_impl, interpret)
+        interpret = self.interpret
         self.sampling = SamplingParams(rcfg.temperature, rcfg.top_k, rcfg.top_p)
         self.decode_steps = rcfg.decode_steps
         self._st = StepStatic(
@@ -155,7 +166,7 @@ class Engine:
             interpret=interpret,
             return_logits=return_logits,
             decode_steps=rcfg.decode_steps,
-            eos_id=eos_id,
+            eos_ids=self.eos_ids,
         )
         Z = rcfg.page_size
         self.pages_per_seq = -(-(rcfg.max_prompt_len + rcfg.max_new_tokens) // Z)
@@ -486,8 +497,8 @@ class Engine:
         return jax.device_put(arrays, self._rep)
 
     def _finish_if_done(self, r: Request, out: list[FinishedRequest]) -> None:
-        if r.tokens[-1] == self.eos_id or len(r.tokens) >= r.max_new_tokens:
-            reason = "eos" if r.tokens[-1] == self.eos_id else "length"
+        if r.tokens[-1] in self.eos_ids or len(r.tokens) >= r.max_new_tokens:
+            reason = "eos" if r.tokens[-1] in self.eos_ids else "length"
             out.append(
                 FinishedRequest(
                     id=r.id,
@@ -589,7 +600,7 @@ class Engine:
                 r.tokens.append(int(tok[j, i]))
                 r.logprobs.append(float(lp[j, i]))
                 sampled += 1
-                if r.tokens[-1] == self.eos_id:
+                if r.tokens[-1] in self.eos_ids:
                     break
             self._finish_if_done(r, report.finished)
         report.decode_tokens += sampled

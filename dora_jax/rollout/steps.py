@@ -8,6 +8,8 @@ reads them back, so the cached path computes exactly what the full forward pass 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -71,38 +73,52 @@ class StepStatic:
     interpret: bool = flax.struct.field(pytree_node=False)
     return_logits: bool = flax.struct.field(pytree_node=False, default=False)
     decode_steps: int = flax.struct.field(pytree_node=False, default=1)
-    eos_id: int = flax.struct.field(pytree_node=False, default=-1)
+    eos_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
 
 def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStatic, attend_layer):
     """Scan the decoder layers carrying the whole cache (updated in place).
 
-    ``attend_layer(q, k, v, k_cache, v_cache, layer_tables) -> (o, k_cache, v_cache)`` where
+    ``attend_layer(q, k, v, scale, k_cache, v_cache, layer_tables) -> (o, k_cache, v_cache)`` where
     ``layer_tables`` are the block tables offset to this layer's pages.
     """
     P = cache.pages_per_layer
+    # The stacked 16-bit weights enter the scan as bit patterns (no gradients here): XLA's CPU
+    # backend otherwise widens the whole [L, ...] stack to float32 for its dots, outside the
+    # loop (measured: a float32 copy of every weight among the step's temporaries).
+    dtypes = jax.tree.map(lambda w: w.dtype, params["layers"])
+    bits = jax.tree.map(_to_bits, params["layers"])
 
     def layer(carry, xs):
         x, kc, vc = carry
-        lp, l = xs
+        lb, l = xs
+        lp = jax.tree.map(_from_bits, lb, dtypes)
         tables = block_tables + l * P
 
-        def attend(q, k, v):
-            o, kc2, vc2 = attend_layer(q, k, v, kc, vc, tables)
+        def attend(q, k, v, scale):
+            o, kc2, vc2 = attend_layer(q, k, v, scale, kc, vc, tables)
             return o, (kc2, vc2)
 
         x, (kc, vc) = decoder_layer(lp, x, positions, st.cfg, attend)
         return (x, kc, vc), None
 
     layers = jnp.arange(cache.num_layers, dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (params["layers"], layers))
+    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (bits, layers))
     return x, cache.replace(k=k, v=v)
+
+
+def _to_bits(w: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype.itemsize == 2 else w
+
+
+def _from_bits(b: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(b, dtype) if b.dtype != dtype else b
 
 
 def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: StepStatic):
     x = embed_tokens(p, tokens[:, None], st.cfg)
 
-    def attend_layer(q, k, v, kc, vc, tables):
+    def attend_layer(q, k, v, scale, kc, vc, tables):
         return decode_attend(
             q,
             k,
@@ -112,6 +128,7 @@ def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: St
             tables,
             positions + 1,
             active,
+            scale=scale,
             mesh=st.mesh,
             impl=st.impl,
             interpret=st.interpret,
@@ -122,6 +139,26 @@ def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: St
     logits = logits_from_hidden(p, h, st.cfg)
     next_tokens, logprobs = sample(logits, keys, positions + 1, st.sampling)
     return cache, next_tokens, logprobs, logits
+
+
+def stop_ids(eos: int | Sequence[int], extra: Sequence[int] = ()) -> tuple[int, ...]:
+    """The ids that end a response: ``eos`` (one id or several) then ``extra``, without
+    repeats, in order."""
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    out: list[int] = []
+    for i in [*ids, *extra]:
+        if int(i) not in out:
+            out.append(int(i))
+    if not out:
+        raise ValueError("at least one EOS id is needed (-1 for none)")
+    return tuple(out)
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    out = jnp.zeros(tokens.shape, bool)
+    for e in eos_ids:
+        out = out | (tokens == e)
+    return out
 
 
 def decode_step(
@@ -162,7 +199,7 @@ def decode_step(
         cache, tok, pos, live = carry
         run = live & (j < remaining)
         cache, nxt, lp, logits = _decode_once(p, cache, tok, pos, block_tables, run, keys, st)
-        live = run & (nxt != st.eos_id)
+        live = run & ~_is_eos(nxt, st.eos_ids)
         return (cache, nxt, pos + 1, live), (nxt, lp, logits)
 
     steps = jnp.arange(st.decode_steps, dtype=jnp.int32)
@@ -193,7 +230,7 @@ def prefill_step(
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     x = embed_tokens(p, tokens, st.cfg)
 
-    def attend_layer(q, k, v, kc, vc, tables):
+    def attend_layer(q, k, v, scale, kc, vc, tables):
         return prefill_attend(
             q,
             k,
@@ -203,9 +240,14 @@ def prefill_step(
             tables,
             start,
             num_valid,
+            scale=scale,
             mesh=st.mesh,
             impl=st.impl,
             interpret=st.interpret,
+            # cuDNN's public API has no offset-causal masking over a paged context: prefill
+            # chunks of a "cudnn" model use the blockwise path (docs in model/attention.py)
+            chunk_attention="dense" if st.cfg.attention == "dense" else "blockwise",
+            block=st.cfg.attention_block,
         )
 
     x, cache = _run_layers(p, cache, x, positions, block_tables, st, attend_layer)
@@ -216,3 +258,50 @@ def prefill_step(
     keys = jax.random.wrap_key_data(key_data)
     next_tokens, logprobs = sample(logits, keys, start + num_valid, st.sampling)
     return cache, next_tokens, logprobs, (logits if st.return_logits else None)
+
+
+def lower_steps(
+    cfg: ModelConfig, rcfg: RolloutConfig, mesh: Mesh, *, impl: str, interpret: bool = False
+) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """The engine's jitted prefill and decode steps (largest batch and block-table shapes,
+    cache donated) lowered from abstract values only, for their memory analysis. ``num_pages``
+    does not change the steps' temporaries (the cache is updated in place)."""
+    from dora_jax.model.params import abstract_params, param_axes
+    from dora_jax.rollout.sampling import SamplingParams
+    from dora_jax.sharding import rollout_rules, tree_shardings
+
+    Z, B, C = rcfg.page_size, rcfg.max_slots, rcfg.prefill_chunk
+    width = -(-(rcfg.max_prompt_len + rcfg.max_new_tokens) // Z)
+    st = StepStatic(
+        cfg=cfg,
+        sampling=SamplingParams(rcfg.temperature, rcfg.top_k, rcfg.top_p),
+        mesh=mesh,
+        impl=impl,
+        interpret=interpret,
+        decode_steps=rcfg.decode_steps,
+        eos_ids=tuple(rcfg.extra_eos_ids) or (0,),
+    )
+    p_sh = tree_shardings(param_axes(cfg), abstract_params(cfg), rollout_rules(), mesh)
+    params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params(cfg), p_sh
+    )
+    shape = (cfg.num_kv_heads, cfg.num_layers * (width + 1), Z, cfg.resolved_head_dim)
+    kv = jax.ShapeDtypeStruct(
+        shape, dtype_of(cfg.compute_dtype), sharding=NamedSharding(mesh, CACHE_SPEC)
+    )
+    cache = KVCache(k=kv, v=kv, num_layers=cfg.num_layers)
+    rep = NamedSharding(mesh, P())
+
+    def arr(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    i32 = jnp.int32
+    prefill = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,)).lower(
+        params, cache, arr((B, C), i32), arr((B,), i32), arr((B,), i32), arr((B, width), i32),
+        arr((B, 2), jnp.uint32), st=st,
+    )  # fmt: skip
+    decode = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,)).lower(
+        params, cache, arr((B,), i32), arr((B,), i32), arr((B, width), i32), arr((B,), bool),
+        arr((B, 2), jnp.uint32), arr((B,), i32), st=st,
+    )  # fmt: skip
+    return prefill, decode

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dora_jax.config import ModelConfig
+from dora_jax.model.layers import map_seq_chunks
 from dora_jax.model.params import Params
 from dora_jax.model.transformer import hidden_states, unembed_matrix
 from dora_jax.sharding import constrain
@@ -38,12 +39,14 @@ def chunk_layout(vocab_size: int, chunk: int) -> tuple[int, int]:
 
 
 def chunked_logprobs(
-    h: jax.Array, w: jax.Array, targets: jax.Array, *, chunk: int
+    h: jax.Array, w: jax.Array, targets: jax.Array, *, chunk: int, seq_chunk: int = 0
 ) -> tuple[jax.Array, jax.Array]:
     """``(logp, entropy)``, both ``float32[B, T]``, of ``softmax(h @ w)`` at ``targets``.
 
     ``h [B, T, D]`` hidden states (compute dtype), ``w [D, V]`` unembedding, ``targets
-    int32[B, T]`` in ``[0, V)``. Logits are accumulated in float32.
+    int32[B, T]`` in ``[0, V)``. Logits are accumulated in float32. With ``seq_chunk > 0`` the
+    positions are also taken ``seq_chunk`` per row at a time (:func:`map_seq_chunks`), so no
+    pass holds more than a ``[B, seq_chunk, V / C]`` block of logits.
     """
     D, V = w.shape
     C, c = chunk_layout(V, chunk)
@@ -55,7 +58,14 @@ def chunked_logprobs(
     w_chunks = jnp.transpose(w.reshape(D, c, C), (2, 0, 1))
     w_chunks = constrain(w_chunks, (None, "embed", "vocab"))
     col = jnp.arange(c, dtype=jnp.int32) * C  # [c]: vocab id of column i in chunk 0
-    targets = targets.astype(jnp.int32)
+    return map_seq_chunks(
+        lambda ht: _vocab_scan(ht[0], ht[1].astype(jnp.int32), w_chunks, col, V), (h, targets),
+        seq_chunk,
+    )  # fmt: skip
+
+
+def _vocab_scan(h, targets, w_chunks, col, V):
+    C = w_chunks.shape[0]
     B, T = targets.shape
 
     @jax.checkpoint
@@ -96,4 +106,4 @@ def token_logprobs(
     that next-token distribution."""
     h = hidden_states(params, tokens, positions, segment_ids, cfg)
     w = unembed_matrix(params, cfg)
-    return chunked_logprobs(h, w, targets, chunk=chunk)
+    return chunked_logprobs(h, w, targets, chunk=chunk, seq_chunk=cfg.seq_chunk)

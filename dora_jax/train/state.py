@@ -70,10 +70,28 @@ def _decay_mask(params: Params) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def _moments_in(inner: optax.GradientTransformation, dtype: Any) -> optax.GradientTransformation:
+    """``inner`` with its per-parameter state and its arithmetic in ``dtype``, whatever the
+    params' dtype: gradients are cast to ``dtype`` on the way in, and the state is created from
+    params cast to ``dtype`` (optax's Adam makes its second moment in the params' dtype). The
+    updates come out in ``dtype``; ``optax.apply_updates`` casts the sum back to each param's."""
+
+    def init(params: Any) -> Any:
+        return inner.init(jax.tree.map(lambda p: p.astype(dtype), params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return inner.update(jax.tree.map(lambda u: u.astype(dtype), updates), state, params)
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW (decoupled weight decay, masked to matrices) on the
-    :func:`lr_schedule`. Pure and deterministic, so the step rebuilds it from the config."""
-    return optax.chain(
+    :func:`lr_schedule`, all in ``train.adam_moment_dtype`` (float32 by default, also for
+    bfloat16 params without master weights). Pure and deterministic, so the step rebuilds it
+    from the config."""
+    dtype = dtype_of(cfg.adam_moment_dtype)
+    chain = optax.chain(
         optax.clip_by_global_norm(cfg.max_grad_norm),
         optax.adamw(
             lr_schedule(cfg),
@@ -81,9 +99,11 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
             b2=cfg.adam_b2,
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
+            mu_dtype=dtype,
             mask=_decay_mask,
         ),
     )
+    return _moments_in(chain, dtype)
 
 
 def model_params(state: TrainState) -> Params:

@@ -1,0 +1,183 @@
+"""The memory plan: per-device bytes from configs and abstract compilation, refusal with advice,
+KV pages sized from the memory left, and the trainer adopting the plan's compiled step."""
+
+import jax
+import numpy as np
+import pytest
+
+from dora_jax.config import load_config
+from dora_jax.mesh import build_meshes
+from dora_jax.model import count_params
+from dora_jax.pipeline.experiment import ExperimentError, build
+from dora_jax.pipeline.memory_plan import (
+    TRANSIENT,
+    MemoryPlanError,
+    compiled_train_step,
+    longest_bucket,
+    plan_memory,
+)
+from dora_jax.train import Trainer, Trajectory
+
+SMALL = [
+    "model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=48",
+    "model.num_layers=2", "train.group_size=4", "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4", "train.length_buckets=[16,48,512]",
+    "rollout.max_prompt_len=16", "rollout.max_new_tokens=24", "rollout.max_slots=4",
+    "rollout.num_pages=40", "rollout.page_size=8", "rollout.prefill_chunk=8",
+    "warm_start.steps=0", "eval.num_prompts=0", "logging.progress=false",
+]  # fmt: skip
+GiB = 1 << 30
+
+
+def small(*overrides):
+    return load_config(None, SMALL + list(overrides))
+
+
+def by_what(plan, device):
+    return {i.what.split(" (")[0]: i for i in plan.items if i.device == device}
+
+
+def test_plan_counts_state_exports_engines_kv_and_compiled_temporaries():
+    cfg = small()
+    plan = plan_memory(cfg)
+    n = count_params(cfg.model)
+    t0 = by_what(plan, 0)
+    # trainer 2 x 2: params and moments split over the model axis where they divide
+    assert 0 < t0["train params"].bytes <= 4 * n
+    moments = t0["optimizer moments"].bytes - 2 * t0["train params"].bytes
+    assert 0 <= moments <= 64  # mu and nu, plus step counters
+    assert t0["exports"].bytes == 3 * t0["train params"].bytes  # K + 1 = 3 live versions
+    assert t0["train step temporaries"].kind == TRANSIENT
+    # the longest bucket a sample can need: 16 + 24 = 40 tokens -> 48, not the largest (512)
+    assert longest_bucket(cfg) == 48 and plan.train_bucket == (8, 48)
+    ma = compiled_train_step(cfg.model, cfg.train, build_meshes(cfg.mesh).trainer,
+                             cfg.mesh.trainer, 8, 8, 48).memory_analysis()  # fmt: skip
+    assert t0["train step temporaries"].bytes >= ma.temp_size_in_bytes > 0
+    g = by_what(plan, 4)  # one rollout group per device 4..7
+    page = 2 * 2 * 8 * 2 * 8 * 4  # K, V x layers x page size x kv heads x head dim x float32
+    assert g["KV caches"].bytes == 40 * page
+    assert g["engine params"].bytes == 4 * n  # one version (one engine), float32, replicated
+    assert g["engine step temporaries"].kind == TRANSIENT
+    # a device's total: everything resident plus the larger transient only
+    resident = sum(i.bytes for i in t0.values() if i.kind != TRANSIENT)
+    assert plan.total([0]) == resident + t0["train step temporaries"].bytes
+    assert "device 0" in plan.table() and "KV pages per engine: 40" in plan.table()
+    plan.check()  # a tiny model fits anything
+
+
+def test_multiprocess_exports_are_counted_in_the_groups_layout(monkeypatch):
+    """A multi-process run on accelerators exports versions in the rollout groups' layout (tp 1:
+    whole models) on process 0's first device: the plan counts them there, not split over the
+    trainer mesh (checked here by pretending to be such a run)."""
+    from dora_jax.pipeline import memory_plan
+
+    cfg = small()
+    n = count_params(cfg.model)
+    before = by_what(plan_memory(cfg), 1)["exports"].bytes
+    monkeypatch.setattr(memory_plan, "exports_in_group_layout", lambda: True)
+    plan = plan_memory(cfg)
+    on = {d: [i for i in plan.items if i.device == d and i.what.startswith("exports")]
+          for d in (0, 1)}  # fmt: skip
+    v0, later = (i.bytes for i in on[0])
+    assert later == 3 * 4 * n  # K + 1 = 3 whole float32 models on device 0
+    assert v0 == before // 3 and [i.bytes for i in on[1]] == [before // 3]  # version 0 only
+
+
+def test_colocated_engines_alias_the_trainer_exports():
+    cfg = small("mesh.trainer.devices=0:1", "mesh.trainer.data=1", "mesh.trainer.model=1",
+                "mesh.rollout.devices=0:1", "mesh.rollout.groups=3")  # fmt: skip
+    plan = plan_memory(cfg)
+    mine = by_what(plan, 0)
+    assert "engine params" not in mine and any("share the trainer's exports" in n
+                                               for n in plan.notes)  # fmt: skip
+    assert "3 engine(s) x 40 pages" in mine["KV caches"].what
+    assert plan.devices() == [0]
+
+
+def test_wall_clock_counts_the_trainer_and_every_engine_step_at_once():
+    """A trainer and three engines on one device: the logical clock steps them one after another
+    (the largest transient counts); the wall clock steps each on its own worker thread, so the
+    train step's and all three engines' temporaries count together."""
+    colocated = ["mesh.trainer.devices=0:1", "mesh.trainer.data=1", "mesh.trainer.model=1",
+                 "mesh.rollout.devices=0:1", "mesh.rollout.groups=3"]  # fmt: skip
+    plans = {c: plan_memory(small(*colocated, f"orchestrator.clock={c}"))
+             for c in ("logical", "wall")}  # fmt: skip
+    mine = {c: by_what(p, 0) for c, p in plans.items()}
+    train = mine["logical"]["train step temporaries"].bytes
+    engine = mine["logical"]["engine step temporaries"].bytes
+    assert mine["wall"]["train step temporaries"].bytes == train > 0
+    assert mine["wall"]["engine step temporaries"].bytes == 3 * engine > 0
+    resident = sum(i.bytes for i in mine["logical"].values() if i.kind != TRANSIENT)
+    assert plans["logical"].total([0]) == resident + max(train, engine)
+    assert plans["wall"].total([0]) == resident + train + 3 * engine
+    assert plans["wall"].to_dict()["transients_summed"] and "summed" in plans["wall"].table()
+    assert not plans["logical"].to_dict()["transients_summed"]
+
+
+def test_a_config_over_the_memory_is_refused_with_what_to_change():
+    plan = plan_memory(small("mesh.device_memory_gib=0.0001"))
+    with pytest.raises(MemoryPlanError) as e:
+        plan.check()
+    text = str(e.value)
+    assert "the memory plan does not fit" in text and "mesh.device_memory_gib" in text
+    assert "to change:" in text and "largest items:" in text
+    assert any(k in text for k in ("train.microbatches", "rollout.num_pages", "max_slots"))
+
+
+def test_null_num_pages_takes_the_memory_left():
+    budget_gib = 0.05
+    cfg = small("rollout.num_pages=null", f"mesh.device_memory_gib={budget_gib}")
+    plan = plan_memory(cfg)
+    assert plan.pages_sized and plan.num_pages > 40
+    plan.check()  # sized to fit
+    group = [i for i in plan.items if i.device == 4]
+    kv = next(i for i in group if i.what.startswith("KV"))
+    page = kv.bytes // plan.num_pages
+    # the fullest rollout device has less than one more page per engine left
+    fullest = max(plan.total([d]) for d in (4, 5, 6, 7))
+    assert fullest <= plan.budget < fullest + page
+    with pytest.raises(MemoryPlanError, match="rollout.num_pages: .* fewer than"):
+        plan_memory(small("rollout.num_pages=null", "mesh.device_memory_gib=0.0002"))
+
+
+def test_build_refuses_before_loading_anything(tmp_path):
+    cfg = small("mesh.device_memory_gib=0.0001", f"run_dir={tmp_path}")
+    with pytest.raises(ExperimentError, match="the memory plan does not fit"):
+        build(cfg, tmp_path)
+
+
+def test_trainer_runs_the_plans_compiled_step_without_compiling_again():
+    cfg = small()
+    meshes = build_meshes(cfg.mesh)
+    compiled = compiled_train_step(cfg.model, cfg.train, meshes.trainer, cfg.mesh.trainer,
+                                   8, 8, 48)  # fmt: skip
+    rng = np.random.default_rng(0)
+    trajs = [
+        Trajectory(rng.integers(3, 64, 5).tolist(), rng.integers(3, 64, 30).tolist(),
+                   (-rng.random(30)).tolist(), float(rng.random()), 0, g)
+        for g in range(2) for _ in range(4)
+    ]  # fmt: skip
+    params = jax.device_get(Trainer(cfg.model, cfg.train).state.params)
+    plain = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params)
+    adopted = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params)
+    adopted.adopt_compiled(compiled, 8, 48)
+    batch = plain.pack(trajs)
+    assert (batch.num_rows, batch.seq_len) == (8, 48)
+    m_plain, m_adopted = plain.step(batch), adopted.step(batch)
+    assert adopted.num_compiles == 0 and plain.num_compiles == 1
+    np.testing.assert_allclose(float(m_adopted["loss"]), float(m_plain["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(adopted.state.params), jax.tree.leaves(plain.state.params),
+                    strict=True):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_devices_share_the_host():
+    """No reported memory (CPU): each of the n devices is planned with 1/n of the host."""
+    from dora_jax.pipeline.memory_plan import device_limit, host_memory
+
+    cfg = small()
+    limit, source = device_limit(cfg)
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("CPU hosts only")
+    assert limit == host_memory() // jax.device_count() and "CPU devices" in source
+    assert device_limit(small("mesh.device_memory_gib=2"))[0] == 2 * GiB
