@@ -1,10 +1,15 @@
 """Glue between the control plane and the real arrays: prompts in, GRPO steps out.
 
 - :class:`TokenizedPrompts`: the runtime's prompt source, from a :class:`dora_jax.data.PromptSource`
-  and a tokenizer (prompts longer than the engine's context fail with a clear error).
+  and a tokenizer (a prompt longer than the engine's context fails with a clear error, or with
+  ``data.long_prompts=skip`` is left out and counted).
 - :class:`GRPOTrainer`: the runtime's trainer. It scores finished requests with the reward
   function, packs them into a train batch, runs one jitted GRPO step on the trainer submesh,
   and keeps the params of every version the rollout side may still ask for.
+
+Versions: the policy version is the number of train steps taken. A step that the non-finite
+guard skips leaves the params unchanged and still produces the next version (equal params), so
+the control plane goes on; ``metrics["skipped"]`` marks it in the step's log.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from dora_jax import faults
 from dora_jax.data.prompts import PromptSource
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.model.params import Params
@@ -31,18 +37,26 @@ class PromptTooLong(ValueError):
 class TokenizedPrompts:
     """``next_prompt()`` for the runtime: text -> chat template -> token ids."""
 
-    def __init__(self, source: PromptSource, tokenizer: Tokenizer, max_prompt_len: int):
+    def __init__(
+        self, source: PromptSource, tokenizer: Tokenizer, max_prompt_len: int, skip: bool = False
+    ):
         self.source, self.tokenizer, self.max_prompt_len = source, tokenizer, max_prompt_len
+        self.skip = skip
+        self.skipped = 0  # prompts left out (too long), part of the checkpoint
 
     def next_prompt(self) -> PromptSpec:
-        (p,) = self.source.take(1)
-        tokens = tuple(encode_prompt(self.tokenizer, p.text))
-        if not tokens or len(tokens) > self.max_prompt_len:
-            raise PromptTooLong(
-                f"prompt {p.index} has {len(tokens)} tokens; rollout.max_prompt_len is "
-                f"{self.max_prompt_len} (raise it, or filter the data): {p.text[:60]!r}"
-            )
-        return PromptSpec(len(tokens), PromptPayload(p.index, tokens, p.answer))
+        while True:
+            (p,) = self.source.take(1)
+            tokens = tuple(encode_prompt(self.tokenizer, p.text))
+            if tokens and len(tokens) <= self.max_prompt_len:
+                return PromptSpec(len(tokens), PromptPayload(p.index, tokens, p.answer))
+            if not self.skip:
+                raise PromptTooLong(
+                    f"prompt {p.index} of the stream has {len(tokens)} tokens; "
+                    f"rollout.max_prompt_len is {self.max_prompt_len} (raise it, filter the data, "
+                    f"or set data.long_prompts=skip): {p.text[:60]!r}"
+                )
+            self.skipped += 1
 
 
 @dataclass
@@ -66,9 +80,15 @@ class GRPOTrainer:
     ):
         self.trainer, self.tokenizer, self.reward_fn = trainer, tokenizer, reward_fn
         self.train_ticks = train_ticks
-        self.params: dict[int, Params] = {trainer.version: trainer.export_params()}
+        self.params: dict[int, Params] = {self.version: trainer.export_params()}
         self.log: list[StepLog] = []
         self.consumed: list[tuple[int, int, Completion]] = []  # (request id, version, completion)
+
+    @property
+    def version(self) -> int:
+        """The policy version: steps taken, applied or skipped (blocks on the device)."""
+        state = self.trainer.state
+        return int(state.version) + int(state.skipped)
 
     def score(self, comp: Completion) -> float:
         text = self.tokenizer.decode(response_ids(self.tokenizer, comp.tokens))
@@ -93,9 +113,14 @@ class GRPOTrainer:
                         group_id=rg.prompt_group,
                     )
                 )
-        packed = self.trainer.pack(trajectories, num_groups=len(batch))
+        # a broken policy may have sampled non-finite logprobs: the step's guard skips the step
+        packed = self.trainer.pack(
+            trajectories, num_groups=len(batch), version=self.version,
+            allow_nonfinite_logprobs=True,
+        )  # fmt: skip
         metrics = self.trainer.step(packed)
-        version = self.trainer.version
+        faults.point("train_step")
+        version = self.version
         self.params[version] = self.trainer.export_params()
         self.log.append(StepLog(version, metrics, rewards, ids))
         return version
@@ -110,5 +135,6 @@ class GRPOTrainer:
 
     def forget(self, keep: set[int]) -> None:
         """Free the params of versions no longer referenced (invariant 5)."""
-        for v in [v for v in self.params if v not in keep and v != self.trainer.version]:
+        current = self.version
+        for v in [v for v in self.params if v not in keep and v != current]:
             del self.params[v]
