@@ -2,6 +2,11 @@
 
 A run directory gets: ``config.yaml`` (resolved), ``warm_start/`` (cached), ``metrics.jsonl``,
 ``tb/`` (TensorBoard), ``timeline.png``, ``summary.json`` and ``summary.md``.
+
+Misuse and faults (``docs/reliability.md``): a refused run changes nothing in its run dir (every
+check comes before the first write); a run holds the dir's lock while it writes; ``--resume``
+continues from the checkpoint's own config (:mod:`dora_jax.resume`); a bad input exits 2 with one
+line naming the file, line or field; a signal before the run loop saves nothing and says so.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_config
@@ -38,61 +44,142 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="key.path=value",
         help="dotted overrides, e.g. train.lr=1e-6",
     )
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
-def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
+def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides)
     if args.mode:
         overrides.append(f"orchestrator.mode={args.mode}")
     if args.steps is not None:
         overrides.append(f"train.total_steps={args.steps}")
+    return overrides
+
+
+def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
+    """A fresh run's config: the preset (default ``configs/default.yaml``), then the overrides."""
     path = args.config
     if path is None and DEFAULT_CONFIG.is_file():
         path = DEFAULT_CONFIG
-    return load_config(path, overrides)
+    return load_config(path, _overrides(args))
+
+
+def resume_hint(run_dir: str | Path) -> str:
+    from dora_jax.pipeline.run_report import resume_hint as hint
+
+    return hint(run_dir)
 
 
 def main(argv: list[str]) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # a second signal, or one before our handlers were installed
+        print("\ninterrupted: stopped at once", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        cfg = resolve_config(args)
+        if args.resume:
+            from dora_jax.resume import resolve
+
+            default = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
+            cfg, _, _, _ = resolve(args.config, _overrides(args), default_config=default)
+        else:
+            cfg = resolve_config(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     from dora_jax.checkpoint import CheckpointError as RunCheckpointError
+    from dora_jax.checkpoint import CheckpointSaveError
     from dora_jax.data.jsonl import DataError
     from dora_jax.model.hf_checkpoint import CheckpointError
     from dora_jax.model.tokenizer import TokenizerError
-    from dora_jax.pipeline.experiment import ExperimentError
+    from dora_jax.pipeline.experiment import ExperimentError, resolve_model
+    from dora_jax.pipeline.grpo import PromptTooLong
+    from dora_jax.run_dir import RunDirBusy, RunDirError
 
     try:
+        cfg = resolve_model(cfg)  # model.hf_path: the architecture of its config.json
         return train(cfg, resume=args.resume)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except RunInterrupted as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 128 + e.signum
     except (
-        ConfigError,
         DataError,
         CheckpointError,
         TokenizerError,
         ExperimentError,
         RunCheckpointError,
+        CheckpointSaveError,
+        PromptTooLong,
+        RunDirBusy,
+        RunDirError,
     ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a file system gone read-only, ...
+        where = f" {e.filename}" if e.filename else ""
+        print(
+            f"error: cannot write{where}: {e.strerror or e}; the run stopped (its last "
+            f"checkpoint is usable: {resume_hint(cfg.run_dir)})",
+            file=sys.stderr,
+        )
+        return 2
+    except Exception as e:  # noqa: BLE001  (a bug: keep the traceback, say what is left)
+        traceback.print_exc()
+        print(
+            f"error: the run crashed ({type(e).__name__}); its run dir is usable: continue "
+            f"from the last checkpoint with: {resume_hint(cfg.run_dir)}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+class RunInterrupted(Exception):
+    """A signal before the run loop started: nothing was saved."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"{name} during the warm start or setup: stopped; nothing was saved (the first "
+            "checkpoint is written once training runs); the same command starts over"
+        )
 
 
 class _StopFlag:
-    """Set by SIGINT/SIGTERM: the run saves a checkpoint at the next tick and exits."""
+    """SIGINT/SIGTERM. Before :meth:`arm` (warm start, setup) a signal raises
+    :class:`RunInterrupted`: nothing is saved. Once armed, it sets the flag: the run saves a
+    checkpoint at the next tick and exits; a second signal stops at once."""
 
     def __init__(self):
         self.signal: int | None = None
+        self.armed = False
+        self._previous: dict = {}
 
     def __call__(self) -> bool:
         return self.signal is not None
 
+    def arm(self) -> None:
+        self.armed = True
+
     def install(self) -> None:
         import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
 
         def handler(signum, frame):
+            if not self.armed:
+                raise RunInterrupted(signum)
             if self.signal is not None:  # a second signal: stop now
                 raise KeyboardInterrupt
             self.signal = signum
@@ -102,56 +189,110 @@ class _StopFlag:
                 flush=True,
             )
 
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, handler)
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def train(cfg: ExperimentConfig, resume: bool = False) -> int:
-    """The train command as phases: run dir, build (warm start), checkpoints (resume), the run
-    loop with its observers (metrics, held-out evaluation, checkpoints), final evaluation and
-    reports."""
-    from dora_jax.pipeline.experiment import run
-    from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
-    from dora_jax.pipeline.run_report import write_run_report
+    """The train command as phases: checks that need no write (a fresh run into a dir with
+    checkpoints), the run dir and its lock, build (warm start), checkpoints (resume), the run
+    loop with its observers (metrics, held-out evaluation, health, checkpoints), final
+    evaluation and reports."""
+    from dora_jax.checkpoint import finished_steps
+    from dora_jax.run_dir import RunDirLock, create
 
     run_dir = Path(cfg.run_dir)
-    t_start = time.perf_counter()
-    _announce(cfg, run_dir)
-    exp = _build(cfg, run_dir)
-    try:
-        checkpointer = _open_checkpoints(exp, run_dir, resume)
-        if checkpointer is None:
-            return 2
-        warm_start_s = time.perf_counter() - t_start
-        metrics = MetricsLog(exp, run_dir, resume)
-        evals = HeldOutEval(exp, run_dir, cfg, resume, echo=metrics.echo)
-        if exp.runtime.steps_done == 0:
-            evals.at(0)  # before the first step
+    ckpt_dir = run_dir / "checkpoints"
+    if not resume and finished_steps(ckpt_dir):
+        print(
+            f"error: {ckpt_dir} already holds checkpoints: pass --resume to continue that run "
+            f"({resume_hint(run_dir)}), or choose another run_dir",
+            file=sys.stderr,
+        )
+        return 2
+    create(run_dir)
+    with RunDirLock(run_dir) as lock:
+        if lock.took_over:
+            print(f"note: {run_dir} was held by a run that is gone ({lock.took_over}); taking over")
         stop = _StopFlag()
         stop.install()
+        try:
+            return _train(cfg, run_dir, resume, stop)
+        finally:
+            stop.uninstall()
+
+
+def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop) -> int:
+    from dora_jax.checkpoint import finished_steps
+    from dora_jax.pipeline.experiment import run
+    from dora_jax.pipeline.health import RunHealth
+    from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
+    from dora_jax.pipeline.run_report import write_run_report
+    from dora_jax.run_dir import start_over
+
+    t_start = time.perf_counter()
+    restoring = resume and bool(finished_steps(run_dir / "checkpoints"))
+    if not restoring:
+        if resume:
+            print(f"note: {run_dir} has no finished checkpoint yet: starting from step 0 with "
+                  "its saved config")  # fmt: skip
+        removed = start_over(run_dir)
+        if removed:
+            print(f"note: removed {', '.join(removed)} of an earlier run that left no checkpoint")
+        dump_yaml(cfg, run_dir / "config.yaml")
+    _announce(cfg, run_dir)
+    exp = _build(cfg, run_dir, restoring)
+    checkpointer = None
+    try:
+        checkpointer = _open_checkpoints(exp, run_dir, restoring)
+        warm_start_s = time.perf_counter() - t_start
+        metrics = MetricsLog(exp, run_dir, restoring)
+        evals = HeldOutEval(exp, run_dir, cfg, restoring, echo=metrics.echo)
+        health = RunHealth(exp, echo=metrics.echo)
+        if exp.runtime.steps_done == 0:
+            evals.at(0)  # before the first step
+        stop.arm()  # from here a signal saves a checkpoint at the next tick
         result = run(
             exp,
             max(cfg.train.total_steps - exp.runtime.steps_done, 0),
             checkpointer=checkpointer,
             every_steps=cfg.checkpoint.every_steps,
-            should_stop=stop,
-            observers=(metrics, evals),
+            should_stop=lambda: stop() or health.tripped is not None,
+            observers=(metrics, evals, health),
         )
         metrics.close()
         if not exp.stopped:
             evals.at(exp.runtime.steps_done)
         evals.close()
-        write_run_report(exp, result, evals, run_dir, time.perf_counter() - t_start, warm_start_s)
+        write_run_report(
+            exp, result, evals, run_dir, time.perf_counter() - t_start, warm_start_s,
+            health=health,
+        )  # fmt: skip
+        if health.tripped:
+            print(f"error: {health.tripped}", file=sys.stderr)
+            return 1
+        return 0
+    except BaseException:
+        if checkpointer is not None:  # finish the save in progress: it stays usable
+            try:
+                checkpointer.wait()
+            except Exception:  # noqa: BLE001  (the save failed too: orbax left a temporary dir)
+                checkpointer.discard_unfinished()
+        raise
     finally:
         exp.close()
-    return 0
 
 
 def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
     from dora_jax.model import count_params
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_yaml(cfg, run_dir / "config.yaml")
     o = cfg.orchestrator
     print(
         f"dora_jax: mode={o.mode} clock={o.clock} K={o.staleness_k} TBS={o.train_batch_prompts} "
@@ -160,19 +301,21 @@ def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
     )
 
 
-def _build(cfg: ExperimentConfig, run_dir: Path):
-    """The experiment, with a progress bar over the warm start."""
+def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False):
+    """The experiment, with a progress bar over the warm start (none when ``restoring``: the
+    checkpoint brings the policy)."""
     from dora_jax.metrics import progress
     from dora_jax.pipeline.experiment import build
 
-    bar = progress(cfg.warm_start.steps, "warm start", enabled=cfg.logging.progress)
+    steps = 0 if restoring else cfg.warm_start.steps
+    bar = progress(steps, "warm start", enabled=cfg.logging.progress and steps > 0)
 
     def on_warm(i: int, loss: float) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
 
     try:
-        exp = build(cfg, run_dir, on_warm)
+        exp = build(cfg, run_dir, on_warm, restoring=restoring)
     finally:
         bar.close()
     if exp.warm_start_losses:
@@ -187,25 +330,35 @@ def _build(cfg: ExperimentConfig, run_dir: Path):
     return exp
 
 
-def _open_checkpoints(exp, run_dir: Path, resume: bool):
-    """The run's checkpointer, after restoring the latest checkpoint (``resume``); None (with
-    an error printed) when a fresh run would overwrite checkpoints."""
+def _open_checkpoints(exp, run_dir: Path, restoring: bool):
+    """The run's checkpointer, after restoring the latest checkpoint (``restoring``): the
+    resumed config's changes are checked against it and printed; ``config.yaml`` is rewritten
+    only once the restore has succeeded."""
+    from dora_jax import resume
     from dora_jax.checkpoint import RunCheckpointer
+    from dora_jax.config import from_dict
 
     cfg = exp.cfg
     ckpt_dir = run_dir / "checkpoints"
-    if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        print(
-            f"error: {ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
-            "or choose another run_dir",
-            file=sys.stderr,
-        )
-        return None
     checkpointer = RunCheckpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-    if resume:
-        tick = checkpointer.restore_latest(exp)
+    if checkpointer.discarded:
         print(
-            f"resumed from {ckpt_dir}/{tick}: {exp.runtime.steps_done} steps done, "
-            f"{exp.backend.live_requests()} requests in flight"
+            f"note: discarded {', '.join(checkpointer.discarded)} in {ckpt_dir}: a save that "
+            "never completed (the run stopped while writing it)"
         )
+    if not restoring:
+        return checkpointer
+    tick = checkpointer.restore_latest(exp)
+    for path in checkpointer.moved_aside:
+        print(f"warning: an unreadable checkpoint was moved to {path}; resumed from an older one")
+    saved = from_dict(ExperimentConfig, checkpointer.saved_config)
+    applied = resume.changes(saved, cfg)
+    resume.check_restored(cfg, exp.runtime, applied)
+    for c in applied:
+        print(f"resume: {c} (applied: {c.why})")
+    dump_yaml(cfg, run_dir / "config.yaml")
+    print(
+        f"resumed from {ckpt_dir}/{tick}: {exp.runtime.steps_done} steps done, "
+        f"{exp.backend.live_requests()} requests in flight"
+    )
     return checkpointer

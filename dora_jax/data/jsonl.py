@@ -10,16 +10,27 @@ class DataError(ValueError):
     """A data file is missing or a line lacks a needed field; the message names the line."""
 
 
-def load_jsonl_prompts(
-    path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer"
-) -> list[tuple[str, str]]:
-    """``[(prompt, answer), ...]``; every bad line fails with ``file:line: reason``."""
+def load_jsonl_rows(
+    path: str | Path,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    *,
+    setting: str = "data.path",
+) -> list[tuple[int, str, str]]:
+    """``[(line number, prompt, answer), ...]``; every bad line fails with ``file:line: reason``
+    (``setting`` names the config field that points at the file, for a missing one)."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{p}: no such file (data.path)")
-    out: list[tuple[str, str]] = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+        raise DataError(f"{p}: no such file ({setting})")
+    out: list[tuple[int, str, str]] = []
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{p}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -36,7 +47,19 @@ def load_jsonl_prompts(
                 raise DataError(f"{p}:{n}: field {prompt_field!r} must be a non-empty string")
             if not isinstance(answer, (str, int, float)):
                 raise DataError(f"{p}:{n}: field {answer_field!r} must be a string or number")
-            out.append((prompt, str(answer)))
+            out.append((n, prompt, str(answer)))
     if not out:
-        raise DataError(f"{p}: holds no prompts")
+        raise DataError(f"{p}: holds no prompts ({setting})")
     return out
+
+
+def load_jsonl_prompts(
+    path: str | Path,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    *,
+    setting: str = "data.path",
+) -> list[tuple[str, str]]:
+    """``[(prompt, answer), ...]``: :func:`load_jsonl_rows` without the line numbers."""
+    rows = load_jsonl_rows(path, prompt_field, answer_field, setting=setting)
+    return [(prompt, answer) for _, prompt, answer in rows]

@@ -117,6 +117,26 @@ class VersionWindow:
                 return False
         return True
 
+    def bound_violation(self, k: int | None = None) -> int | None:
+        """The oldest version ``w`` whose open prompt groups break the dispatch bound (with
+        ``k``, default this window's K), or None. Always None for a window that was run under
+        its own K; a window restored under a smaller K or TBS may break it, and then could not
+        consume everything in flight."""
+        k = self.k if k is None else k
+        c, cum = self.consume_version, 0
+        for w in sorted(self._open):
+            cum += self._open[w]
+            if cum > (w + k - c + 1) * self.per_step:
+                return w
+        return None
+
+    def smallest_k(self) -> int:
+        """The smallest K under which the open prompt groups keep the dispatch bound."""
+        k = 0
+        while self.bound_violation(k) is not None:
+            k += 1
+        return k
+
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.mesh import make_mesh
 from dora_jax.model.params import Params
@@ -102,6 +103,7 @@ class Evaluator:
             for i, p in enumerate(self.prompts)
         )
         responses: dict[int, list[int]] = {}
+        faults.point("eval")
         while self.engine.num_requests:
             for f in self.engine.step().finished:
                 responses[f.id] = response_ids(self.tokenizer, f.tokens)

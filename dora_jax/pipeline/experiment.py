@@ -18,7 +18,8 @@ from pathlib import Path
 import jax
 
 from dora_jax.config import ConfigError, ExperimentConfig
-from dora_jax.data import ArithmeticTask, boxed_math_reward, exact_reward, load_jsonl_prompts
+from dora_jax.data import ArithmeticTask, boxed_math_reward, exact_reward
+from dora_jax.data.jsonl import DataError, load_jsonl_rows
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.data.rewards import SafeReward, safe_reward
 from dora_jax.execution.backend import EngineBackend
@@ -26,9 +27,11 @@ from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes
 from dora_jax.model import abstract_params, init_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, load_hf_params
+from dora_jax.model.hf_mapping import UnsupportedModelError
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer, load_tokenizer
+from dora_jax.model.tokenizer import Tokenizer, encode_prompt, load_tokenizer
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
+from dora_jax.orchestrator.modes import policy_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
 from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts
@@ -55,6 +58,8 @@ class Experiment:
     evaluator: Evaluator | None = None  # held-out evaluation (eval.num_prompts > 0)
     wall_s: float = 0.0
     stopped: bool = False  # the last run() ended early on a stop request
+    prompts: TokenizedPrompts | None = None  # the runtime's prompt source
+    long_prompt_lines: list[int] = field(default_factory=list)  # JSONL lines left out as too long
 
     @property
     def trainer(self) -> Trainer:
@@ -73,23 +78,54 @@ class Experiment:
         return self.evaluator(self.trainer.export_params(), step)
 
 
-def _task_parts(cfg: ExperimentConfig):
-    """(prompt source, reward fn, worked-example fn or None) for ``data.task``."""
+def _fitting_rows(
+    rows: list[tuple[int, str, str]], tokenizer: Tokenizer, cfg: ExperimentConfig, path: str,
+    setting: str,
+) -> tuple[list[tuple[str, str]], list[int]]:  # fmt: skip
+    """The JSONL rows whose prompt fits ``rollout.max_prompt_len`` once tokenised (with the chat
+    template), and the line numbers of those that do not. With ``data.long_prompts=error`` the
+    first that does not fit is a :class:`DataError` naming its line."""
+    limit, kept, skipped = cfg.rollout.max_prompt_len, [], []
+    for line, prompt, answer in rows:
+        n = len(encode_prompt(tokenizer, prompt))
+        if 0 < n <= limit:
+            kept.append((prompt, answer))
+            continue
+        if cfg.data.long_prompts == "error":
+            raise DataError(
+                f"{path}:{line}: the prompt has {n} tokens; rollout.max_prompt_len is {limit} "
+                f"({setting}: raise rollout.max_prompt_len, filter the file, or set "
+                "data.long_prompts=skip)"
+            )
+        skipped.append(line)
+    if not kept:
+        raise DataError(f"{path}: no prompt fits rollout.max_prompt_len={limit} ({setting})")
+    return kept, skipped
+
+
+def _task_parts(cfg: ExperimentConfig, tokenizer: Tokenizer):
+    """(prompt source, reward fn, worked-example fn or None, JSONL lines skipped as too long)
+    for ``data.task``."""
     d = cfg.data
     if d.task == "arithmetic":
         task = ArithmeticTask(cfg.seed)
         sft = ArithmeticTask(cfg.seed + 1_000_003)  # warm-start problems differ from RL prompts
         example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
         reward = task.answer_reward if d.reward == "exact" else task.reward
-        return task.source(), reward, example
-    items = load_jsonl_prompts(d.path, d.prompt_field, d.answer_field)
+        return task.source(), reward, example, []
+    rows = load_jsonl_rows(d.path, d.prompt_field, d.answer_field, setting="data.path")
+    items, skipped = _fitting_rows(rows, tokenizer, cfg, d.path, "data.path")
     reward = {"exact": exact_reward, "boxed_math": boxed_math_reward}[d.reward]
-    return PromptSource(shuffled_epochs(items, cfg.seed), f"jsonl:{d.path}"), reward, None
+    return PromptSource(shuffled_epochs(items, cfg.seed), f"jsonl:{d.path}"), reward, None, skipped
 
 
-def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]]:
+def _eval_problems(
+    cfg: ExperimentConfig, tokenizer: Tokenizer | None = None
+) -> list[tuple[str, str]]:
     """Held-out ``(prompt, reference)`` pairs: the built-in task's come from a seed no training
-    or warm-start problem uses; a JSONL run's from ``eval.path`` (none without it)."""
+    or warm-start problem uses; a JSONL run's from ``eval.path`` (none without it; with a
+    tokenizer, prompts longer than ``rollout.max_prompt_len`` are refused or skipped like the
+    training data's)."""
     e, d = cfg.eval, cfg.data
     if e.num_prompts == 0:
         return []
@@ -98,7 +134,34 @@ def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]]:
         return [held_out.problem(i) for i in range(e.num_prompts)]
     if e.path is None:
         return []
-    return load_jsonl_prompts(e.path, d.prompt_field, d.answer_field)[: e.num_prompts]
+    rows = load_jsonl_rows(e.path, d.prompt_field, d.answer_field, setting="eval.path")
+    if tokenizer is None:
+        return [(p, a) for _, p, a in rows][: e.num_prompts]
+    return _fitting_rows(rows, tokenizer, cfg, e.path, "eval.path")[0][: e.num_prompts]
+
+
+def check_fits(cfg: ExperimentConfig) -> None:
+    """Sizes that must hold a full-length trajectory (``max_prompt_len + max_new_tokens``)."""
+    r, t = cfg.rollout, cfg.train
+    longest = r.max_prompt_len + r.max_new_tokens
+    if t.length_buckets[-1] < longest:
+        raise ConfigError(
+            "train.length_buckets",
+            f"the largest bucket ({t.length_buckets[-1]}) must hold a full-length trajectory: "
+            f"rollout.max_prompt_len + rollout.max_new_tokens = {longest} tokens",
+        )
+    pages = -(-longest // r.page_size)
+    if r.num_pages - 1 < pages:
+        raise ConfigError(
+            "rollout.num_pages",
+            f"{r.num_pages} pages of {r.page_size} tokens cannot hold one request of "
+            f"max_prompt_len + max_new_tokens = {longest} tokens (it needs {pages} pages, plus "
+            "the reserved page 0)",
+        )
+    try:
+        policy_for(cfg.orchestrator)
+    except ValueError as e:
+        raise ConfigError("orchestrator.staleness_k", str(e)) from None
 
 
 def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -107,13 +170,18 @@ def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
     m = cfg.model
     if m.hf_path is None:
         return cfg
-    hf = load_hf_config(
-        m.hf_path,
-        param_dtype=m.param_dtype,
-        compute_dtype=m.compute_dtype,
-        remat=m.remat,
-        hf_path=m.hf_path,
-    )
+    try:
+        hf = load_hf_config(
+            m.hf_path,
+            param_dtype=m.param_dtype,
+            compute_dtype=m.compute_dtype,
+            remat=m.remat,
+            hf_path=m.hf_path,
+        )
+    except UnsupportedModelError as e:
+        what = str(e).removeprefix("config.json: ")
+        where = Path(m.hf_path) / "config.json"
+        raise ExperimentError(f"{where}: {what} (model.hf_path)") from None
     try:
         return dataclasses.replace(cfg, model=hf)
     except ConfigError as e:
@@ -135,10 +203,14 @@ def build(
     run_dir: Path,
     on_warm_step: Callable[[int, float], None] | None = None,
     warm_start_dir: Path | None = None,
+    *,
+    restoring: bool = False,
 ) -> Experiment:
     """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
-    ``run_dir / "warm_start"``), so runs that share it start from the same policy."""
+    ``run_dir / "warm_start"``), so runs that share it start from the same policy. With
+    ``restoring`` (a checkpoint will replace the policy) the warm start is not run."""
     cfg = resolve_model(cfg)
+    check_fits(cfg)
     meshes = build_meshes(cfg.mesh)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -147,7 +219,7 @@ def build(
             f"{cfg.data.tokenizer} tokenizer has {tokenizer.vocab_size} "
             "tokens"
         )
-    source, reward_fn, example = _task_parts(cfg)
+    source, reward_fn, example, long_skipped = _task_parts(cfg, tokenizer)
     shardings = tree_shardings(
         param_axes(cfg.model),
         abstract_params(cfg.model),
@@ -156,7 +228,7 @@ def build(
     )
     params = initial_policy(cfg, shardings)
     losses: list[float] = []
-    if example is not None and cfg.warm_start.steps > 0:
+    if example is not None and cfg.warm_start.steps > 0 and not restoring:
         # The built-in task's warm start is small: it runs on one device, then is sharded.
         params, losses = warm_start(
             jax.device_get(params),
@@ -185,10 +257,11 @@ def build(
         clock=clock,
         bus=bus,
     )
-    prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len)
+    skip = cfg.data.long_prompts == "skip"
+    prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len, skip=skip)
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
-    problems = _eval_problems(cfg)
+    problems = _eval_problems(cfg, tokenizer)
     evaluator = None
     if problems:
         try:
@@ -204,8 +277,9 @@ def build(
         except ValueError as e:
             raise ExperimentError(f"eval: {e}") from None
     return Experiment(
-        cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses, evaluator=evaluator
-    )
+        cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses,
+        evaluator=evaluator, prompts=prompts, long_prompt_lines=long_skipped,
+    )  # fmt: skip
 
 
 def run(
@@ -221,14 +295,19 @@ def run(
 ) -> RunResult:
     """Run until ``num_steps`` more train steps have been published. Observers, in order, at
     every published version: ``on_step`` sees each new step log, versions no longer needed are
-    freed, the checkpointer saves every ``every_steps`` steps, then ``observers``. When
-    ``should_stop()`` turns true (SIGTERM) the run stops early (``exp.stopped`` is set); with a
-    checkpointer, the end or the stop is saved too."""
+    freed, ``observers`` (metrics, evaluation), then the checkpointer saves every
+    ``every_steps`` steps (last, so a checkpoint at step ``n`` comes after step ``n``'s log
+    lines). When ``should_stop()`` turns true (SIGTERM) the run stops early (``exp.stopped`` is
+    set); with a checkpointer, the end or the stop is saved too.
+
+    No train step starts beyond ``train.total_steps`` (or beyond this call's target when that is
+    larger): ``total_steps`` is the number of updates, and a logical run that stops earlier still
+    starts the next step in the same round as an uninterrupted run would."""
     rt = exp.runtime
-    rt.observers = [_StepLogs(exp, on_step), _FreeVersions(exp)]
-    if checkpointer is not None and every_steps:
+    rt.observers = [_StepLogs(exp, on_step), _FreeVersions(exp), *observers]
+    if checkpointer is not None:
         rt.observers.append(_Checkpoints(exp, checkpointer, every_steps))
-    rt.observers += list(observers)
+    rt.max_steps = max(exp.cfg.train.total_steps, rt.steps_done + num_steps)
     t0 = time.perf_counter()
     try:
         result = rt.run(
@@ -269,14 +348,18 @@ class _FreeVersions:
 
     def on_publish(self, runtime: Runtime, version: int) -> None:
         held = {g.version for g in self.exp.backend.groups()}
-        self.exp.grpo.forget(held | {self.exp.trainer.version})
+        self.exp.grpo.forget(held | {self.exp.grpo.version})
 
 
 class _Checkpoints:
+    """Saves every ``every`` steps (0: never here); at every step, stops the run if an
+    asynchronous save failed."""
+
     def __init__(self, exp: Experiment, checkpointer, every_steps: int):
         self.exp, self.checkpointer, self.every = exp, checkpointer, every_steps
 
     def on_publish(self, runtime: Runtime, version: int) -> None:
-        if runtime.steps_done % self.every == 0:
+        self.checkpointer.check()
+        if self.every and runtime.steps_done % self.every == 0:
             with runtime.quiesce():
                 self.checkpointer.save(self.exp)

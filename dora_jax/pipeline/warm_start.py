@@ -7,6 +7,8 @@ settings that made it; a later run with the same settings loads it instead of tr
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dora_jax import faults
 from dora_jax.config import ModelConfig, WarmStartConfig
 from dora_jax.model import forward
 from dora_jax.model.hf_checkpoint import load_hf_params, save_hf_checkpoint
@@ -96,9 +99,14 @@ def warm_start(
         batch, index = make_batch(example, tokenizer, index, cfg)
         params, opt_state, loss = step(params, opt_state, *batch)
         losses.append(float(loss))
+        faults.point("warm_start")
         if on_step is not None:
             on_step(i, losses[-1])
-    if cache_dir is not None and cfg.steps:
-        save_hf_checkpoint(params, model_cfg, cache_dir)
-        (cache_dir / "settings.json").write_text(json.dumps(settings))
+    if cache_dir is not None and cfg.steps:  # written aside, then renamed: never half a cache
+        tmp = cache_dir.with_name(f".{cache_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf_checkpoint(params, model_cfg, tmp)
+        (tmp / "settings.json").write_text(json.dumps(settings))
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        os.replace(tmp, cache_dir)
     return params, losses
