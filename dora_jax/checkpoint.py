@@ -27,8 +27,12 @@ restored instead, so the resumed run's saves never collide with it. A failed sav
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
+import re
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,8 +62,49 @@ class CheckpointSaveError(RuntimeError):
 
 
 def _one_line(e: BaseException) -> str:
+    """A short cause: the operating system's reason when the error carries one (tensorstore
+    reports it as ``[os_error_code='28']``), else the error's first 300 characters."""
+    if isinstance(e, OSError) and e.errno:
+        return f"{e.strerror or os.strerror(e.errno)} [errno {e.errno}]"
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:400]}"
+    m = re.search(r"os_error_code='?(\d+)", text)
+    if m:
+        code = int(m.group(1))
+        return f"{os.strerror(code)} [errno {code}]"
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+class _QuietSaveFailures(logging.Filter):
+    """Once a run's checkpointer is open, orbax's own reports of a failed background save (error
+    logs with tracebacks, and the 'Event loop is closed' errors tensorstore prints when its writes
+    end after orbax gave up, possibly much later) are left out: :class:`CheckpointSaveError`
+    reports the failure once, with its cause. Installed for the rest of the process."""
+
+    def __init__(self):
+        super().__init__()
+        self._hook = self._unraisable = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+    def _excepthook(self, tp, value, tb):
+        if tp is RuntimeError and str(value) == "Event loop is closed":
+            return
+        self._hook(tp, value, tb)
+
+    def _unraisablehook(self, u):
+        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed":
+            return
+        self._unraisable(u)
+
+    def install(self) -> None:
+        if self._hook is None:
+            logging.getLogger("absl").addFilter(self)
+            self._hook, sys.excepthook = sys.excepthook, self._excepthook
+            self._unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisablehook
+
+
+_QUIET = _QuietSaveFailures()
 
 
 @contextlib.contextmanager
@@ -134,6 +179,19 @@ class RunCheckpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEMS)
         self.moved_aside: list[Path] = []  # unusable checkpoints skipped by restore_latest
         self.saved_config: dict | None = None  # the config of the checkpoint restored
+        self._saving: int | None = None  # the step of the last save handed to orbax
+        self._closed = False
+        _QUIET.install()
+
+    def close(self) -> None:
+        """Finish the save in progress (errors are the caller's to check first) and let go."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.manager.wait_until_finished()
+        with contextlib.suppress(Exception):
+            self.manager.close()
 
     def discard_unfinished(self) -> list[str]:
         out = []
@@ -153,12 +211,14 @@ class RunCheckpointer:
         self.check()
         if step in self.steps():
             return step
+        text, arrays = state_codec.dumps(_host_state(exp))
+        host = {"state": np.frombuffer(text, np.uint8), **arrays}
+        versions = {f"v{v}": p for v, p in exp.grpo.params.items()}
+        meta = {"format": HOST_FORMAT, "steps_done": exp.runtime.steps_done, "tick": step,
+                "saved_at": time.time()}  # fmt: skip
+        self._check_space(step, [exp.trainer.state, versions, host])
+        previous, self._saving = self._saving, step
         try:
-            text, arrays = state_codec.dumps(_host_state(exp))
-            host = {"state": np.frombuffer(text, np.uint8), **arrays}
-            versions = {f"v{v}": p for v, p in exp.grpo.params.items()}
-            meta = {"format": HOST_FORMAT, "steps_done": exp.runtime.steps_done, "tick": step,
-                    "saved_at": time.time()}  # fmt: skip
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -170,13 +230,26 @@ class RunCheckpointer:
                 ),
             )
             faults.point("save")  # async: the save is still being written
-        except state_codec.StateCodecError:
-            raise  # a bug: the state holds something the codec cannot write
-        except Exception as e:  # noqa: BLE001
-            raise self._save_failed(step, e) from e
+        except Exception as e:  # noqa: BLE001  (this save, or the previous one still running)
+            unfinished = previous is not None and previous not in finished_steps(self.directory)
+            raise self._save_failed(previous if unfinished else step, e) from e
         return step
 
-    def _save_failed(self, step: int, e: BaseException) -> CheckpointSaveError:
+    def _check_space(self, step: int, trees: list) -> None:
+        """Refuse a save that would not fit the free space (with a 10% margin) before writing."""
+        need = sum(int(getattr(x, "nbytes", 0)) for t in trees for x in jax.tree.leaves(t))
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return
+        if free < need * 1.1:
+            raise self._save_failed(
+                step, OSError(errno.ENOSPC, f"no space left: {free / 2**20:.1f} MiB free, the "
+                                            f"checkpoint needs about {need / 2**20:.1f} MiB"),
+            )  # fmt: skip
+
+    def _save_failed(self, step: int | None, e: BaseException) -> CheckpointSaveError:
+        step = step if step is not None else -1
         last = max([s for s in self.safe_steps() if s != step], default=None)
         kept = f"the last complete checkpoint is {self.directory / str(last)}" if last is not None \
             else "no checkpoint was completed"  # fmt: skip
@@ -195,14 +268,15 @@ class RunCheckpointer:
         try:
             self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
-            raise self._save_failed(self.manager.latest_step() or -1, e) from e
+            raise self._save_failed(self._saving, e) from e
 
     def wait(self) -> None:
         """Block until the save in progress is complete (or raise :class:`CheckpointSaveError`)."""
         try:
             self.manager.wait_until_finished()
+            self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
-            raise self._save_failed(self.manager.latest_step() or -1, e) from e
+            raise self._save_failed(self._saving, e) from e
 
     def restore_latest(self, exp) -> int:
         """Restore the newest usable checkpoint into the freshly built ``exp``; a corrupt one is

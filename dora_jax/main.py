@@ -12,6 +12,7 @@ line naming the file, line or field; a signal before the run loop saves nothing 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import traceback
@@ -281,12 +282,13 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop) -> int:
         return 0
     except BaseException:
         if checkpointer is not None:  # finish the save in progress: it stays usable
-            try:
+            with contextlib.suppress(Exception):  # (or it failed too: its temporary dir goes)
                 checkpointer.wait()
-            except Exception:  # noqa: BLE001  (the save failed too: orbax left a temporary dir)
-                checkpointer.discard_unfinished()
+            checkpointer.discard_unfinished()
         raise
     finally:
+        if checkpointer is not None:
+            checkpointer.close()
         exp.close()
 
 
@@ -355,7 +357,7 @@ def _open_checkpoints(exp, run_dir: Path, restoring: bool):
     applied = resume.changes(saved, cfg)
     resume.check_restored(cfg, exp.runtime, applied)
     for c in applied:
-        print(f"resume: {c} (applied: {c.why})")
+        print(f"resume: {c} (applied)")
     dump_yaml(cfg, run_dir / "config.yaml")
     print(
         f"resumed from {ckpt_dir}/{tick}: {exp.runtime.steps_done} steps done, "

@@ -93,7 +93,8 @@ def encode(obj: Any) -> tuple[Any, dict[str, np.ndarray]]:
     arrays: dict[str, np.ndarray] = {}
 
     def array(a: np.ndarray) -> Any:
-        a = np.ascontiguousarray(a)
+        shape = list(a.shape)  # (ascontiguousarray makes a 0-d array 1-d)
+        a = np.ascontiguousarray(a).reshape(shape)
         if a.dtype.hasobject:
             raise TypeError("an array of Python objects")
         if a.nbytes >= INLINE_BYTES:
@@ -101,7 +102,7 @@ def encode(obj: Any) -> tuple[Any, dict[str, np.ndarray]]:
             arrays[key] = a
             return {"__array__": key}
         data = base64.b64encode(a.tobytes()).decode("ascii")
-        return {"__ndarray__": [_dtype_name(a.dtype), list(a.shape), data]}
+        return {"__ndarray__": [_dtype_name(a.dtype), shape, data]}
 
     def enc(x: Any, where: str) -> Any:
         if x is None or isinstance(x, bool | str):
