@@ -51,6 +51,11 @@ def _plan() -> dict[str, tuple[int, str]]:
     return _parsed[1]
 
 
+def reset() -> None:
+    """Forget the visits counted so far (tests that run several commands in one process)."""
+    _reached.clear()
+
+
 def point(name: str) -> None:
     """Count a visit to ``name``; act if ``DORA_FAULT`` arms this visit."""
     if ENV not in os.environ:

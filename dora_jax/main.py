@@ -329,6 +329,14 @@ def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False):
         f"g{i}:{[d.id for d in m.devices.flat]}" for i, m in enumerate(exp.meshes.groups)
     )
     print(f"trainer mesh {dict(exp.meshes.trainer.shape)}; rollout groups {groups}")
+    if exp.long_prompt_lines:
+        lines = ", ".join(map(str, exp.long_prompt_lines[:20]))
+        more = ", ..." if len(exp.long_prompt_lines) > 20 else ""
+        print(
+            f"note: data.long_prompts=skip left out {len(exp.long_prompt_lines)} prompt(s) "
+            f"longer than rollout.max_prompt_len={cfg.rollout.max_prompt_len} "
+            f"({cfg.data.path} lines {lines}{more})"
+        )
     return exp
 
 
