@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 import traceback
@@ -107,9 +108,6 @@ def _main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except RunInterrupted as e:
-        print(f"\n{e}", file=sys.stderr)
-        return 128 + e.signum
     except (
         DataError,
         CheckpointError,
@@ -124,10 +122,10 @@ def _main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a file system gone read-only, ...
-        where = f" {e.filename}" if e.filename else ""
+        where = f": {e.filename}" if e.filename else ""
         print(
-            f"error: cannot write{where}: {e.strerror or e}; the run stopped (its last "
-            f"checkpoint is usable: {resume_hint(cfg.run_dir)})",
+            f"error: {e.strerror or e}{where}; the run stopped (its last checkpoint is usable: "
+            f"{resume_hint(cfg.run_dir)})",
             file=sys.stderr,
         )
         return 2
@@ -141,28 +139,26 @@ def _main(argv: list[str]) -> int:
         return 1
 
 
-class RunInterrupted(Exception):
-    """A signal before the run loop started: nothing was saved."""
+def interrupted_message(signum: int) -> str:
+    import signal
 
-    def __init__(self, signum: int):
-        import signal
-
-        self.signum = signum
-        name = signal.Signals(signum).name
-        super().__init__(
-            f"{name} during the warm start or setup: stopped; nothing was saved (the first "
-            "checkpoint is written once training runs); the same command starts over"
-        )
+    return (
+        f"{signal.Signals(signum).name} during the warm start or setup: stopped; nothing was "
+        "saved (the first checkpoint is written once training runs); the same command starts over"
+    )
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM. Before :meth:`arm` (warm start, setup) a signal raises
-    :class:`RunInterrupted`: nothing is saved. Once armed, it sets the flag: the run saves a
-    checkpoint at the next tick and exits; a second signal stops at once."""
+    """SIGINT/SIGTERM. Before :meth:`arm` (warm start, setup) a signal stops the process at once:
+    nothing is saved, the message says so, the run dir's lock is released (``on_abort``) and the
+    process exits with 128 + the signal number, without unwinding through the computations in
+    flight. Once armed, it sets the flag: the run saves a checkpoint at the next tick and exits;
+    a second signal stops at once."""
 
-    def __init__(self):
+    def __init__(self, on_abort=None):
         self.signal: int | None = None
         self.armed = False
+        self.on_abort = on_abort
         self._previous: dict = {}
 
     def __call__(self) -> bool:
@@ -180,7 +176,11 @@ class _StopFlag:
 
         def handler(signum, frame):
             if not self.armed:
-                raise RunInterrupted(signum)
+                print(f"\n{interrupted_message(signum)}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                if self.on_abort is not None:
+                    self.on_abort()
+                os._exit(128 + signum)
             if self.signal is not None:  # a second signal: stop now
                 raise KeyboardInterrupt
             self.signal = signum
@@ -222,7 +222,7 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
     with RunDirLock(run_dir) as lock:
         if lock.took_over:
             print(f"note: {run_dir} was held by a run that is gone ({lock.took_over}); taking over")
-        stop = _StopFlag()
+        stop = _StopFlag(on_abort=lock.release)
         stop.install()
         try:
             return _train(cfg, run_dir, resume, stop)

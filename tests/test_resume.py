@@ -171,8 +171,9 @@ def test_resume_applies_or_refuses_changed_settings(tmp_path, capsys):
             f.write_bytes(f.read_bytes()[:7])
     rc, out = cli(capsys, "--resume", f"run_dir={corrupt}")
     expect("corrupt-checkpoint", out, rc)
-    assert (corrupt / "unusable_checkpoints").is_dir()
-    assert latest in [int(p.name) for p in (corrupt / "checkpoints").iterdir()]  # saved anew
+    (moved,) = (corrupt / "unusable_checkpoints").iterdir()
+    assert moved.name.startswith(f"{latest}-")  # out of the way of the resumed run's saves
+    assert latest not in [int(p.name) for p in (corrupt / "checkpoints").iterdir()]
     assert steps_of(corrupt / "metrics.jsonl") == [1, 2, 3, 4]
 
     rc, out = cli(capsys, "--resume", f"run_dir={run_dir}")  # the saved config, nothing else

@@ -59,6 +59,16 @@ def make_batch(
     return (tokens, seg, mask), index
 
 
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _loss(params: Params, tokens, seg, mask, cfg: ModelConfig):
     logits = forward(params, tokens, default_positions(seg), seg, cfg)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -103,8 +113,10 @@ def warm_start(
         if on_step is not None:
             on_step(i, losses[-1])
     if cache_dir is not None and cfg.steps:  # written aside, then renamed: never half a cache
+        for left in cache_dir.parent.glob(f".{cache_dir.name}.tmp-*"):
+            if not _alive(left.name.rsplit("-", 1)[-1]):  # left by a killed run
+                shutil.rmtree(left, ignore_errors=True)
         tmp = cache_dir.with_name(f".{cache_dir.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         save_hf_checkpoint(params, model_cfg, tmp)
         (tmp / "settings.json").write_text(json.dumps(settings))
         shutil.rmtree(cache_dir, ignore_errors=True)
