@@ -173,9 +173,22 @@ class RunCheckpointer:
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         self.discarded = self.discard_unfinished()
-        opts = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True
+        # Only process 0 writes (it holds the trainer, and the other processes' engine snapshots
+        # come to it as plain data): the other processes take no part in the saves.
+        mp = ocp.options.MultiprocessingOptions(
+            primary_host=0, active_processes={0} if jax.process_count() > 1 else None
         )
+        opts = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            multiprocessing_options=mp,
+            create=False,
+            cleanup_tmp_directories=True,
+        )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # With several processes, arrays on process 0's devices alone are "host local" to orbax:
+        # they are saved as host copies and put back into their shardings on restore.
+        self.host_copies = jax.process_count() > 1
         self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEMS)
         self.moved_aside: list[Path] = []  # unusable checkpoints skipped by restore_latest
         self.saved_config: dict | None = None  # the config of the checkpoint restored
@@ -222,8 +235,8 @@ class RunCheckpointer:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    train_state=ocp.args.StandardSave(exp.trainer.state),
-                    versions=ocp.args.StandardSave(versions),
+                    train_state=ocp.args.StandardSave(self._out(exp.trainer.state)),
+                    versions=ocp.args.StandardSave(self._out(versions)),
                     host=ocp.args.StandardSave(host),
                     config=ocp.args.JsonSave(to_dict(exp.cfg)),
                     meta=ocp.args.JsonSave(meta),
@@ -342,24 +355,32 @@ class RunCheckpointer:
             args=ocp.args.Composite(config=ocp.args.JsonRestore(), host=ocp.args.StandardRestore()),
         )
         check_compatible(meta.config, exp.cfg)
-        host = dict(meta.host)
-        text = np.asarray(host.pop("state")).tobytes()
-        state = state_codec.loads(text, host)
+        stored = dict(meta.host)
+        text = np.asarray(stored.pop("state")).tobytes()
+        state = state_codec.loads(text, stored)
         trainer = exp.trainer
         param_target = jax.tree.map(_abstract, trainer.export_params())
-        arrays = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                train_state=ocp.args.StandardRestore(jax.tree.map(_abstract, trainer.state)),
-                versions=ocp.args.StandardRestore(
-                    {f"v{v}": param_target for v in state["versions"]}
-                ),
-            ),
-        )
-        trainer.state = arrays.train_state
-        exp.grpo.params = {int(k[1:]): v for k, v in arrays.versions.items()}
+        targets = {
+            "train_state": jax.tree.map(_abstract, trainer.state),
+            "versions": {f"v{v}": param_target for v in state["versions"]},
+        }
+        if self.host_copies:
+            host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), targets)
+            arrays = self.manager.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(v) for k, v in host.items()}))  # fmt: skip
+            arrays = {k: jax.device_put(getattr(arrays, k), jax.tree.map(lambda a: a.sharding, v))
+                      for k, v in targets.items()}  # fmt: skip
+        else:
+            r = self.manager.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(v) for k, v in targets.items()}))  # fmt: skip
+            arrays = {"train_state": r.train_state, "versions": r.versions}
+        trainer.state = arrays["train_state"]
+        exp.grpo.params = {int(k[1:]): v for k, v in arrays["versions"].items()}
         _relink(exp, state)
         self.saved_config = dict(meta.config)
+
+    def _out(self, tree):
+        return jax.device_get(tree) if self.host_copies else tree
 
 
 def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:

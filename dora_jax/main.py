@@ -40,6 +40,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="continue the run in run_dir from its latest checkpoint",
     )
+    m = p.add_argument_group("several processes (one per host; see docs/multihost.md)")
+    m.add_argument(
+        "--local-processes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N processes on this machine (testing; users without a scheduler)",
+    )
+    m.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --local-processes: fake CPU devices per process (default 8 / N)",
+    )
+    m.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="with --local-processes: pin each process to its own CPU core",
+    )
+    m.add_argument("--coordinator", help="host:port of process 0 (else DORA_COORDINATOR, or the "
+                                         "scheduler's: SLURM, Open MPI, Cloud TPU)")  # fmt: skip
+    m.add_argument("--num-processes", type=int, help="processes in the run (DORA_NUM_PROCESSES)")
+    m.add_argument("--process-id", type=int, help="this process's index (DORA_PROCESS_ID)")
     p.add_argument(
         "overrides",
         nargs="*",
@@ -81,18 +105,38 @@ def main(argv: list[str]) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    try:
-        if args.resume:
-            from dora_jax.resume import resolve
+    from dora_jax.resume import resolve, run_dir_of
 
-            default = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
-            cfg, _, _, _ = resolve(args.config, _overrides(args), default_config=default)
-        else:
-            cfg = resolve_config(args)
+    args = parse_args(argv)
+    default = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
+    try:  # a resumed run's config is read by process 0 alone (below)
+        cfg = None if args.resume else resolve_config(args)
+        run_dir = Path(cfg.run_dir) if cfg else run_dir_of(args.config or default, _overrides(args))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.local_processes:
+        return _launch_local(args, argv, run_dir)
+    from dora_jax.distributed.process import ProcessError, initialize, spec_from
+
+    proc = None
+    try:
+        spec = spec_from(args)
+        if spec is not None:
+            proc = initialize(spec)
+    except ProcessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if proc is not None and not proc.is_main:
+        from dora_jax.distributed.host import serve
+
+        return serve(proc)
+    if cfg is None:
+        try:  # the checkpoint's config, changed only where the command line says so
+            cfg, _, _, _ = resolve(args.config, _overrides(args), default_config=default)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     from dora_jax.checkpoint import CheckpointError as RunCheckpointError
     from dora_jax.checkpoint import CheckpointSaveError
     from dora_jax.data.jsonl import DataError
@@ -104,7 +148,7 @@ def _main(argv: list[str]) -> int:
 
     try:
         cfg = resolve_model(cfg)  # model.hf_path: the architecture of its config.json
-        return train(cfg, resume=args.resume)
+        return train(cfg, resume=args.resume, proc=proc)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -201,11 +245,31 @@ class _StopFlag:
         self._previous = {}
 
 
-def train(cfg: ExperimentConfig, resume: bool = False) -> int:
+def _launch_local(args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
+    from dora_jax.distributed.launcher import launch_local
+
+    n = args.local_processes
+    k = args.devices_per_process or max(1, 8 // n)
+    rest, skip = [], False
+    for a in argv:  # the children get everything but the launcher's own flags
+        if skip:
+            skip = False
+            continue
+        if a in ("--local-processes", "--devices-per-process"):
+            skip = True
+            continue
+        if a.startswith(("--local-processes=", "--devices-per-process=")) or a == "--pin-cores":
+            continue
+        rest.append(a)
+    return launch_local(n, rest, run_dir, devices_per_process=k,
+                        pin_cores=args.pin_cores)  # fmt: skip
+
+
+def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
     """The train command as phases: checks that need no write (a fresh run into a dir with
     checkpoints), the run dir and its lock, build (warm start), checkpoints (resume), the run
     loop with its observers (metrics, held-out evaluation, health, checkpoints), final
-    evaluation and reports."""
+    evaluation and reports. With several processes only process 0 gets here."""
     from dora_jax.checkpoint import finished_steps
     from dora_jax.run_dir import RunDirLock, create
 
@@ -225,12 +289,12 @@ def train(cfg: ExperimentConfig, resume: bool = False) -> int:
         stop = _StopFlag(on_abort=lock.release)
         stop.install()
         try:
-            return _train(cfg, run_dir, resume, stop)
+            return _train(cfg, run_dir, resume, stop, proc)
         finally:
             stop.uninstall()
 
 
-def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop) -> int:
+def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) -> int:
     from dora_jax.checkpoint import finished_steps
     from dora_jax.pipeline.experiment import run
     from dora_jax.pipeline.health import RunHealth
@@ -249,7 +313,10 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop) -> int:
             print(f"note: removed {', '.join(removed)} of an earlier run that left no checkpoint")
         dump_yaml(cfg, run_dir / "config.yaml")
     _announce(cfg, run_dir)
-    exp = _build(cfg, run_dir, restoring)
+    if proc is not None:  # a peer that dies ends this process with a message (exit 3)
+        proc.on_peer_lost = lambda what: _resume_hint(run_dir, proc)
+        proc.start_watchdog()
+    exp = _build(cfg, run_dir, restoring, proc)
     checkpointer = None
     try:
         checkpointer = _open_checkpoints(exp, run_dir, restoring)
@@ -290,6 +357,21 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop) -> int:
         if checkpointer is not None:
             checkpointer.close()
         exp.close()
+        if proc is not None:
+            proc.finish()
+
+
+def _resume_hint(run_dir: Path, proc) -> str:
+    ckpts = sorted(int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*") if p.is_dir())
+    last = (
+        f"the last checkpoint is {run_dir / 'checkpoints' / str(ckpts[-1])}"
+        if ckpts
+        else "there is no checkpoint yet"
+    )
+    return (
+        f"Stopping; {last}. Continue with the same processes and: python launch/train.py "
+        f"--resume run_dir={run_dir}"
+    )
 
 
 def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
@@ -303,7 +385,7 @@ def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
     )
 
 
-def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False):
+def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False, proc=None):
     """The experiment, with a progress bar over the warm start (none when ``restoring``: the
     checkpoint brings the policy)."""
     from dora_jax.metrics import progress
@@ -317,7 +399,7 @@ def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False):
         bar.set_postfix(loss=f"{loss:.3f}")
 
     try:
-        exp = build(cfg, run_dir, on_warm, restoring=restoring)
+        exp = build(cfg, run_dir, on_warm, process=proc, restoring=restoring)
     finally:
         bar.close()
     if exp.warm_start_losses:

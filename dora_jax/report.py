@@ -499,6 +499,36 @@ def reward_curve_plot(
     return path
 
 
+def window(records: Records, t0: float, t1: float) -> Records:
+    """Wall clock: the records of ``[t0, t1)`` seconds, shifted to start at 0 (a readable view of
+    a stretch of a long run)."""
+    from dataclasses import replace
+
+    def cut(t: float) -> bool:
+        return t0 <= t < t1
+
+    return replace(
+        records,
+        spans=[
+            g._replace(t0=max(g.t0, t0) - t0, t1=min(g.t1, t1) - t0)
+            for g in records.spans
+            if g.t1 > t0 and g.t0 < t1
+        ],  # fmt: skip
+        cluster=[c._replace(time=c.time - t0) for c in records.cluster if cut(c.time)],
+        steps=[
+            replace(s, start=max(s.start, t0) - t0, end=min(s.end, t1) - t0)
+            for s in records.steps
+            if s.end > t0 and s.start < t1
+        ],  # fmt: skip
+        plans=[replace(p, tick=p.tick - t0) for p in records.plans if cut(p.tick)],
+        transfers=[(t - t0, g, v) for t, g, v in records.transfers if cut(t)],
+        migrations=[(t - t0, n) for t, n in records.migrations if cut(t)],
+        discards=[(t - t0, n) for t, n in records.discards if cut(t)],
+        consumed=[replace(c, tick=c.tick - t0) for c in records.consumed if cut(c.tick)],
+        cross_host=[(t - t0, *rest) for t, *rest in records.cross_host if cut(t)],
+    )
+
+
 def head(records: Records, ticks: float) -> Records:
     """The first ``ticks`` ticks (seconds, on the wall clock) of ``records`` (for a readable
     close-up of a long run)."""

@@ -101,6 +101,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
     assert jax.tree.structure(want) == jax.tree.structure(got)
     for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(x, y)
+    expect("sigkill-anywhere", "")  # no message: the row promises the equalities checked here
     assert steps(run_dir / "metrics.jsonl") == list(range(1, 9))
     assert steps(run_dir / "eval.jsonl") == [0, 2, 4, 6, 8]
     assert steps(run_dir / "eval.jsonl") == steps(straight / "eval.jsonl")

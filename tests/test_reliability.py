@@ -213,6 +213,7 @@ def test_total_steps_is_the_number_of_updates(tmp_path):
     )
     exp = build(cfg, tmp_path / "run")
     result = run(exp, 2)
+    expect("total-steps", "")  # no message: the row promises the counts checked here
     assert exp.trainer.version == 2 and len(exp.grpo.log) == 2
     assert result.summary.steps == 2 and exp.runtime.steps_done == 2
     assert len(exp.runtime.records.consumed) == 2 * 2 * 2

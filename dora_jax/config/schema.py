@@ -348,8 +348,16 @@ class DataConfig:
     # a prompt longer than rollout.max_prompt_len: "error" refuses the data file before the run
     # starts, naming the line; "skip" leaves it out and counts it (summary.json)
     long_prompts: Literal["error", "skip"] = "error"
+    # arithmetic: the median number of countdown steps of a problem (lognormal, capped at 40);
+    # larger means longer responses and a longer tail
+    median_steps: int = 3
 
     def __post_init__(self):
+        _check(
+            1 <= self.median_steps <= 40,
+            "median_steps",
+            f"must be in [1, 40], got {self.median_steps}",
+        )
         _check(
             self.task != "jsonl" or bool(self.path),
             "path",

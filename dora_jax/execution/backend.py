@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
-from dora_jax.execution.group import GroupEvent, SyncGroup, ThreadGroup
+from dora_jax.execution.group import FromTrainer, GroupEvent, SyncGroup, ThreadGroup
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.model.params import Params
 from dora_jax.orchestrator.backend import (
@@ -82,21 +82,32 @@ class EngineBackend:
         bus: Bus | None = None,
         max_new_tokens: int | None = None,
         interpret: bool | None = None,
+        cluster: Any = None,
     ):
         self.clock = clock or LogicalClock()
         self.wall = self.clock.kind == "wall"
         self.bus = bus or Bus()
-        engines = [Engine(model_cfg, rollout_cfg, m, eos_id, interpret=interpret) for m in meshes]
-        for e in engines:
-            e.load_params(initial_params, 0)
-        if self.wall:
-            self.handles: list[Any] = [
-                ThreadGroup(g, e, self.clock.now, self.bus.post) for g, e in enumerate(engines)
-            ]
-            for h in self.handles:
-                h.start()
-        else:
-            self.handles = [SyncGroup(g, e, self.clock.now) for g, e in enumerate(engines)]
+        self.cluster = cluster  # multi-process: groups on other processes get remote handles
+        transfers = cluster.transfers if cluster is not None else None
+        self.handles: list[Any] = []
+        self._hosts: list[int] = []
+        for g, m in enumerate(meshes):
+            host = cluster.owner(m, f"rollout group {g}") if cluster is not None else 0
+            self._hosts.append(host)
+            if cluster is not None and host != cluster.index:
+                h = cluster.remote(g, host, not self.wall, rollout_cfg.num_pages - 1)
+            else:
+                e = Engine(model_cfg, rollout_cfg, m, eos_id, interpret=interpret)
+                e.load_params(initial_params, 0)
+                if self.wall:
+                    h = ThreadGroup(g, e, self.clock.now, self.bus.post, transfers=transfers)
+                    h.start()
+                else:
+                    h = SyncGroup(g, e, self.clock.now, transfers=transfers)
+            self.handles.append(h)
+        for h in self.handles:
+            if h.params is not None and not h.params.done():  # another process's: version 0
+                h.load(FromTrainer(initial_params), 0)
         self.seed = seed
         self.max_slots = rollout_cfg.max_slots
         self.tokens_per_slot_tick = rollout_cfg.decode_steps  # for utilisation figures
@@ -105,7 +116,7 @@ class EngineBackend:
         self.published = 0
         self.overheads = Overheads()
         self._tick = 0
-        n = len(engines)
+        n = len(meshes)
         self._version = [0] * n  # what each group holds, or is receiving
         self._members: list[dict[int, None]] = [{} for _ in range(n)]  # ids in arrival order
         self._where: dict[int, int] = {}  # request id -> its group
@@ -127,9 +138,10 @@ class EngineBackend:
                     max_slots=self.max_slots,
                     free_slots=max(self.max_slots - len(ids), 0),
                     kv_pages_used=st.pages_used,
-                    kv_pages_total=h.engine.alloc.pages_total,
+                    kv_pages_total=st.pages_total,
                     requests=ids,
                     request_pages=tuple(st.pages.get(r, 0) for r in ids),
+                    host=self._hosts[g],
                 )
             )
         return out
@@ -154,16 +166,16 @@ class EngineBackend:
                 raise BackendError(
                     f"the trainer only serves version {self.published}, not {version}"
                 )
-            params = self.trainer_params(version)
+            src = FromTrainer(self.trainer_params(version))
         else:
             self._check_group(source)
             if self._version[source] != version:
                 raise BackendError(
                     f"group {source} holds version {self._version[source]}, not {version}"
                 )
-            params = self.handles[source].params  # a future: that group may still be loading
+            src = self.handles[source]  # (it may still be loading that version)
         self._version[group] = version
-        self.handles[group].load(params, version)
+        self.handles[group].load(src, version)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, group: int, requests: list[RequestSpec]) -> None:
@@ -286,10 +298,14 @@ class EngineBackend:
                 h.resume()
 
     def close(self) -> None:
-        """Stop the worker threads (wall clock); the backend is unusable afterwards."""
-        if self.wall and not self._closed:
-            for h in self.handles:
-                h.stop()
+        """Stop the worker threads (wall clock) and the other processes' groups; the backend is
+        unusable afterwards."""
+        if not self._closed:
+            if self.wall:
+                for h in self.handles:
+                    h.stop()
+            if self.cluster is not None:
+                self.cluster.stop_hosts()
         self._closed = True
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -305,7 +321,7 @@ class EngineBackend:
             "members": [list(m) for m in self._members],
             "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
             "overheads": self.overheads,
-            "engines": [h.call(lambda e: e.snapshot()) for h in self.handles],
+            "engines": [h.snapshot_state() for h in self.handles],
         }
 
     def load_state_dict(self, state: dict[str, Any], params_for: Callable[[int], Params]) -> None:
@@ -325,14 +341,7 @@ class EngineBackend:
                 raise BackendError(
                     f"group {g}: snapshot of v{snap.version}, state v{self._version[g]}"
                 )
-            params = params_for(snap.version)
-
-            def restore(engine, params=params, snap=snap):
-                engine.load_params(params, snap.version)
-                engine.restore(snap)
-                return engine.params
-
-            h.params = _done(h.call(restore))  # on the worker's thread (wall clock)
+            h.restore_state(snap, params_for(snap.version))  # on the group's own thread
 
     # -- internals -------------------------------------------------------------------------------
     def _check_group(self, group) -> None:
@@ -370,11 +379,3 @@ class EngineBackend:
             prompt, f.tokens, f.logprobs, f.finish_reason, f.prefill_tokens, f.migrations
         )
         return FinishedRequest(f.id, pg, len(prompt.tokens), len(f.tokens), tuple(versions), comp)
-
-
-def _done(value):
-    from concurrent.futures import Future
-
-    f: Future = Future()
-    f.set_result(value)
-    return f

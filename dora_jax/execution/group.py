@@ -36,7 +36,23 @@ from dora_jax.rollout import FinishedRequest as EngineFinished
 from dora_jax.rollout.engine import Handover
 
 Params = Any
-ParamsSource = Params | Future  # params, or the future params of a group still loading them
+
+
+@dataclass(frozen=True)
+class FromTrainer:
+    """A weight load from the trainer's export of a published version."""
+
+    params: Params
+
+
+@dataclass(frozen=True)
+class Pull:
+    """A weight load or a handover that waits in another process (``transfers.fetch``)."""
+
+    uid: int
+
+
+ParamsSource = FromTrainer | Future | Pull  # (a Future: a group of this process, maybe loading)
 
 # Weight loads read arrays that other threads may be reading at the same moment (one published
 # version loaded into several groups at once). Splitting a sharded array into its shards for a
@@ -51,6 +67,7 @@ class GroupStatus:
 
     pages: dict[Hashable, int]  # every request it holds -> device KV pages it holds now
     pages_used: int
+    pages_total: int
 
 
 @dataclass(frozen=True)
@@ -64,17 +81,69 @@ class GroupEvent:
     error: BaseException | None = None
 
 
-def _resolve(source: ParamsSource, timeout: float) -> Params:
-    return source.result(timeout) if isinstance(source, Future) else source
-
-
 class _Core:
-    """The operations on one engine, shared by both drivers; each returns the events it made."""
+    """The operations on one engine, shared by both drivers; each returns the events it made.
 
-    def __init__(self, group: int, engine: Engine, now: Callable[[], float]):
-        self.group, self.engine, self.now = group, engine, now
+    ``transfers`` (multi-process runs) moves weights and handovers to and from other processes.
+    """
+
+    def __init__(self, group: int, engine: Engine, now: Callable[[], float], transfers=None):
+        self.group, self.engine, self.now, self.transfers = group, engine, now, transfers
         self.params: Future = Future()  # the params of the version this group serves (or gets)
         self.params.set_result(engine.params)
+
+    # -- what a call names, made concrete on this group's thread ----------------------------------
+    def source(self, src: Any) -> ParamsSource:
+        """Where a load into this group takes its params: the trainer's, a group of this process
+        (its future params), or another process's (``src.serve_params()``: a :class:`Pull`)."""
+        if isinstance(src, FromTrainer | Pull):
+            return src
+        if isinstance(src, _Core):
+            return src.params
+        return src.serve_params()
+
+    def _resolve(self, source: ParamsSource, timeout: float) -> Params:
+        if isinstance(source, FromTrainer):
+            return source.params
+        if isinstance(source, Future):
+            return source.result(timeout)
+        shardings = self.engine.param_shardings
+        arrays, _ = self.transfers.fetch(source.uid, jax.tree.leaves(shardings), timeout)
+        return jax.tree.unflatten(jax.tree.structure(shardings), arrays)
+
+    def serve_params(self) -> Pull:
+        """Offer this group's params (once its load is done) to a group of another process."""
+        uid = self.transfers.new_id()
+        fut = self.params
+
+        def run():
+            self.transfers.serve(uid, jax.tree.leaves(fut.result(600)))
+
+        threading.Thread(target=run, name=f"serve-params-{self.group}", daemon=True).start()
+        return Pull(uid)
+
+    def do_send_staged(self, ids: list[Hashable], uid: int) -> list[GroupEvent]:
+        """Pack requests for a group of another process and offer them under ``uid``."""
+        from dora_jax.distributed import wire
+
+        out, events = self.do_move_out(ids)
+        meta = {
+            "running": None if out.running is None else wire.exported(out.running, with_kv=False),
+            "queued": [wire.request(r) for r in out.queued],
+            "parked": [wire.exported(p) for p in out.parked],
+        }
+        self.transfers.serve(uid, [out.running.kv] if out.running is not None else [], meta)
+        return events
+
+    def fetch_handover(self, uid: int, timeout: float) -> Handover:
+        from dora_jax.distributed import wire
+
+        arrays, meta = self.transfers.fetch(
+            uid, lambda m: [self.engine.buffer_sharding] if m["running"] else [], timeout
+        )
+        running = wire.to_exported(meta["running"], arrays[0]) if meta["running"] else None
+        return Handover(running, [wire.to_request(r) for r in meta["queued"]],
+                        [wire.to_exported(p) for p in meta["parked"]])  # fmt: skip
 
     def _span(self, activity: str, t0: float, active: int = 0, **counts) -> GroupTick:
         t1 = self.now()
@@ -86,7 +155,7 @@ class _Core:
 
     def do_load(self, source: ParamsSource, version: int, done: Future, timeout: float):
         t0 = self.now()
-        params = _resolve(source, timeout)
+        params = self._resolve(source, timeout)
         with _LOAD_LOCK:
             self.engine.load_params(params, version)
         jax.block_until_ready(self.engine.params)
@@ -123,20 +192,40 @@ class _Core:
         )  # fmt: skip
         return GroupEvent(self.group, span, tuple(rep.finished))
 
+    def snapshot_state(self):
+        """A host copy of everything the engine holds (checkpoints), on the group's thread."""
+        return self.call(lambda engine: engine.snapshot())
+
+    def restore_state(self, snap, params: ParamsSource | Any) -> None:
+        """Load ``params`` (a pytree, or a :class:`Pull`) at the snapshot's version and continue
+        from the snapshot, on the group's thread."""
+
+        def restore(engine):
+            p = self._resolve(params, 600) if isinstance(params, Pull) else params
+            engine.load_params(p, snap.version)
+            engine.restore(snap)
+            return engine.params
+
+        self.params = Future()
+        self.params.set_result(self.call(restore))
+
     def snapshot(self) -> GroupStatus:
-        return GroupStatus(self.engine.held_pages(), self.engine.load().pages_used)
+        ld = self.engine.load()
+        return GroupStatus(self.engine.held_pages(), ld.pages_used, ld.pages_total)
 
 
 class SyncGroup(_Core):
     """Every call runs before it returns (logical clock); :meth:`step` is one engine step."""
 
-    def __init__(self, group: int, engine: Engine, now: Callable[[], float], wait_s: float = 60):
-        super().__init__(group, engine, now)
+    def __init__(self, group, engine, now, wait_s: float = 600, transfers=None):
+        super().__init__(group, engine, now, transfers)
         self.events: list[GroupEvent] = []  # spans of loads and moves since the last step
         self.wait_s = wait_s
         self.status = self.snapshot()
 
-    def load(self, source: ParamsSource, version: int) -> Future:
+    def load(self, src: Any, version: int) -> Future:
+        """``src``: :class:`FromTrainer` or the handle of the group to copy from."""
+        source = self.source(src)
         self.params = Future()
         self.events += self.do_load(source, version, self.params, self.wait_s)
         self.status = self.snapshot()
@@ -146,11 +235,26 @@ class SyncGroup(_Core):
         self.engine.submit(requests)
         self.status = self.snapshot()
 
-    def migrate(self, ids: list[Hashable], dst: SyncGroup) -> None:
-        handover, events = self.do_move_out(ids)
-        self.events += events
-        dst.events += dst.do_move_in(handover)
-        self.status, dst.status = self.snapshot(), dst.snapshot()
+    def migrate(self, ids: list[Hashable], dst: Any) -> None:
+        if isinstance(dst, SyncGroup):
+            handover, events = self.do_move_out(ids)
+            self.events += events
+            dst.events += dst.do_move_in(handover)
+            self.status, dst.status = self.snapshot(), dst.snapshot()
+            return
+        uid = self.transfers.new_id()  # a group of another process
+        self.send_staged(ids, uid)
+        dst.expect(uid)
+
+    def send_staged(self, ids: list[Hashable], uid: int) -> None:
+        """Pack requests and offer them under ``uid`` to another process's group."""
+        self.events += self.do_send_staged(ids, uid)
+        self.status = self.snapshot()
+
+    def expect(self, uid: int) -> None:
+        """Take the handover offered under ``uid`` by another process's group."""
+        self.events += self.do_move_in(self.fetch_handover(uid, self.wait_s))
+        self.status = self.snapshot()
 
     def interrupt(self, ids: list[Hashable]) -> list[Request]:
         out = self.do_interrupt(ids)
@@ -178,8 +282,8 @@ class ThreadGroup(_Core):
 
     POLL_S = 0.05  # how long an idle worker waits for a command before looking again
 
-    def __init__(self, group: int, engine: Engine, now: Callable[[], float], post, wait_s=600):
-        super().__init__(group, engine, now)
+    def __init__(self, group, engine, now, post, wait_s: float = 600, transfers=None):
+        super().__init__(group, engine, now, transfers)
         self.post, self.wait_s = post, wait_s
         self.status = self.snapshot()  # replaced after every change
         self._q: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -192,7 +296,9 @@ class ThreadGroup(_Core):
     def start(self) -> None:
         self._thread.start()
 
-    def load(self, source: ParamsSource, version: int) -> Future:
+    def load(self, src: Any, version: int) -> Future:
+        """``src``: :class:`FromTrainer` or the handle of the group to copy from."""
+        source = self.source(src)
         done = self.params = Future()
         self._q.put(lambda: self._emit(self.do_load(source, version, done, self.wait_s)))
         return done
@@ -200,10 +306,15 @@ class ThreadGroup(_Core):
     def submit(self, requests: list[Request]) -> None:
         self._q.put(lambda: self.engine.submit(requests))
 
-    def migrate(self, ids: list[Hashable], dst: ThreadGroup) -> None:
+    def migrate(self, ids: list[Hashable], dst: Any) -> None:
         """Queue the move on both ends at once: the destination's place in its own queue is taken
         now, so every later call to either group sees the requests where the control plane
         put them (a request moved on before it landed follows in order)."""
+        if not isinstance(dst, ThreadGroup):  # a group of another process
+            uid = self.transfers.new_id()
+            self.send_staged(ids, uid)
+            dst.expect(uid)
+            return
         handover: Future = Future()
 
         def send():
@@ -217,6 +328,14 @@ class ThreadGroup(_Core):
 
         dst._q.put(lambda: dst._emit(dst.do_move_in(handover.result(dst.wait_s))))
         self._q.put(send)
+
+    def send_staged(self, ids: list[Hashable], uid: int) -> None:
+        """Pack requests (in queue order) and offer them under ``uid`` to another process."""
+        self._q.put(lambda: self._emit(self.do_send_staged(ids, uid)))
+
+    def expect(self, uid: int) -> None:
+        """Take (in queue order) the handover another process's group offers under ``uid``."""
+        self._q.put(lambda: self._emit(self.do_move_in(self.fetch_handover(uid, self.wait_s))))
 
     def interrupt(self, ids: list[Hashable]) -> list[Request]:
         return self.call(lambda engine: self.do_interrupt(ids))

@@ -45,6 +45,7 @@ class GroupInfo(NamedTuple):
     # order, with the KV pages each one holds now
     requests: tuple[int, ...] = ()
     request_pages: tuple[int, ...] = ()
+    host: int = 0  # the process whose devices hold the group (multi-process runs)
 
     @property
     def num_requests(self) -> int:

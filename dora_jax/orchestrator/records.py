@@ -90,6 +90,8 @@ class Summary:
     tokens_per_s: float = 0.0
     overlap: float = 0.0  # share of trainer-busy time with some group prefilling or decoding
     group_idle: tuple[float, ...] = ()  # per group, idle share of the horizon
+    cross_host_weight_transfers: int = 0  # weight loads from another process
+    cross_host_migrated: int = 0  # requests moved with their KV to another process
 
 
 @dataclass
@@ -107,6 +109,8 @@ class Records:
     transfers: list[tuple[int, int, int]] = field(default_factory=list)  # (tick, group, version)
     migrations: list[tuple[int, int]] = field(default_factory=list)  # (tick, requests)
     discards: list[tuple[int, int]] = field(default_factory=list)  # (tick, requests)
+    # moves between processes: (tick, "weights" | "kv", source group (-1: trainer), dest, n)
+    cross_host: list[tuple[float, str, int, int, int]] = field(default_factory=list)
     consumed: list[ConsumedRecord] = field(default_factory=list)
 
     def add_tick(self, events: StepEvents, cluster: ClusterTick) -> None:
@@ -191,6 +195,7 @@ class Records:
             max_live_versions=max_live,
             overlap=_overlap(self.steps, end, busy_ticks),
             group_idle=group_idle,
+            **self._crossings(end),
         )
 
     def _wall_summary(self, steps: int | None) -> Summary:
@@ -249,7 +254,15 @@ class Records:
             tokens_per_s=ntok / span,
             overlap=_overlap(steps_in, end, rolling),
             group_idle=group_idle,
+            **self._crossings(end),
         )
+
+    def _crossings(self, end: float) -> dict[str, int]:
+        moves = [m for m in self.cross_host if m[0] < end]
+        return {
+            "cross_host_weight_transfers": sum(1 for m in moves if m[1] == "weights"),
+            "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
+        }
 
     def timeline(self, every: int = 1, end: int | None = None) -> list[str]:
         """One line per group, one character per ``every`` ticks: the version (mod 10) while

@@ -152,6 +152,7 @@ class Runtime:
         self.steps_done = 0
         self.dispatching = True  # False while draining: no new prompts
         self.observers: list[Observer] = []
+        self.trainer_host = 0  # the process of the trainer (weights it sends count as moves)
         self.stopping = False  # no new train step (a stop was asked): the running one ends
         self.stopped = False  # the last run() ended early on a stop request
         self._step_limit: int | None = None  # wall clock: no step beyond the run's target
@@ -258,6 +259,8 @@ class Runtime:
                 if g.version != version:
                     self.backend.set_version(g.group, version, TRAINER)
                     self.records.transfers.append((t, g.group, version))
+                    if g.host != self.trainer_host:
+                        self.records.cross_host.append((t, "weights", -1, g.group, 1))
             self.manager.upgrade_unstarted(version)
             self.manager.retag_pending(version)
             self.manager.requeue(partials, version)
@@ -295,6 +298,8 @@ class Runtime:
             if g.version != latest and not g.requests and not self.manager.pending_count(g.version):
                 self.backend.set_version(g.group, latest, TRAINER)
                 self.records.transfers.append((t, g.group, latest))
+                if g.host != self.trainer_host:
+                    self.records.cross_host.append((t, "weights", -1, g.group, 1))
                 changed = True
         return self.backend.groups() if changed else infos
 
@@ -348,11 +353,18 @@ class Runtime:
         t0 = time.perf_counter()
         p = plan(snap, self.plan_policy)
         ms = (time.perf_counter() - t0) * 1e3
+        host = {g.group: g.host for g in infos}
         for m in p.migrations:
             self.backend.migrate(list(m.request_ids), m.src, m.dst)
+            if host[m.src] != host[m.dst]:
+                self.records.cross_host.append((t, "kv", m.src, m.dst, len(m.request_ids)))
         for x in p.transfers:
             self.backend.set_version(x.group, x.version, x.source)
             self.records.transfers.append((t, x.group, x.version))
+            src_host = self.trainer_host if x.source == TRAINER else host[x.source]
+            if src_host != host[x.group]:
+                src = -1 if x.source == TRAINER else x.source
+                self.records.cross_host.append((t, "weights", src, x.group, 1))
         n_sup = 0
         if self.dispatching:
             for v, n in p.supplements:

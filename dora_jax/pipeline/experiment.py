@@ -108,8 +108,9 @@ def _task_parts(cfg: ExperimentConfig, tokenizer: Tokenizer):
     for ``data.task``."""
     d = cfg.data
     if d.task == "arithmetic":
-        task = ArithmeticTask(cfg.seed)
-        sft = ArithmeticTask(cfg.seed + 1_000_003)  # warm-start problems differ from RL prompts
+        task = ArithmeticTask(cfg.seed, median_steps=d.median_steps)
+        # warm-start problems differ from RL prompts
+        sft = ArithmeticTask(cfg.seed + 1_000_003, median_steps=d.median_steps)
         example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
         reward = task.answer_reward if d.reward == "exact" else task.reward
         return task.source(), reward, example, []
@@ -130,7 +131,7 @@ def _eval_problems(
     if e.num_prompts == 0:
         return []
     if d.task == "arithmetic":
-        held_out = ArithmeticTask(cfg.seed + 2_000_003)
+        held_out = ArithmeticTask(cfg.seed + 2_000_003, median_steps=d.median_steps)
         return [held_out.problem(i) for i in range(e.num_prompts)]
     if e.path is None:
         return []
@@ -203,12 +204,15 @@ def build(
     run_dir: Path,
     on_warm_step: Callable[[int, float], None] | None = None,
     warm_start_dir: Path | None = None,
+    process=None,
     *,
     restoring: bool = False,
 ) -> Experiment:
     """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
-    ``run_dir / "warm_start"``), so runs that share it start from the same policy. With
-    ``restoring`` (a checkpoint will replace the policy) the warm start is not run."""
+    ``run_dir / "warm_start"``), so runs that share it start from the same policy. With a
+    ``process`` (``dora_jax.distributed.process.Process``, index 0 of several), rollout groups
+    on the other processes' devices run there. With ``restoring`` (a checkpoint will replace the
+    policy) the warm start is not run."""
     cfg = resolve_model(cfg)
     check_fits(cfg)
     meshes = build_meshes(cfg.mesh)
@@ -237,7 +241,8 @@ def build(
             example,
             tokenizer,
             cache_dir=warm_start_dir or run_dir / "warm_start",
-            cache_key=repr((cfg.model, cfg.seed)),
+            cache_key=repr((cfg.model, cfg.seed))
+            + ("" if cfg.data.median_steps == 3 else f" median_steps={cfg.data.median_steps}"),
             on_step=on_warm_step,
         )
         params = jax.device_put(params, shardings)
@@ -246,6 +251,7 @@ def build(
     grpo = GRPOTrainer(trainer, tokenizer, reward)
     wall = cfg.orchestrator.clock == "wall"
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
+    cluster = _cluster(cfg, meshes, process, bus, clock, tokenizer.eos_id)
     backend = EngineBackend(
         cfg.model,
         cfg.rollout,
@@ -256,6 +262,7 @@ def build(
         seed=cfg.seed,
         clock=clock,
         bus=bus,
+        cluster=cluster,
     )
     skip = cfg.data.long_prompts == "skip"
     prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len, skip=skip)
@@ -280,6 +287,35 @@ def build(
         cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses,
         evaluator=evaluator, prompts=prompts, long_prompt_lines=long_skipped,
     )  # fmt: skip
+
+
+def _cluster(cfg: ExperimentConfig, meshes: Meshes, process, bus: Bus, clock, eos_id: int):
+    """The other processes of a multi-process run, their groups' engines built (None alone)."""
+    if process is None or process.count == 1:
+        return None
+    from dora_jax.config import to_dict
+    from dora_jax.distributed.cluster import Cluster
+    from dora_jax.distributed.process import ProcessError
+    from dora_jax.mesh import make_mesh
+    from dora_jax.sharding import rollout_rules
+
+    cluster = Cluster(process)
+    if cluster.owner(meshes.trainer, "the trainer mesh") != process.index:
+        raise ProcessError("the trainer mesh must be on process 0's devices (a trainer spanning "
+                           "hosts is not supported yet): check mesh.trainer.devices")  # fmt: skip
+    tp = cfg.mesh.rollout.tp
+    staging: list = []
+
+    def stage_shardings():  # the group layout on process 0's devices, for weights going out
+        if not staging:
+            mesh = make_mesh(jax.local_devices()[:tp], 1, tp)
+            staging.append(tree_shardings(param_axes(cfg.model), abstract_params(cfg.model),
+                                          rollout_rules(), mesh))  # fmt: skip
+        return staging[0]
+
+    cluster.connect(bus.post, clock.now, stage_shardings)
+    cluster.start_hosts(to_dict(cfg), eos_id, cfg.seed, cfg.orchestrator.clock == "wall")
+    return cluster
 
 
 def run(

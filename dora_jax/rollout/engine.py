@@ -190,6 +190,16 @@ class Engine:
     def max_concurrent_decodes(self) -> int:
         return self.rcfg.max_slots
 
+    @property
+    def param_shardings(self) -> Params:
+        """Where this engine keeps its params (the group mesh, rollout rules)."""
+        return self._param_shardings
+
+    @property
+    def buffer_sharding(self) -> NamedSharding:
+        """Where a pack buffer of this engine's KV pages lives (``export_requests``)."""
+        return NamedSharding(self.mesh, BUFFER_SPEC)
+
     def load_params(self, params: Params, version: int) -> None:
         """Serve ``version`` with ``params`` (copied into this group's shardings). Refused while
         the engine holds requests of another version: drain, migrate or interrupt them first."""
@@ -345,7 +355,7 @@ class Engine:
         kv = exported.kv
         if kv.shape[3] != ids.shape[0]:
             raise EngineError(f"KV buffer holds {kv.shape[3]} pages, expected {ids.shape[0]}")
-        kv = jax.device_put(kv, NamedSharding(self.mesh, BUFFER_SPEC))
+        kv = jax.device_put(kv, self.buffer_sharding)
         self.cache = _unpack(self.cache, kv, ids, self.impl, self.interpret)
 
     def move_out(self, ids: Iterable[Hashable]) -> Handover:

@@ -1,0 +1,189 @@
+"""One process of a wall-clock benchmark run (started by ``launch_local``, one copy per process).
+
+    python benchmarks/wallclock_driver.py throughput OUT.json WARMUP STEPS key=value ...
+    python benchmarks/wallclock_driver.py migration OUT.json CONTEXTS key=value ...
+
+Process 0 runs the control plane and the trainer; the other processes host rollout groups.
+
+``throughput``: ``WARMUP`` train steps (everything compiles), then ``STEPS`` measured ones; writes
+the window's trajectories per second, the share of the trainer's busy time with some group
+decoding, each group's idle share, the control round's own time on process 0, and a timeline
+picture of the window (``run_dir/timeline_window.png``).
+
+``migration``: a request with ``C`` tokens of context (for each C of ``CONTEXTS``, comma
+separated) on a group of process 0 moves with its KV to a group of process 1; the time is set
+against prefilling those C tokens on that group.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dora_jax.platform import fake_cpu_devices  # noqa: E402
+
+fake_cpu_devices(8)
+
+
+def main(argv: list[str]) -> int:
+    what, out = argv[0], Path(argv[1])
+    from dora_jax.distributed.process import initialize, spec_from
+
+    spec = spec_from()
+    proc = initialize(spec) if spec is not None else None
+    if proc is not None and not proc.is_main:
+        from dora_jax.distributed.host import serve
+
+        return serve(proc, log=lambda *a, **k: None)
+    try:
+        figures = throughput(proc, argv[2:]) if what == "throughput" else migration(proc, argv[2:])
+        out.write_text(json.dumps(figures, indent=1))
+    finally:
+        if proc is not None:
+            proc.finish()
+    return 0
+
+
+def throughput(proc, argv: list[str]) -> dict:
+    from dora_jax.config import load_config
+    from dora_jax.orchestrator.records import intersection_length, merge_intervals
+    from dora_jax.pipeline.experiment import build
+    from dora_jax.report import plot_timeline, window
+
+    warmup, steps, overrides = int(argv[0]), int(argv[1]), argv[2:]
+    cfg = load_config(ROOT / "configs" / "default.yaml", overrides)
+    run_dir = Path(cfg.run_dir)  # runs beside each other share one cached warm start
+    exp = build(cfg, run_dir, process=proc, warm_start_dir=run_dir.parent / "warm_start")
+    rt = exp.runtime
+    rounds: list[float] = []
+    tick = rt.tick
+
+    def timed_tick():  # the round's own time on process 0, without the wait for reports
+        t0 = time.perf_counter()
+        waited = [0.0]
+        step = rt.backend.step
+
+        def timed_step():
+            w0 = time.perf_counter()
+            try:
+                return step()
+            finally:
+                waited[0] += time.perf_counter() - w0
+
+        rt.backend.step = timed_step
+        try:
+            tick()
+        finally:
+            rt.backend.step = step
+        rounds.append(time.perf_counter() - t0 - waited[0])
+
+    try:
+        rt.run(warmup)
+        rt.tick = timed_tick
+        t_a = rt.now()
+        first = rt.steps_done
+        rt.run(steps)
+    finally:
+        exp.close()
+    rec = rt.records
+    t_b = rec.steps[first + steps - 1].end
+    span = t_b - t_a
+    win = [s for s in rec.steps[first : first + steps]]
+    consumed = sum(1 for c in rec.consumed if first <= c.trainer_version < first + steps)
+    spans = [g for g in rec.spans if g.t1 > t_a and g.t0 < t_b]
+    rolling = [(max(g.t0, t_a), min(g.t1, t_b)) for g in spans
+               if g.activity in ("prefill", "decode")]  # fmt: skip
+    train = merge_intervals([(max(s.start, t_a), min(s.end, t_b)) for s in win])
+    busy_train = sum(b - a for a, b in train)
+    idle = []
+    for g in range(rec.num_groups):
+        busy = sum(min(x.t1, t_b) - max(x.t0, t_a) for x in spans
+                   if x.group == g and x.activity != "idle")  # fmt: skip
+        idle.append(max(0.0, 1.0 - busy / span))
+    view = window(rec, t_a, min(t_b, t_a + 12.0))
+    title = f"{cfg.orchestrator.mode}, wall clock: 12 s of the measured window"
+    plot_timeline(view, Path(cfg.run_dir) / "timeline_window.png", title=title)
+    rounds.sort()
+    return {
+        "mode": cfg.orchestrator.mode,
+        "steps": steps,
+        "seconds": span,
+        "trajectories": consumed,
+        "trajectories_per_s": consumed / span,
+        "train_busy_share": busy_train / span,
+        "overlap": intersection_length(train, rolling) / busy_train if busy_train else 0.0,
+        "group_idle": idle,
+        "round_ms_mean": 1e3 * sum(rounds) / len(rounds),
+        "round_ms_p99": 1e3 * rounds[int(0.99 * (len(rounds) - 1))],
+        "rounds": len(rounds),
+        "migrated": sum(n for t, n in rec.migrations if t_a <= t < t_b),
+        "staleness_max": max((c.staleness for c in rec.consumed), default=0),
+    }
+
+
+def migration(proc, argv: list[str]) -> dict:
+    """Cross-process KV migration against re-prefill, at each context length."""
+    import jax
+    import numpy as np
+
+    from dora_jax.config import load_config, to_dict
+    from dora_jax.distributed.cluster import Cluster
+    from dora_jax.execution.group import FromTrainer, SyncGroup
+    from dora_jax.mesh import build_meshes, make_mesh
+    from dora_jax.model import abstract_params, init_params, param_axes
+    from dora_jax.orchestrator.clock import Bus, LogicalClock
+    from dora_jax.rollout import Engine, Request, request_key
+    from dora_jax.sharding import rollout_rules, tree_shardings
+
+    contexts = [int(c) for c in argv[0].split(",")]
+    cfg = load_config(ROOT / "configs" / "default.yaml", argv[1:])
+    meshes = build_meshes(cfg.mesh)
+    params = init_params(cfg.model, jax.random.key(0))
+    clock, bus = LogicalClock(), Bus()
+    cluster = Cluster(proc)
+    stage = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rollout_rules(),
+                           make_mesh(jax.local_devices()[:1], 1, 1))  # fmt: skip
+    cluster.connect(bus.post, clock.now, lambda: stage)
+    cluster.start_hosts(to_dict(cfg), -1, cfg.seed, False)
+    src_g = next(g for g, m in enumerate(meshes.groups) if cluster.owner(m, "g") == 0)
+    dst_g = next(g for g, m in enumerate(meshes.groups) if cluster.owner(m, "g") == 1)
+    src = SyncGroup(src_g, Engine(cfg.model, cfg.rollout, meshes.groups[src_g], -1), clock.now,
+                    transfers=cluster.transfers)  # fmt: skip
+    src.engine.load_params(params, 0)
+    dst = cluster.remote(dst_g, 1, True, cfg.rollout.num_pages - 1)
+    dst.load(FromTrainer(params), 0)
+    rows = []
+    rng = np.random.default_rng(0)
+    for c in contexts:
+        times = {"migrate": [], "prefill": []}
+        for rep in range(4):  # the first of each is a warm-up (compiles)
+            rid = 1000 * c + rep
+            prompt = [int(t) for t in rng.integers(3, 60, c)]
+            # on the destination: prefill the whole context (what a re-prefill costs)
+            req = Request(rid, prompt, 0, request_key(cfg.seed, rid), 2)
+            t0 = time.perf_counter()
+            dst.submit([req])
+            dst.step()
+            t_prefill = time.perf_counter() - t0
+            # on the source: the same context, then its KV moves to the destination
+            req2 = Request(rid + 500, prompt, 0, request_key(cfg.seed, rid + 500), 4)
+            src.submit([req2])
+            src.step()
+            t0 = time.perf_counter()
+            src.migrate([req2.id], dst)
+            t_migrate = time.perf_counter() - t0
+            dst.step()
+            if rep:
+                times["prefill"].append(t_prefill)
+                times["migrate"].append(t_migrate)
+        m, p = float(np.median(times["migrate"])), float(np.median(times["prefill"]))
+        rows.append({"context": c, "migrate_s": m, "prefill_s": p, "ratio": m / p})
+    cluster.stop_hosts()
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

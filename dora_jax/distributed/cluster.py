@@ -1,0 +1,53 @@
+"""The run's processes as process 0 sees them: who owns which group, the channels and transfers
+to the others, and starting and stopping the groups they host."""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from dora_jax.distributed.channel import Channel
+from dora_jax.distributed.process import Process, ProcessError
+from dora_jax.distributed.remote import HostLink, RemoteGroup
+from dora_jax.distributed.transfers import Transfers
+
+
+class Cluster:
+    def __init__(self, proc: Process):
+        self.proc = proc
+        self.index, self.count = proc.index, proc.count
+        self.channel = Channel(proc.client, proc.index)
+        self.transfers = Transfers(proc)
+        self.link: HostLink | None = None
+
+    def owner(self, mesh: Mesh, what: str) -> int:
+        """The process whose devices hold ``mesh`` (a rollout group lives on one process)."""
+        procs = sorted({d.process_index for d in mesh.devices.flat})
+        if len(procs) != 1:
+            raise ProcessError(
+                f"{what} spans processes {procs}: it must live on one host's devices"
+            )
+        return procs[0]
+
+    def connect(self, post, now, stage_shardings) -> None:
+        """Start listening to every other process (their reports go to ``post``)."""
+        hosts = [p for p in range(self.count) if p != self.index]
+        self.link = HostLink(self.channel, self.transfers, hosts, post, now, stage_shardings)
+
+    def start_hosts(self, config: dict, eos_id: int, seed: int, wall: bool) -> None:
+        """Every other process builds the engines of its groups (a bounded wait for each)."""
+        for p in range(self.count):
+            if p != self.index:
+                self.link.request(p, {"op": "init", "config": config, "eos_id": eos_id,
+                                      "seed": seed, "wall": wall}, wait=True)  # fmt: skip
+
+    def remote(self, group: int, host: int, sync: bool, pages_total: int) -> RemoteGroup:
+        return RemoteGroup(group, host, self.link, sync, pages_total)
+
+    def stop_hosts(self) -> None:
+        for p in range(self.count):
+            if p != self.index:
+                try:
+                    self.link.request(p, {"op": "shutdown"}, wait=False)
+                except Exception:  # noqa: BLE001 - gone already
+                    pass
+        self.channel.close()

@@ -1,0 +1,52 @@
+"""The main loop of every process but 0: build the engines of this process's rollout groups when
+process 0 says so, then carry out its calls until it says stop (or goes away)."""
+
+from __future__ import annotations
+
+import threading
+
+from dora_jax.distributed.channel import Channel
+from dora_jax.distributed.process import Process
+from dora_jax.distributed.remote import GroupHost
+from dora_jax.distributed.transfers import Transfers
+
+
+def serve(proc: Process, log=print) -> int:
+    """Host this process's groups for process 0; returns the exit code."""
+    from dora_jax.config import ExperimentConfig
+    from dora_jax.config.loading import from_dict
+    from dora_jax.mesh import build_meshes
+    from dora_jax.rollout import Engine
+
+    channel = Channel(proc.client, proc.index)
+    transfers = Transfers(proc)
+    done = threading.Event()
+    host: list[GroupHost] = []
+
+    def on_message(msg: dict) -> None:
+        if msg["op"] == "init":
+            cfg = from_dict(ExperimentConfig, msg["config"])
+            meshes = build_meshes(cfg.mesh)
+            mine = {g: m for g, m in enumerate(meshes.groups)
+                    if {d.process_index for d in m.devices.flat} == {proc.index}}  # fmt: skip
+            engines = {g: Engine(cfg.model, cfg.rollout, m, msg["eos_id"]) for g, m in mine.items()}
+            host.append(GroupHost(channel, transfers, engines, msg["wall"]))
+            log(f"process {proc.index}: hosting rollout groups {sorted(engines)}", flush=True)
+            channel.send(0, {"op": "reply", "reply": msg["reply"], "value": sorted(engines)})
+        elif msg["op"] == "shutdown":
+            done.set()
+        else:
+            host[0].handle(msg)
+
+    channel.listen(0, on_message)
+    proc.start_watchdog()
+    done.wait()
+    if host:
+        host[0].stopped.set()
+        for h in host[0].handles.values():
+            if host[0].wall:
+                h.stop()
+    channel.close()
+    log(f"process {proc.index}: done", flush=True)
+    proc.finish()
+    return 0

@@ -1,0 +1,103 @@
+"""``python launch/train.py --local-processes N ...``: a multi-process run on this machine, for
+testing and for users without a scheduler.
+
+Starts N processes of the same command with the run's settings in the environment (coordinator
+on a free loopback port, process count and id, ``--devices-per-process`` fake CPU devices each),
+optionally each pinned to its own CPU core (``--pin-cores``), forwards process 0's output to the
+terminal and every process's to ``run_dir/logs/process_<i>.log`` (its pid in ``process_<i>.pid``),
+passes SIGINT/SIGTERM on to
+process 0 (which stops the run and the others cleanly), and ends the others when one fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dora_jax.distributed.process import ENV_COORDINATOR, ENV_ID, ENV_NUM
+
+GRACE_S = 60.0  # after one process fails, how long the others get to stop by themselves
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(n: int, argv: list[str], run_dir: Path, *, devices_per_process: int,
+                 pin_cores: bool = False, entry: Path | None = None) -> int:  # fmt: skip
+    entry = entry or Path(__file__).resolve().parents[2] / "launch" / "train.py"
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for i in range(n):
+        env = dict(os.environ)
+        env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM: str(n), ENV_ID: str(i),
+                    "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                         if "xla_force_host_platform_device_count" not in f)  # fmt: skip
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
+        cmd = [sys.executable, str(entry), *argv]
+        if pin_cores:
+            cmd = ["taskset", "-c", str(cores[i % len(cores)]), *cmd]
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, bufsize=1)  # fmt: skip
+        procs.append(p)
+        (logs / f"process_{i}.pid").write_text(str(p.pid))
+        t = threading.Thread(target=_pump, args=(p, logs / f"process_{i}.log", i == 0),
+                             daemon=True)  # fmt: skip
+        t.start()
+        pumps.append(t)
+
+    def forward(signum, frame):
+        if procs[0].poll() is None:
+            procs[0].send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = _wait(procs)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for t in pumps:
+            t.join(5)
+    if code:
+        print(f"error: the run failed (exit {code}); logs in {logs}", file=sys.stderr)
+    return code
+
+
+def _pump(p: subprocess.Popen, path: Path, echo: bool) -> None:
+    with open(path, "w") as f:
+        for line in p.stdout:
+            f.write(line)
+            f.flush()
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    """The first non-zero exit code (the others are ended after ``GRACE_S``), else 0."""
+    failed_at, code = None, 0
+    while any(p.poll() is None for p in procs):
+        for i, p in enumerate(procs):
+            rc = p.poll()
+            if rc and not code:
+                code, failed_at = rc, time.monotonic()
+                print(f"process {i} exited with code {rc}", file=sys.stderr)
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    return code or next((p.returncode for p in procs if p.returncode), 0)

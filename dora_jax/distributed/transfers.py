@@ -1,0 +1,67 @@
+"""Arrays between processes: point-to-point pulls through each process's transfer server.
+
+The holder of the arrays calls :meth:`Transfers.serve` (the arrays wait on its server under a
+fresh id, and a small record, with the holder's process and the arrays' shapes plus any plain
+``meta`` data, goes to the key-value store); the receiver calls :meth:`Transfers.fetch` with the
+shardings it wants them in, and blocks (bounded) until the record is there, then pulls. Neither
+side waits for the other to reach a common point: a receiver may ask before the holder serves.
+
+A pull copies shard to shard: the receiver's shardings must cut the arrays the same way as the
+holder's (the same mesh shape and PartitionSpecs on both sides; weights for a rollout group are
+first placed in that layout on the holder's devices).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dora_jax.distributed.codec import decode, encode
+from dora_jax.distributed.process import Process
+
+WAIT_S = 600.0
+
+
+class Transfers:
+    def __init__(self, proc: Process):
+        self.proc = proc
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def new_id(self) -> int:
+        with self._lock:
+            return (self.proc.index << 40) | next(self._ids)
+
+    def serve(self, uid: int, arrays: Sequence[Any], meta: dict | None = None) -> None:
+        arrays = list(arrays)
+        if arrays:
+            self.proc.server.await_pull(uid, arrays)
+        record = {
+            "from": self.proc.index,
+            "shapes": [[list(a.shape), np.dtype(a.dtype).str] for a in arrays],
+            "meta": meta or {},
+        }
+        self.proc.client.key_value_set_bytes(f"dora/x/{uid}", encode(record))
+
+    def fetch(self, uid: int, shardings: Any, timeout_s: float = WAIT_S) -> tuple[list, dict]:
+        """``(arrays, meta)`` of ``uid``; ``shardings`` is a list (one per array) or a function
+        of ``meta`` returning that list."""
+        import jax
+
+        key = f"dora/x/{uid}"
+        record = decode(self.proc.client.blocking_key_value_get_bytes(key, int(timeout_s * 1e3)))
+        self.proc.client.key_value_delete(key)
+        meta = record["meta"]
+        if callable(shardings):
+            shardings = shardings(meta)
+        specs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dt), sharding=s)
+                 for (shape, dt), s in zip(record["shapes"], shardings, strict=True)]  # fmt: skip
+        arrays = []
+        if specs:
+            conn = self.proc.connection(self.proc.address(record["from"]))
+            arrays = list(conn.pull(uid, specs))
+        return arrays, meta

@@ -1,0 +1,83 @@
+"""The execution layer's records as plain data for messages (``codec.py`` makes them bytes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from dora_jax.execution.group import GroupEvent, GroupStatus
+from dora_jax.orchestrator.backend import GroupTick
+from dora_jax.rollout import FinishedRequest, Request
+from dora_jax.rollout.engine import EngineSnapshot
+from dora_jax.rollout.requests import ExportedRequests
+
+
+def request(r: Request) -> dict:
+    return dataclasses.asdict(r) | {"key": np.asarray(r.key, np.uint32)}
+
+
+def to_request(d: dict) -> Request:
+    return Request(**d)
+
+
+def exported(x: ExportedRequests, with_kv: bool = True) -> dict:
+    return {
+        "requests": [request(r) for r in x.requests],
+        "page_counts": list(x.page_counts),
+        "kv": np.asarray(x.kv) if with_kv else None,
+    }
+
+
+def to_exported(d: dict, kv: Any = None) -> ExportedRequests:
+    return ExportedRequests(
+        [to_request(r) for r in d["requests"]], list(d["page_counts"]),
+        d["kv"] if kv is None else kv,
+    )  # fmt: skip
+
+
+def snapshot(s: EngineSnapshot) -> dict:
+    return {
+        "version": s.version,
+        "running": exported(s.running),
+        "pending": [request(r) for r in s.pending],
+        "parked": [exported(p) for p in s.parked],
+    }
+
+
+def to_snapshot(d: dict) -> EngineSnapshot:
+    return EngineSnapshot(
+        d["version"], to_exported(d["running"]), [to_request(r) for r in d["pending"]],
+        [to_exported(p) for p in d["parked"]],
+    )  # fmt: skip
+
+
+def event(e: GroupEvent) -> dict:
+    return {
+        "group": e.group,
+        "span": list(e.span) if e.span is not None else None,
+        "finished": [dataclasses.asdict(f) for f in e.finished],
+        "error": None if e.error is None else f"{type(e.error).__name__}: {e.error}",
+    }
+
+
+def to_event(d: dict, host: int) -> GroupEvent:
+    span = GroupTick(*d["span"]) if d["span"] is not None else None
+    finished = tuple(FinishedRequest(**{k: tuple(v) if isinstance(v, list) else v
+                                        for k, v in f.items()}) for f in d["finished"])  # fmt: skip
+    err = RemoteError(f"on process {host}: {d['error']}") if d["error"] else None
+    return GroupEvent(d["group"], span, finished, err)
+
+
+def status(s: GroupStatus) -> dict:
+    return {"pages": [[k, v] for k, v in s.pages.items()], "used": s.pages_used,
+            "total": s.pages_total}  # fmt: skip
+
+
+def to_status(d: dict) -> GroupStatus:
+    return GroupStatus({k: v for k, v in d["pages"]}, d["used"], d["total"])
+
+
+class RemoteError(RuntimeError):
+    """An error raised in another process (its type and message)."""

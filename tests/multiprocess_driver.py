@@ -1,0 +1,89 @@
+"""A multi-process run for tests (started by ``dora_jax.distributed.launcher.launch_local``, one
+copy per process). Process 0 builds the experiment from ``configs/default.yaml`` and the
+overrides, runs ``STEPS`` train steps, regenerates every migrated trajectory alone under the
+params of its version on a device of its own, and writes what the tests check to
+``run_dir/result.json`` and the final params to ``run_dir/params.npz``. The other processes host
+their rollout groups.
+
+    python tests/multiprocess_driver.py STEPS key=value ...
+"""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dora_jax.platform import fake_cpu_devices  # noqa: E402
+
+fake_cpu_devices(8)
+
+
+def main(argv: list[str]) -> int:
+    steps, overrides = int(argv[0]), argv[1:]
+    from dora_jax.distributed.process import initialize, spec_from
+
+    spec = spec_from()
+    proc = initialize(spec) if spec is not None else None
+    if proc is not None and not proc.is_main:
+        from dora_jax.distributed.host import serve
+
+        return serve(proc, log=lambda *a, **k: None)
+    import jax
+    import numpy as np
+
+    from dora_jax.config import load_config
+    from dora_jax.mesh import make_mesh
+    from dora_jax.pipeline.experiment import build
+    from dora_jax.rollout import Engine, Request, request_key
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", overrides)
+    run_dir = Path(cfg.run_dir)
+    exp = build(cfg, run_dir, process=proc)
+    try:
+        exp.grpo.forget = lambda keep: None  # keep every version: the check regenerates them
+        result = exp.runtime.run(steps, drain=True, stall_s=cfg.orchestrator.stall_s)
+        rec, s = result.records, result.summary
+        # regenerate migrated trajectories alone, never moved, under their version's params
+        engine = Engine(cfg.model, cfg.rollout, make_mesh(jax.local_devices()[-1:], 1, 1),
+                        exp.tokenizer.eos_id)  # fmt: skip
+        mismatches, checked = [], 0
+        for rid, version, comp in [c for c in exp.grpo.consumed if c[2].migrations > 0][:6]:
+            engine.load_params(exp.grpo.params_for(version), version)
+            engine.submit([Request(rid, list(comp.prompt.tokens), version,
+                                   request_key(cfg.seed, rid), len(comp.tokens))])  # fmt: skip
+            again = next(f for _ in range(10_000) for f in engine.step().finished)
+            checked += 1
+            if again.tokens != comp.tokens or again.logprobs != comp.logprobs:
+                mismatches.append(rid)
+            if comp.prefill_tokens != len(comp.prompt.tokens):
+                mismatches.append(f"{rid}: prefilled {comp.prefill_tokens} tokens")
+        out = {
+            "processes": 1 if proc is None else proc.count,
+            "steps": s.steps,
+            "consumed": [[c.request_id, c.trainer_version, c.staleness] for c in rec.consumed],
+            "ledger": sorted(set(result.ledger.values())),
+            "live_requests": exp.backend.live_requests(),
+            "staleness_max": s.staleness_max,
+            "migrated": s.migrated,
+            "cross_host_weight_transfers": s.cross_host_weight_transfers,
+            "cross_host_migrated": s.cross_host_migrated,
+            "checked": checked,
+            "mismatches": mismatches,
+            "reprefill_tokens": s.reprefill_tokens,
+        }
+        (run_dir / "result.json").write_text(json.dumps(out))
+        params = jax.device_get(exp.trainer.export_params())
+        flat = {jax.tree_util.keystr(k): np.asarray(v)
+                for k, v in jax.tree_util.tree_leaves_with_path(params)}  # fmt: skip
+        np.savez(run_dir / "params.npz", **flat)
+    finally:
+        exp.close()
+        if proc is not None:
+            proc.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
