@@ -88,13 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_wallclock_") as tmp:
         res = measure(a.steps, a.warmup, a.rounds, a.overrides, Path(tmp))
-        window = Path(next(f["run_dir"] for f in res["runs"]["dora"])) / "timeline_window.png"
-        if window.is_file():
-            (ROOT / "docs").mkdir(exist_ok=True)
-            (ROOT / "docs" / "execution_timeline_dora.png").write_bytes(window.read_bytes())
-        sync_window = Path(res["runs"]["sync"][0]["run_dir"]) / "timeline_window.png"
-        if sync_window.is_file():
-            (ROOT / "docs" / "execution_timeline_sync.png").write_bytes(sync_window.read_bytes())
+        stem = a.out.stem.removeprefix("bench_wallclock").strip("_") or "default"
+        for mode in ("dora", "sync"):  # a picture of each mode's first window, for the docs
+            window = Path(res["runs"][mode][0]["run_dir"]) / "timeline_window.png"
+            if window.is_file():
+                (ROOT / "docs" / f"execution_timeline_{stem}_{mode}.png").write_bytes(
+                    window.read_bytes()
+                )
     res = {
         "benchmark": "wall-clock throughput, sync vs dora (K=2), default task, real engines",
         "command": "python benchmarks/bench_wallclock.py "

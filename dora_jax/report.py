@@ -361,8 +361,8 @@ def write_summary(
         "throughput": {
             "trajectories": summary.trajectories,
             "tokens": summary.tokens,
-            "traj_per_tick": summary.traj_per_tick,
-            "tokens_per_tick": summary.tokens_per_tick,
+            "traj_per_tick": summary.traj_per_tick if summary.clock == "logical" else None,
+            "tokens_per_tick": summary.tokens_per_tick if summary.clock == "logical" else None,
             "traj_per_s": summary.trajectories / per_s,
             "tokens_per_s": summary.tokens / per_s,
         },

@@ -43,11 +43,17 @@ class Cluster:
     def remote(self, group: int, host: int, sync: bool, pages_total: int) -> RemoteGroup:
         return RemoteGroup(group, host, self.link, sync, pages_total)
 
+    def flush(self) -> None:
+        """Send every call queued for the other processes (once per control round)."""
+        if self.link is not None:
+            self.link.flush()
+
     def stop_hosts(self) -> None:
         for p in range(self.count):
             if p != self.index:
                 try:
                     self.link.request(p, {"op": "shutdown"}, wait=False)
+                    self.link.flush(p)
                 except Exception:  # noqa: BLE001 - gone already
                     pass
         self.channel.close()

@@ -48,13 +48,19 @@ class HostLink:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._staged: dict[int, Any] = {}  # version -> the trainer's params in the group layout
+        self._outbox: dict[int, list[dict]] = {h: [] for h in hosts}  # calls not yet sent
         for h in hosts:
             channel.listen(h, lambda msg, h=h: self._on_message(h, msg))
 
     def request(self, host: int, msg: dict, wait: bool) -> Any:
+        """Send a call to ``host``. Calls that need no reply wait in an outbox, sent as one
+        message by :meth:`flush` (once per control round), in order; one that needs a reply
+        flushes first, then waits for it."""
         if not wait:
-            self.channel.send(host, msg)
+            with self._lock:
+                self._outbox[host].append(msg)
             return None
+        self.flush(host)
         rid = next(self._ids)
         fut: Future = Future()
         with self._lock:
@@ -62,12 +68,23 @@ class HostLink:
         self.channel.send(host, msg | {"reply": rid})
         return fut.result(WAIT_S)
 
+    def flush(self, host: int | None = None) -> None:
+        for h in [host] if host is not None else list(self._outbox):
+            with self._lock:
+                items, self._outbox[h] = self._outbox[h], []
+            if items:
+                self.channel.send(h, items[0] if len(items) == 1 else
+                                  {"op": "batch", "items": items})  # fmt: skip
+
     def stage_trainer(self, params: Any, version: int) -> Pull:
         """Offer the trainer's ``params`` of ``version`` in the group layout (placed once per
         version, on a helper thread; the load message goes out at once, in order)."""
         uid = self.transfers.new_id()
 
         def run() -> None:
+            if self.transfers.via_store:  # host copies: any layout will do
+                self.transfers.serve(uid, jax.tree.leaves(params))
+                return
             with self._lock:
                 if version not in self._staged:
                     self._staged = {v: p for v, p in self._staged.items() if v >= version - 1}
@@ -227,6 +244,8 @@ class GroupHost:
         while not self.stopped.is_set():
             events = self.bus.collect(0.05)
             if events:
+                time.sleep(0.002)  # let a few more arrive: fewer, larger messages
+                events += self.bus.collect(0)
                 items = [wire.event(e) for e in events]
                 self.channel.send(0, {"op": "events", "items": items, "status": self._statuses()})
 
@@ -248,6 +267,10 @@ class GroupHost:
 
     def _apply(self, msg: dict) -> Any:
         op, g = msg["op"], msg.get("g")
+        if op == "batch":
+            for item in msg["items"]:
+                self.handle(item)
+            return None
         h = self.handles.get(g)
         if op == "load":
             src = msg["src"]

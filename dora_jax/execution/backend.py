@@ -261,6 +261,8 @@ class EngineBackend:
     def step(self) -> StepEvents:
         """Logical clock: one engine step of every group. Wall clock: every report since the last
         call (waiting at most ``WAIT_S`` for the first)."""
+        if self.cluster is not None:
+            self.cluster.flush()  # this round's calls to other processes, one message each
         if self.wall:
             events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
         else:
@@ -286,6 +288,8 @@ class EngineBackend:
             return
         for h in self.handles:
             h.pause()
+        if self.cluster is not None:
+            self.cluster.flush()
         deadline = time.monotonic() + timeout
         while not all(h.paused() for h in self.handles):
             if time.monotonic() > deadline:
@@ -296,6 +300,8 @@ class EngineBackend:
         if self.wall:
             for h in self.handles:
                 h.resume()
+            if self.cluster is not None:
+                self.cluster.flush()
 
     def close(self) -> None:
         """Stop the worker threads (wall clock) and the other processes' groups; the backend is

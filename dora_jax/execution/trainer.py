@@ -2,7 +2,8 @@
 
 :class:`ThreadedTrainer` wraps anything with ``step(batch) -> new_version`` (the GRPO trainer):
 ``start(batch, now)`` hands the batch to the worker and returns at once; the worker scores,
-packs and runs the jitted step on the trainer's devices while the rollout groups keep decoding;
+packs and runs the jitted step on the trainer's devices while the rollout groups keep decoding,
+and waits until the new version's params are computed (``inner.wait(version)``, when it has one);
 ``poll(now)`` returns ``(version, t0, t1)`` once the step has ended (the control loop publishes
 the version then) and re-raises the step's error if it failed. The worker posts a wake-up on the
 run's bus when a step ends, so the control loop does not wait for its next timeout.
@@ -33,6 +34,9 @@ class ThreadedTrainer:
             t0 = self.now()
             try:
                 version = self.inner.step(batch)
+                wait = getattr(self.inner, "wait", None)
+                if wait is not None:  # the step is dispatched; its version must be computed
+                    wait(version)
             finally:
                 self.post(("trainer", "step ended"))
             return version, t0, self.now()

@@ -137,10 +137,7 @@ class Records:
         if self.clock == "wall":
             return self._wall_summary(steps)
         end = self.horizon(steps)
-        steps_in = [s for s in self.steps if s.end <= end]
-        last_step_version = steps_in[-1].version if steps_in else None
-        consumed = [c for c in self.consumed if c.tick < end and last_step_version is not None
-                    and c.trainer_version < last_step_version]  # fmt: skip
+        steps_in, common = self._common(end)
         rows = self.groups[:end]
         gt = max(1, end * self.num_groups)
         idle = prefill = transfer = tokens = reprefill = 0
@@ -166,44 +163,24 @@ class Records:
             max_live = max(max_live, len(live))
             if rolling:
                 busy_ticks.append((t, t + 1.0))
-        plans = [p for p in self.plans if p.tick < end]
-        st = [c.staleness for c in consumed]
-        ntok = sum(c.response_len for c in consumed)
-        group_idle = tuple(n / max(end, 1) for n in idle_by_group)
         return Summary(
-            mode=self.mode,
             ticks=end,
-            steps=len(steps_in),
-            trajectories=len(consumed),
-            tokens=ntok,
-            traj_per_tick=len(consumed) / end if end else 0.0,
-            tokens_per_tick=ntok / end if end else 0.0,
+            traj_per_tick=common["trajectories"] / end if end else 0.0,
+            tokens_per_tick=common["tokens"] / end if end else 0.0,
             bubble=idle / gt,
             utilisation=tokens / (gt * self.max_slots * self.tokens_per_slot_tick),
             prefill_frac=prefill / gt,
             transfer_frac=transfer / gt,
-            staleness_mean=sum(st) / len(st) if st else 0.0,
-            staleness_max=max(st, default=0),
             reprefill_tokens=reprefill,
-            discarded=sum(n for t, n in self.discards if t < end),
-            migrated=sum(n for t, n in self.migrations if t < end),
-            weight_transfers=sum(1 for t, _, _ in self.transfers if t < end),
-            plans=len(plans),
-            plan_ms_mean=sum(p.ms for p in plans) / len(plans) if plans else 0.0,
-            plan_ms_max=max((p.ms for p in plans), default=0.0),
-            max_version_span=max((c.version_span for c in consumed), default=0),
             max_live_versions=max_live,
             overlap=_overlap(self.steps, end, busy_ticks),
-            group_idle=group_idle,
-            **self._crossings(end),
+            group_idle=tuple(n / max(end, 1) for n in idle_by_group),
+            **common,
         )
 
     def _wall_summary(self, steps: int | None) -> Summary:
         end = self.horizon(steps)
-        steps_in = [s for s in self.steps if s.end <= end]
-        last = steps_in[-1].version if steps_in else None
-        consumed = [c for c in self.consumed if c.tick < end and last is not None
-                    and c.trainer_version < last]  # fmt: skip
+        steps_in, common = self._common(end)
         spans = [g for g in self.spans if g.t0 < end]
         span = max(end, 1e-12)
         busy = [0.0] * self.num_groups
@@ -221,45 +198,50 @@ class Records:
             reprefill += g.reprefill_tokens
         group_idle = tuple(max(0.0, 1.0 - b / span) for b in busy)
         rolling = [(g.t0, min(g.t1, end)) for g in spans if g.activity in ("prefill", "decode")]
-        plans = [p for p in self.plans if p.tick < end]
-        st = [c.staleness for c in consumed]
-        ntok = sum(c.response_len for c in consumed)
         gs = span * self.num_groups
         return Summary(
-            mode=self.mode,
             ticks=len(self.cluster),
-            steps=len(steps_in),
-            trajectories=len(consumed),
-            tokens=ntok,
             traj_per_tick=0.0,
             tokens_per_tick=0.0,
             bubble=sum(group_idle) / max(self.num_groups, 1),
             utilisation=tokens / max(engine_steps * self.max_slots * self.tokens_per_slot_tick, 1),
             prefill_frac=cat["prefill"] / gs,
             transfer_frac=cat["transfer"] / gs,
-            staleness_mean=sum(st) / len(st) if st else 0.0,
-            staleness_max=max(st, default=0),
             reprefill_tokens=reprefill,
-            discarded=sum(n for t, n in self.discards if t < end),
-            migrated=sum(n for t, n in self.migrations if t < end),
-            weight_transfers=sum(1 for t, _, _ in self.transfers if t < end),
-            plans=len(plans),
-            plan_ms_mean=sum(p.ms for p in plans) / len(plans) if plans else 0.0,
-            plan_ms_max=max((p.ms for p in plans), default=0.0),
-            max_version_span=max((c.version_span for c in consumed), default=0),
             max_live_versions=_max_live(spans, self.num_groups),
             clock="wall",
             seconds=end,
-            traj_per_s=len(consumed) / span,
-            tokens_per_s=ntok / span,
+            traj_per_s=common["trajectories"] / span,
+            tokens_per_s=common["tokens"] / span,
             overlap=_overlap(steps_in, end, rolling),
             group_idle=group_idle,
-            **self._crossings(end),
+            **common,
         )
 
-    def _crossings(self, end: float) -> dict[str, int]:
+    def _common(self, end: float) -> tuple[list[StepRecord], dict]:
+        """The steps that ended by ``end``, and the summary fields both clocks count the same
+        way: what those steps consumed, staleness, data movement and plans before ``end``."""
+        steps_in = [s for s in self.steps if s.end <= end]
+        last = steps_in[-1].version if steps_in else None
+        consumed = [c for c in self.consumed if c.tick < end and last is not None
+                    and c.trainer_version < last]  # fmt: skip
+        plans = [p for p in self.plans if p.tick < end]
+        st = [c.staleness for c in consumed]
         moves = [m for m in self.cross_host if m[0] < end]
-        return {
+        return steps_in, {
+            "mode": self.mode,
+            "steps": len(steps_in),
+            "trajectories": len(consumed),
+            "tokens": sum(c.response_len for c in consumed),
+            "staleness_mean": sum(st) / len(st) if st else 0.0,
+            "staleness_max": max(st, default=0),
+            "discarded": sum(n for t, n in self.discards if t < end),
+            "migrated": sum(n for t, n in self.migrations if t < end),
+            "weight_transfers": sum(1 for t, _, _ in self.transfers if t < end),
+            "plans": len(plans),
+            "plan_ms_mean": sum(p.ms for p in plans) / len(plans) if plans else 0.0,
+            "plan_ms_max": max((p.ms for p in plans), default=0.0),
+            "max_version_span": max((c.version_span for c in consumed), default=0),
             "cross_host_weight_transfers": sum(1 for m in moves if m[1] == "weights"),
             "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
         }

@@ -252,6 +252,8 @@ def build(
     wall = cfg.orchestrator.clock == "wall"
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     cluster = _cluster(cfg, meshes, process, bus, clock, tokenizer.eos_id)
+    if cluster is not None and not cluster.transfers.via_store:
+        grpo.export_shardings = cluster.link.stage_shardings()
     backend = EngineBackend(
         cfg.model,
         cfg.rollout,

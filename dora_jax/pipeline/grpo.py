@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from dora_jax import faults
@@ -81,6 +82,10 @@ class GRPOTrainer:
         self.trainer, self.tokenizer, self.reward_fn = trainer, tokenizer, reward_fn
         self.train_ticks = train_ticks
         self.params: dict[int, Params] = {self.version: trainer.export_params()}
+        # Where exports go (None: the trainer's own shardings). A multi-process run exports in
+        # the rollout groups' layout on process 0, so that a published version can be pulled by
+        # another process at once, without a copy that would wait for the next train step.
+        self.export_shardings: Params | None = None
         self.log: list[StepLog] = []
         self.consumed: list[tuple[int, int, Completion]] = []  # (request id, version, completion)
 
@@ -121,9 +126,17 @@ class GRPOTrainer:
         metrics = self.trainer.step(packed)
         faults.point("train_step")
         version = self.version
-        self.params[version] = self.trainer.export_params()
+        export = self.trainer.export_params()
+        if self.export_shardings is not None:
+            export = jax.device_put(export, self.export_shardings)
+        self.params[version] = export
         self.log.append(StepLog(version, metrics, rewards, ids))
         return version
+
+    def wait(self, version: int) -> None:
+        """Block until ``version``'s params exist (``step`` returns once the step is dispatched;
+        a worker thread calls this so that "the step has ended" means computed)."""
+        jax.block_until_ready(self.params[version])
 
     def duration_ticks(self, batch: list[ReadyGroup]) -> int:
         return self.train_ticks
