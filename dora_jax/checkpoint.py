@@ -140,7 +140,15 @@ def peek_configs(directory: Path) -> Iterator[tuple[int, dict | None]]:
     if not steps:
         return
     with _quiet_orbax():
-        opts = ocp.CheckpointManagerOptions(read_only=True, create=False)
+        # This process reads alone (in a multi-process run, process 0 reads the config while
+        # the others wait for its orders): no barrier with the other processes.
+        me = jax.process_index()
+        mp = ocp.options.MultiprocessingOptions(
+            primary_host=me, active_processes={me} if jax.process_count() > 1 else None
+        )
+        opts = ocp.CheckpointManagerOptions(
+            read_only=True, create=False, multiprocessing_options=mp
+        )
         manager = ocp.CheckpointManager(directory.absolute(), options=opts, item_names=("config",))
         for step in reversed(steps):
             try:
