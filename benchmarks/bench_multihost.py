@@ -11,7 +11,7 @@ different cores, a cross-process KV migration against re-prefill, and a control 
   those C tokens on that group (what a re-prefill costs); median of 3 after a warm-up, on the
   default model with the context limits raised.
 - Control round: process 0's own time per round (planning, bookkeeping, messages; the wait for
-  reports excluded), and the channel's message round trip.
+  reports excluded), mean and 99th percentile, per mode.
 
 Writes ``benchmarks/results/bench_multihost.json``.
 """

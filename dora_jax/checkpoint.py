@@ -164,8 +164,10 @@ def _host_state(exp) -> dict[str, Any]:
         "backend": exp.backend.state_dict(),
         "prompt_cursor": exp.source.cursor,
         "reward_errors": exp.reward.errors,
+        "reward_errors_by_kind": exp.reward.error_counts(),
         "grpo_log": [
-            (s.version, jax.device_get(s.metrics), s.rewards, s.trajectories) for s in exp.grpo.log
+            (s.version, jax.device_get(s.metrics), s.rewards, s.trajectories, s.reward_metrics)
+            for s in exp.grpo.log
         ],
         "grpo_consumed": exp.grpo.consumed,
         "wall_s": exp.wall_s,
@@ -401,8 +403,11 @@ def _relink(exp, state: dict[str, Any]) -> None:
     exp.runtime.load_state_dict(state["runtime"])  # first: a wall clock continues its timeline
     exp.backend.load_state_dict(state["backend"], exp.grpo.params_for)
     exp.source.cursor = state["prompt_cursor"]
-    exp.reward.errors = state["reward_errors"]
-    exp.grpo.log = [StepLog(v, m, r, t) for v, m, r, t in state["grpo_log"]]
+    # checkpoints from before the failure kinds counted every failure as an exception
+    kinds = state.get("reward_errors_by_kind", {"exception": state["reward_errors"]})
+    for k, n in kinds.items():
+        exp.reward.errors_by_kind[k] = int(n)
+    exp.grpo.log = [StepLog(*entry) for entry in state["grpo_log"]]
     exp.grpo.consumed = state["grpo_consumed"]
     exp.wall_s = state["wall_s"]
     if exp.prompts is not None:

@@ -318,11 +318,16 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) 
         proc.start_watchdog()
     exp = _build(cfg, run_dir, restoring, proc)
     checkpointer = None
+    wandb_log = None
     try:
         checkpointer = _open_checkpoints(exp, run_dir, restoring)
         warm_start_s = time.perf_counter() - t_start
-        metrics = MetricsLog(exp, run_dir, restoring)
-        evals = HeldOutEval(exp, run_dir, cfg, restoring, echo=metrics.echo)
+        if cfg.logging.wandb:  # process 0 only: the others serve their groups (see main)
+            from dora_jax.wandb_log import WandbLog
+
+            wandb_log = WandbLog(cfg, run_dir)
+        metrics = MetricsLog(exp, run_dir, restoring, mirror=wandb_log)
+        evals = HeldOutEval(exp, run_dir, cfg, restoring, echo=metrics.echo, mirror=wandb_log)
         health = RunHealth(exp, echo=metrics.echo)
         if exp.runtime.steps_done == 0:
             evals.at(0)  # before the first step
@@ -356,6 +361,8 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) 
     finally:
         if checkpointer is not None:
             checkpointer.close()
+        if wandb_log is not None:
+            wandb_log.close()
         exp.close()
         if proc is not None:
             proc.finish()
@@ -417,7 +424,7 @@ def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False, proc=N
         print(
             f"note: data.long_prompts=skip left out {len(exp.long_prompt_lines)} prompt(s) "
             f"longer than rollout.max_prompt_len={cfg.rollout.max_prompt_len} "
-            f"({cfg.data.path} lines {lines}{more})"
+            f"({cfg.data.path} {'lines' if cfg.data.task == 'jsonl' else 'rows'} {lines}{more})"
         )
     return exp
 

@@ -1,8 +1,8 @@
 """The global device list cut into role submeshes: one trainer mesh and N rollout group meshes.
 
 Every mesh has the axes ``("data", "model")`` (classic auto sharding). Rollout groups all get the
-same mesh shape ``(1, tp)`` so that weights and KV pages move between them shard to shard (see
-JAX_FACTS: a ``device_put`` between meshes of different layouts goes through the host).
+same mesh shape ``(1, tp)`` so that weights and KV pages move between them shard to shard (a
+``device_put`` between meshes of different layouts goes through the host).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ nested dict is flattened with ``/`` (``{"loss": {"pg": x}}`` is the scalar ``los
 non-empty list / tuple / array of finite numbers is an ``add_histogram``; strings, empty lists
 and lists holding anything but numbers are skipped (they are in the JSONL only). tensorboardX
 is imported only when ``tensorboard=True``; if it is missing the writer warns and goes on with
-the JSONL alone.
+the JSONL alone. A ``mirror`` (Weights & Biases, :mod:`dora_jax.wandb_log`) is given every
+record too, under the same names.
 """
 
 from __future__ import annotations
@@ -96,16 +97,16 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
-def _is_number(x: Any) -> bool:
+def is_number(x: Any) -> bool:
     return isinstance(x, bool | int | float | np.bool_ | np.integer | np.floating)
 
 
-def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for k, v in metrics.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping):
-            flat.update(_flatten(v, key + "/"))
+            flat.update(flatten_metrics(v, key + "/"))
         else:
             flat[key] = v
     return flat
@@ -121,7 +122,9 @@ class MetricsWriter:
         *,
         filename: str = METRICS_FILE,
         tb_dir: str = TB_DIR,
+        mirror=None,
     ):
+        self.mirror = mirror  # also given every record, e.g. dora_jax.wandb_log.WandbLog
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / filename
@@ -155,13 +158,15 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             self._write_tb(step, metrics)
+        if self.mirror is not None:
+            self.mirror.log(step, metrics)
 
     def _write_tb(self, step: int, metrics: Mapping[str, Any]) -> None:
-        for key, v in _flatten(metrics).items():
-            if _is_number(v):
+        for key, v in flatten_metrics(metrics).items():
+            if is_number(v):
                 self._tb.add_scalar(key, float(v), step)
             elif isinstance(v, list | tuple | np.ndarray) and len(v):
-                if not all(_is_number(e) for e in np.asarray(v, dtype=object).ravel()):
+                if not all(is_number(e) for e in np.asarray(v, dtype=object).ravel()):
                     continue
                 arr = np.asarray(v, dtype=np.float64).ravel()
                 arr = arr[np.isfinite(arr)]

@@ -5,6 +5,8 @@
 - :func:`write_summary`: ``summary.json`` + ``summary.md`` (throughput, bubble, phase fractions,
   staleness histogram, data movement, reward curve, overheads).
 - :func:`reward_curve_plot`: mean reward against consumed samples (or steps), one line per run.
+- :func:`seed_band_plot`: the same over several seeds: each seed's curve, their mean and its
+  standard-error band.
 
 Phase fractions (:func:`phase_fractions`), over the ticks ``[0, H)`` of the summary horizon: a
 tick is *training* when some train step's span ``[start, end)`` (a ``StepRecord``) covers it, and
@@ -89,9 +91,11 @@ def _time_edges(n: int, tick_seconds: list[float] | None) -> np.ndarray:
 def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
     """``[groups, ncols, 3]`` RGB: each column the time-weighted mean colour of what it spans."""
     p = len(PALETTE)
-    lut = np.concatenate([[IDLE_RGB, TRANSFER_RGB], PALETTE, PALETTE * (1 - TINT) + TINT])
+    lut = np.concatenate(
+        [[IDLE_RGB, TRANSFER_RGB], PALETTE, PALETTE * (1 - TINT) + TINT, [MIGRATE_RGB]]
+    )
     busy = (act == _DECODE) | (act == _PREFILL) | ((act == _IDLE) & (active > 0))
-    idx = np.where(act == _TRANSFER, 1, 0)
+    idx = np.where(act == _TRANSFER, 1, np.where(act == _MIGRATE, 2 + 2 * p, 0))
     idx = np.where(busy, 2 + version % p + p * (act != _DECODE), idx)
     dt = np.diff(edges)
     cols = np.linspace(edges[0], edges[-1], ncols + 1)
@@ -104,10 +108,10 @@ def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
     return np.clip(img, 0.0, 1.0)
 
 
-def _span_image(records: Records, end: float, ncols: int) -> np.ndarray:
-    """Wall clock: ``[groups, ncols, 3]`` RGB over ``[0, end)`` seconds from each group's spans
-    (each column the time-weighted mean colour; time outside every span is idle, white)."""
-    cols = np.linspace(0.0, end, ncols + 1)
+def _span_image(records: Records, end: float, ncols: int, start: float = 0.0) -> np.ndarray:
+    """Wall clock: ``[groups, ncols, 3]`` RGB over ``[start, end)`` seconds from each group's
+    spans (each column the time-weighted mean colour; time outside every span is idle, white)."""
+    cols = np.linspace(start, end, ncols + 1)
     img = np.ones((records.num_groups, ncols, 3))
     by_group: list[list] = [[] for _ in range(records.num_groups)]
     for g in records.spans:
@@ -118,7 +122,7 @@ def _span_image(records: Records, end: float, ncols: int) -> np.ndarray:
         if not spans:
             continue
         spans.sort(key=lambda x: x.t0)
-        edges, colors, t = [0.0], [], 0.0
+        edges, colors, t = [start], [], start
         for x in spans:
             a, b = max(x.t0, t), min(x.t1, end)
             if b <= a:
@@ -153,6 +157,7 @@ def plot_timeline(
     title: str = "",
     tick_seconds: list[float] | None = None,
     max_cols: int = MAX_COLS,
+    span: tuple[float, float] | None = None,
 ) -> Path:
     """Write a PNG: one lane per rollout group over time, coloured by the version it holds.
 
@@ -165,7 +170,8 @@ def plot_timeline(
     shows every engine step, weight load (grey) and KV move (near-black) of its group where it
     happened, and white where the group did nothing). Runs longer than ``max_cols`` columns are
     area-averaged (a column's colour is the mean over the time it covers), so 100k ticks x 128
-    groups render as one image, not one rectangle per cell.
+    groups render as one image, not one rectangle per cell. ``span``: draw only ``[start, end)``
+    (ticks on the logical clock, seconds on the wall clock), on the run's own time axis.
     """
     path = Path(path)
     wall = records.clock == "wall"
@@ -173,8 +179,10 @@ def plot_timeline(
         ngroups = records.num_groups
         x0, x1 = 0.0, max(records.horizon(), max((s.end for s in records.steps), default=0.0))
         x1 = x1 or 1.0
+        if span is not None:
+            x0, x1 = float(span[0]), float(span[1])
         nticks = len(records.cluster)
-        img = _span_image(records, x1, max_cols) if records.spans else None
+        img = _span_image(records, x1, max_cols, x0) if records.spans else None
 
         def x_at(t: float) -> float:
             return float(t)
@@ -184,14 +192,22 @@ def plot_timeline(
         version, act, active = _grid(records)
         ngroups, nticks = version.shape
         edges = _time_edges(nticks, tick_seconds)
-        x0, x1 = 0.0, float(edges[-1]) if nticks else 1.0
-        ncols = max(1, min(nticks, max_cols) if tick_seconds is None else max_cols)
-        img = _image(version, act, active, edges, ncols) if nticks else None
+        a, b = (0, nticks) if span is None else (max(0, int(span[0])), min(nticks, int(span[1])))
+        shown = max(0, b - a)
+        x0, x1 = (float(edges[a]), float(edges[b])) if shown else (0.0, 1.0)
+        ncols = max(1, min(shown, max_cols) if tick_seconds is None else max_cols)
+        img = None
+        if shown:
+            cut = (version[:, a:b], act[:, a:b], active[:, a:b])
+            img = _image(*cut, edges[a : b + 1], ncols)
+        last = nticks
+        nticks = shown
 
         def x_at(tick: int) -> float:
-            return float(edges[min(max(tick, 0), nticks)]) if nticks else 0.0
+            return float(edges[min(max(int(tick), 0), last)]) if last else 0.0
 
-        versions = set(int(v) for v in np.unique(version[act != _IDLE])) if nticks else set()
+        seen = act[:, a:b] != _IDLE
+        versions = set(int(v) for v in np.unique(version[:, a:b][seen])) if shown else set()
 
     lanes_in = float(np.clip(0.2 * ngroups, 1.6, 16.0))  # inches for the group lanes
     fig = Figure(figsize=(14, lanes_in + 1.9), dpi=110, layout="constrained")
@@ -201,14 +217,14 @@ def plot_timeline(
     versions |= {s.version for s in records.steps}
     # header lanes: trainer (y = 0), one bar per step coloured by the version it produces, and
     # migrations (y = 1), one marker per migration sized by its request count
-    span = x1 - x0
+    width = x1 - x0
     for s in records.steps:
         a, b = x_at(s.start), x_at(s.end)
         if b <= a:
             continue
         top.broken_barh([(a, b - a)], (-0.4, 0.8), facecolors=version_color(s.version),
                         edgecolors="white", linewidth=0.6)  # fmt: skip
-        if (b - a) / span > 0.018:
+        if (b - a) / width > 0.018 and x0 <= (a + b) / 2 <= x1:
             top.text((a + b) / 2, 0.0, f"v{s.version}", ha="center", va="center", fontsize=7,
                      color="white", fontweight="bold", clip_on=True)  # fmt: skip
     if records.migrations:
@@ -231,7 +247,7 @@ def plot_timeline(
            xlim=(x0, x1), xlabel=xlabel, ylabel="rollout group")  # fmt: skip
     ax.tick_params(axis="y", labelsize=7 if ngroups > 16 else 8)
     head = title or f"{records.mode}: rollout groups by policy version"
-    extent = f"{x1:.1f} s" if wall else f"{nticks} ticks"
+    extent = f"{x1 - x0:.1f} s" if wall or tick_seconds is not None else f"{nticks} ticks"
     top.set_title(f"{head}  ({ngroups} groups, {extent}, {len(records.steps)} steps)")
 
     handles = _legend(sorted(versions))
@@ -252,7 +268,7 @@ def _legend(versions: list[int]) -> list[Any]:
     handles += [
         Patch(color=tuple(PALETTE[0] * (1 - TINT) + TINT), label="light: prefill / waiting"),
         Patch(color=tuple(TRANSFER_RGB), label="weight transfer"),
-        Patch(color=tuple(MIGRATE_RGB), label="KV move (wall clock)"),
+        Patch(color=tuple(MIGRATE_RGB), label="KV move"),
         Patch(facecolor="white", edgecolor="0.6", label="idle"),
         Line2D([], [], marker=">", color="black", ls="", ms=5, label="transfer start"),
         Line2D([], [], marker="v", color="black", ls="", ms=5, label="migration (size: n)"),
@@ -442,6 +458,14 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
              f"{_f(ev[0]['solved'])} -> {_f(ev[-1]['solved'])} "
              f"(evaluations: {', '.join(_f(e['solved']) for e in ev)})")
         )  # fmt: skip
+        for name in ev[-1].get("at_k", {}):  # mean@k, pass@j with several samples per problem
+            first, last = ev[0]["at_k"].get(name), ev[-1]["at_k"][name]
+            rows.append((f"held-out {name}, step {ev[0]['step']} -> {ev[-1]['step']}",
+                         f"{_f(first)} -> {_f(last)}"))  # fmt: skip
+    errors = (d.get("extra") or {}).get("reward_errors_by_kind")
+    if errors:
+        rows.append(("reward function failures (reward 0)",
+                     ", ".join(f"{k} {n}" for k, n in errors.items())))  # fmt: skip
     rows += [(f"overhead: {k[:-5]}", f"{_f(v, True)} of wall time") for k, v in oh_frac.items()]
     out = [f"# Run summary: {s.mode}", "", "| metric | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
@@ -492,6 +516,55 @@ def reward_curve_plot(
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     if curves:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def seed_band(
+    curves: list[list[tuple[float, float]]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The mean over seeds' ``(x, y)`` curves at the first curve's x values (the others
+    interpolated there), and the standard error of that mean (None for one curve)."""
+    xs = np.array([x for x, _ in curves[0]], float)
+    ys = np.array([np.interp(xs, *np.array(sorted(c), float).T) for c in curves])
+    se = ys.std(axis=0, ddof=1) / math.sqrt(len(curves)) if len(curves) > 1 else None
+    return xs, ys.mean(axis=0), se
+
+
+def seed_band_plot(
+    runs: dict[str, list[list[tuple[int, float]]]],
+    path: str | Path,
+    xlabel: str = "consumed samples",
+    *,
+    ylabel: str = "mean reward",
+    title: str = "",
+) -> Path:
+    """Write a PNG with, per label of ``runs`` (one ``(x, y)`` curve per seed), each seed's
+    curve as a thin line and the mean over seeds as a thick one with a band of one standard
+    error of that mean. Seeds' curves are compared at the first seed's x values (interpolated
+    where a seed has other x values)."""
+    path = Path(path)
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    ax = fig.subplots()
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, seeds) in enumerate(runs.items()):
+        color = colors[i % len(colors)]
+        curves = [sorted((x, y) for x, y in c if math.isfinite(y)) for c in seeds]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        for c in curves:
+            ax.plot(*zip(*c, strict=True), color=color, lw=0.6, alpha=0.35)
+        xs, mean, se = seed_band(curves)
+        ax.plot(xs, mean, color=color, lw=1.8, label=f"{label} (mean of {len(curves)})")
+        if se is not None:
+            ax.fill_between(xs, mean - se, mean + se, color=color, alpha=0.2, lw=0)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    if runs:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

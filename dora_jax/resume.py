@@ -61,6 +61,18 @@ RULES: tuple[tuple[str, str, str], ...] = (
         "queue and window contents come from the checkpoint",
     ),  # fmt: skip
     ("data.reward", APPLY, "rewards are computed when trajectories are consumed"),
+    (
+        "data.reward_timeout_s",
+        APPLY,
+        "the reward worker pool is started afresh from the config; rewards are computed when "
+        "trajectories are consumed",
+    ),  # fmt: skip
+    (
+        "data.reward_workers",
+        APPLY,
+        "the reward worker pool is started afresh from the config; rewards are computed when "
+        "trajectories are consumed",
+    ),  # fmt: skip
     ("data.", REFUSE, "the checkpoint's prompt cursor indexes this prompt stream"),
     ("warm_start.", REFUSE, "the warm start is over: the checkpoint holds the policy"),
     ("eval.every_steps", APPLY, "the evaluation cadence from the next step on"),

@@ -70,16 +70,14 @@ def _job(args: tuple) -> dict:
 
 
 def plot(sweep: str, rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
 
     label = SWEEPS[sweep][0]
     runs = sorted(
         {(r["mode"], r["placement"]) for r in rows}, key=lambda x: (x != ("dora", DIS), x)
     )
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig = Figure(figsize=(11, 3.8))
+    a, b = fig.subplots(1, 2)
     by = {(r["mode"], r["placement"], r["value"]): r for r in rows}
     xs = sorted({r["value"] for r in rows})
     for mode, pl in runs:
@@ -109,7 +107,6 @@ def plot(sweep: str, rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:

@@ -1,12 +1,16 @@
 """Simulate the five rollout modes on one modeled cluster and workload; compare with the paper.
 
     python launch/simulate.py --config configs/sim/qwen32b_h800_64.yaml [key.path=value ...]
-        [--json PATH] [--plots-dir DIR] [--plot-modes dora,sync] [--no-plots]
+        [--json PATH] [--plots-dir DIR] [--plot-modes dora,sync] [--no-plots] [--ablation]
 
-Runs every (mode, placement) of the config on the same workload and seed, prints one table in
-modeled seconds with the paper's figures beside ours (from dora_jax/sim/paper_figures.yaml),
-writes JSON (default benchmarks/results/sim_<name>.json) and one timeline PNG per run (default
-runs/sim/<name>/). No jax: the control plane drives simulated groups (docs/simulator.md).
+Runs every (mode, placement) of the config on the same workload and seed and prints: one table
+in modeled seconds; each mode's step time split by what its GPUs did (rollout at full batch,
+rollout in the tail, re-prefill, training, moves, idle); DORA's speedups over every baseline in
+both placements (colocated sync, what veRL users run, first) beside the paper's figures (from
+dora_jax/sim/paper_figures.yaml) and the placement of the paper's baseline. ``--ablation`` also
+runs dora with each planner feature switched off. Writes JSON (default
+benchmarks/results/sim_<name>.json) and one timeline PNG per run (default runs/sim/<name>/). No
+jax: the control plane drives simulated groups (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--plots-dir", type=Path, help="timeline PNGs (default runs/sim/<name>)")
     p.add_argument("--plot-modes", default="", help="comma list of modes to plot (default all)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--ablation", action="store_true", help="dora without each planner feature")
     args = p.parse_args(argv)
     try:
         cfg = resolve(load_sim_config(args.config, args.overrides))
@@ -58,14 +63,23 @@ def main(argv: list[str]) -> int:
         runs.append(simulate(cfg, mode, placement))
         print(f"  ran {mode}/{placement}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     paper, note = report.load_paper(cfg.paper_key)
+    metrics = [r.metrics for r in runs]
     print()
-    print(report.table([r.metrics for r in runs]))
+    print(report.table(metrics))
+    print()
+    print("step time by what the GPUs did (seconds per step, share of the step):")
+    print(report.decomposition(metrics))
     print()
     print(note)
-    print(report.paper_comparison([r.metrics for r in runs], paper))
+    print(report.paper_comparison(metrics, paper))
+    ablation = None
+    if args.ablation:
+        ablation = report.ablation(cfg, metrics)
+        print()
+        print(report.ablation_table(ablation))
     out = args.json or ROOT / "benchmarks" / "results" / f"sim_{cfg.name}.json"
     cmd = "python launch/simulate.py " + " ".join(argv)
-    report.write_json(out, cfg, runs, stats, paper, note, cmd)
+    report.write_json(out, cfg, runs, stats, paper, note, cmd, ablation=ablation)
     print(f"\nwrote {out}")
     if not args.no_plots:
         plots = args.plots_dir or ROOT / "runs" / "sim" / cfg.name

@@ -8,10 +8,10 @@ import pytest
 from dora_jax.data import (
     ArithmeticTask,
     DataError,
+    Scorer,
     boxed_math_reward,
     exact_reward,
     load_jsonl_prompts,
-    safe_reward,
 )
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.model.tokenizer import CharTokenizer
@@ -95,16 +95,17 @@ def test_rewards():
     assert boxed_math_reward("\\boxed{1,000}", "1000") == 1.0
 
 
-def test_safe_reward_counts_errors_and_returns_zero():
+def test_scorer_counts_errors_by_kind_and_returns_zero():
     def bad(response, answer):
         if response == "boom":
             raise RuntimeError("broken reward")
         return float("nan") if response == "nan" else 1.0
 
-    r = safe_reward(bad)
+    r = Scorer(bad)
     assert r("ok", "x") == 1.0
     assert r("boom", "x") == 0.0 and r("nan", "x") == 0.0
     assert r.errors == 2
+    assert r.error_counts() == {"timeout": 0, "exception": 1, "invalid": 1, "crash": 0}
 
 
 def test_jsonl_errors_name_the_line(tmp_path):

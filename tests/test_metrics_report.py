@@ -302,6 +302,24 @@ def test_reward_curve_plot(tmp_path):
     assert w > 500 and h > 300 and p.stat().st_size > 15_000
 
 
+def test_seed_band_matches_numpy_and_plots(tmp_path):
+    from dora_jax.report import seed_band, seed_band_plot
+
+    a = [(0, 0.2), (64, 0.4), (128, 0.5)]
+    b = [(0, 0.3), (32, 0.1), (128, 0.9)]  # other x values: read at a's by linear interpolation
+    c = [(128, 0.7), (0, 0.1), (64, 0.6)]  # unsorted
+    xs, mean, se = seed_band([a, b, c])
+    b_at = [0.3, 0.1 + (0.9 - 0.1) * (64 - 32) / (128 - 32), 0.9]
+    ys = np.array([[0.2, 0.4, 0.5], b_at, [0.1, 0.6, 0.7]])
+    np.testing.assert_allclose(xs, [0, 64, 128])
+    np.testing.assert_allclose(mean, ys.mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(se, ys.std(axis=0, ddof=1) / np.sqrt(3), rtol=1e-12)
+    assert seed_band([a])[2] is None  # one seed: no error band
+    p = seed_band_plot({"sync": [a, b, c], "dora": [a], "none": []}, tmp_path / "band.png")
+    w, h = _png_size(p)
+    assert w > 500 and h > 300
+
+
 def test_head_keeps_only_the_first_ticks():
     from dora_jax.config.schema import OrchestratorConfig
     from dora_jax.orchestrator import FakeBackendConfig, run_fake

@@ -71,6 +71,12 @@ OTHER = {
     "train.length_buckets": [64, 128, 256, 512, 1024],
     "orchestrator.rollout_batch_prompts": 9,
     "train.kl_beta": 0.2,  # with a saved 0.1: the penalty stays on
+    "data.split": "test",
+    "data.system_prompt": "Think step by step.",
+    "data.prompt_template": "Solve: {prompt}",
+    "logging.wandb_project": "elsewhere",
+    "logging.wandb_name": "run-2",
+    "logging.wandb_tags": ["a"],
 }
 
 

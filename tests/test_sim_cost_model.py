@@ -106,3 +106,36 @@ def test_kv_capacity_and_what_does_not_fit():
     assert cm.kv_capacity_tokens == int((4 * 80e9 * 0.8 - m.weight_bytes) // 262_144)
     with pytest.raises(ValueError, match="does not fit"):
         CostModel(m, get_hardware("a100"), 1, EFF, mem_util=0.8)  # 65.5 GB > 64 GB usable
+
+
+def test_measured_cpu_preset(tmp_path):
+    import json
+
+    from dora_jax.sim.config import load_sim_config
+    from dora_jax.sim.cost_model import MeasuredCost
+    from dora_jax.sim.run import cost_model, simulate
+
+    consts = {
+        "decode_step_s": 0.004, "decode_steps_per_call": 4, "prefill_step_s": 0.008,
+        "prefill_chunk_tokens": 64, "max_slots": 8, "weight_load_s": 0.002, "kv_move_s": 0.001,
+        "train_step_s": 0.5, "kv_capacity_tokens": 1584,
+    }  # fmt: skip
+    path = tmp_path / "calibrate_cpu.json"
+    path.write_text(json.dumps({"constants": consts}))
+    cm = MeasuredCost.from_file(path)
+    assert np.allclose(cm.decode_step_s(np.array([1, 8]), np.array([10, 900])), 0.001)
+    assert float(cm.prefill_s(80, 0)) == 0.008 and float(cm.prefill_s(0, 0)) == 0.0
+    assert float(cm.prefill_s(8 * 64 + 1, 0)) == 0.016  # a second call
+    assert cm.train_step_s(np.array([100, 200]), 4) == 0.5 and cm.kv_capacity_tokens == 1584
+    assert cm.weight_transfer_s() == 0.002 and cm.kv_transfer_s(10_000) == 0.001
+    lens = tmp_path / "lens.txt"
+    lens.write_text("\n".join(str(x) for x in (4, 8, 10, 12, 30, 160)) + "\n")
+    from pathlib import Path
+
+    cfg = load_sim_config(
+        Path(__file__).resolve().parents[1] / "configs" / "sim" / "cpu_default_task.yaml",
+        [f"calibration={path}", f"response.path={lens}", "run.steps=3", "run.warmup_steps=1"],
+    )
+    assert isinstance(cost_model(cfg), MeasuredCost)
+    m = simulate(cfg, "dora").metrics
+    assert m.steps == 2 and m.tokens_per_s > 0 and m.train_s == 0.5

@@ -54,7 +54,13 @@ def test_figures_are_consistent(tiny_runs):
         m = r.metrics
         assert m.steps == cfg.run.steps - cfg.run.warmup_steps
         assert 0 <= m.rollout_only_s <= m.step_s and 0 <= m.rollout_only_frac <= 1
-        for f in (m.bubble, m.weight_frac, m.transfer_frac, m.reprefill_frac, m.prefill_frac):
+        for f in (
+            m.bubble,
+            m.weight_transfer_frac,
+            m.migration_frac,
+            m.reprefill_frac,
+            m.prefill_frac,
+        ):
             assert 0 <= f <= 1
         assert m.tokens_per_s > 0 and m.train_s > 0
         assert m.staleness_max <= (
@@ -163,7 +169,8 @@ def test_launch_script(tmp_path):
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "dora/dis" in out.stdout and "DORA vs baselines" in out.stdout
+    assert "dora/dis" in out.stdout and "DORA (disaggregated) vs" in out.stdout
+    assert "full batch" in out.stdout  # the step decomposition
     assert (tmp_path / "o.json").is_file()
     assert [p.name for p in tmp_path.glob("*.png")] == [
         "sim_timeline_tiny_qwen7b_h100_dora_dis.png"

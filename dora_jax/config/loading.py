@@ -151,9 +151,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError("", f"override {text!r} has an empty key segment")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(key, f"cannot parse value {raw!r}: {e}") from None
+    except yaml.YAMLError as e:  # fine for a string field (its raw text is kept), else an error
+        value = _Unparsed(ConfigError(key, f"cannot parse value {raw!r}: {e}"))
     return parts, value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unparsed:
+    """An override value that is not valid YAML (``{prompt} ...``)."""
+
+    error: ConfigError
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> dict[str, Any]:
@@ -175,6 +182,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> di
                 raw = text.split("=", 1)[1].strip()
                 if _is_str_field(hint) and not (raw == "null" and _is_optional(hint)):
                     value = raw  # YAML 1.1 would read "4:8" as the base-60 integer 248
+                if isinstance(value, _Unparsed):
+                    raise value.error
                 node[part] = value
                 break
             child = node.get(part)

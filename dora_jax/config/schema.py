@@ -292,8 +292,19 @@ class OrchestratorConfig:
     kv_pressure_threshold: float = 0.9
     # dora: supplement older versions with prompts that fill their idle slots (tiered injection)
     legacy_fill: bool = True
-    # dora: also plan when a ready group idles while requests of another version wait
+    # dora: also plan when a ready group idles with nothing admissible while requests of another
+    # version wait or another group could share its load
     plan_on_idle: bool = True
+    # dora: a KV-pressure or idle trigger whose plan moved nothing stays quiet until what it
+    # looks at changes (groups' versions, idle or hot groups, room, pending versions)
+    plan_hysteresis: bool = True
+    # dora, beyond the paper (off by default): re-choose K after every train step within
+    # [adaptive_k_min, staleness_k], raising it when the trainer waited for the window's oldest
+    # version longer than staleness_cost (the share of a step's progress one more unit of
+    # staleness costs), lowering it after calm steps (orchestrator/staleness.py)
+    adaptive_k: bool = False
+    adaptive_k_min: int = 1
+    staleness_cost: float = 0.05
     # wall clock: stop with an error after this many seconds without progress (no train step,
     # no trajectory, no dispatch)
     stall_s: float = 600.0
@@ -306,7 +317,15 @@ class OrchestratorConfig:
             f"must be 'logical' or 'wall', got {self.clock!r}",
         )
         _check(self.stall_s > 0, "stall_s", f"must be > 0, got {self.stall_s}")
-        for name in ("legacy_fill", "plan_on_idle"):
+        _check(
+            0 <= self.adaptive_k_min <= self.staleness_k or not self.adaptive_k,
+            "adaptive_k_min",
+            f"must be in [0, staleness_k = {self.staleness_k}], got {self.adaptive_k_min}",
+        )
+        _check(
+            self.staleness_cost >= 0, "staleness_cost", f"must be >= 0, got {self.staleness_cost}"
+        )
+        for name in ("legacy_fill", "plan_on_idle", "plan_hysteresis", "adaptive_k"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(
@@ -332,18 +351,38 @@ class OrchestratorConfig:
         )
 
 
+BUILT_IN_REWARDS = ("exact", "boxed_math", "partial_credit")
+DATA_FILE_TASKS = ("jsonl", "parquet", "hf")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """Prompts: the built-in synthetic task, or a JSONL file (``path``) of prompts with answers."""
+    """Prompts: the built-in synthetic task, or rows of a dataset file (``path``): ``jsonl``
+    (one JSON object per line), ``parquet``, or ``hf`` (a directory written by a Hugging Face
+    dataset's ``save_to_disk``, or a ``.json``/``.jsonl``/``.parquet`` file read through
+    ``datasets.load_dataset``)."""
 
-    task: Literal["arithmetic", "jsonl"] = "arithmetic"
+    task: Literal["arithmetic", "jsonl", "parquet", "hf"] = "arithmetic"
     path: str | None = None
+    split: str = "train"  # hf: the split of a DatasetDict or of load_dataset
+    # dotted paths into a row: 'prompt' (a string, or a list of chat messages), and the
+    # reference answer, e.g. veRL's 'reward_model.ground_truth'
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    # a string prompt becomes the user message prompt_template.format(prompt=...); a system
+    # message is put first unless the row's messages already start with one
+    system_prompt: str | None = None
+    prompt_template: str = "{prompt}"
+    shuffle: bool = True  # a fresh seeded order every epoch (exact on resume)
     # exact: the answer (arithmetic: the remainder after '#') equals the reference; boxed_math:
-    # the last \\boxed{} (JSONL only); partial_credit: arithmetic only, also credits a correct
-    # countdown prefix
-    reward: Literal["exact", "boxed_math", "partial_credit"] = "exact"
+    # the last \\boxed{} against the reference through math-verify (files only);
+    # partial_credit: arithmetic only, also credits a correct countdown prefix; or your own
+    # function, 'path/to/file.py:function' or 'package.module:function'
+    reward: str = "exact"
+    # boxed_math and your own functions run in reward_workers worker processes; a call past
+    # reward_timeout_s seconds is stopped and scores 0 (counted)
+    reward_timeout_s: float = 30.0
+    reward_workers: int = 2
     tokenizer: Literal["char", "hf"] = "char"
     # a prompt longer than rollout.max_prompt_len: "error" refuses the data file before the run
     # starts, naming the line; "skip" leaves it out and counts it (summary.json)
@@ -359,16 +398,42 @@ class DataConfig:
             f"must be in [1, 40], got {self.median_steps}",
         )
         _check(
-            self.task != "jsonl" or bool(self.path),
+            self.task == "arithmetic" or bool(self.path),
             "path",
-            "must be set when task is 'jsonl'",
+            f"must be set when task is {self.task!r}",
         )
         _check(
-            (self.task, self.reward)
-            not in {("arithmetic", "boxed_math"), ("jsonl", "partial_credit")},
+            self.reward in BUILT_IN_REWARDS or ":" in self.reward,
+            "reward",
+            f"must be one of {', '.join(BUILT_IN_REWARDS)} or 'file.py:function' / "
+            f"'package.module:function', got {self.reward!r}",
+        )
+        _check(
+            (self.task == "arithmetic" or self.reward != "partial_credit")
+            and (self.task != "arithmetic" or self.reward != "boxed_math"),
             "reward",
             f"{self.reward!r} does not apply to task {self.task!r}",
         )
+        _check("{prompt}" in self.prompt_template, "prompt_template",
+               f"must contain '{{prompt}}', got {self.prompt_template!r}")  # fmt: skip
+        for name in ("prompt_field", "answer_field"):
+            value = getattr(self, name)
+            _check(bool(value) and all(value.split(".")), name,
+                   f"must be a field name or a dotted path, got {value!r}")  # fmt: skip
+        _check(self.reward_timeout_s > 0, "reward_timeout_s",
+               f"must be > 0, got {self.reward_timeout_s}")  # fmt: skip
+        _check(self.reward_workers > 0, "reward_workers",
+               f"must be > 0, got {self.reward_workers}")  # fmt: skip
+        _check(
+            isinstance(self.shuffle, bool),
+            "shuffle",
+            f"must be true or false, got {self.shuffle!r}",
+        )
+
+    @property
+    def pooled_reward(self) -> bool:
+        """Whether rewards run in worker processes (boxed_math and your own functions)."""
+        return self.reward not in ("exact", "partial_credit")
 
 
 @dataclass(frozen=True)
@@ -412,6 +477,12 @@ class LoggingConfig:
     progress: bool = True
     tensorboard: bool = True
     every_steps: int = 1
+    # Weights & Biases (optional package): the metrics.jsonl numbers under the same names;
+    # WANDB_MODE=offline writes the run under run_dir/wandb/ without a network
+    wandb: bool = False
+    wandb_project: str = "dora_jax"
+    wandb_name: str | None = None  # None: the run directory's name
+    wandb_tags: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")
@@ -421,15 +492,19 @@ class LoggingConfig:
 class EvalConfig:
     """Held-out evaluation between train steps: one sampled response (rollout temperature) per
     fixed problem, the same sampling keys every time, so evaluations compare paired. The built-in
-    task draws its held-out problems from a seed of its own; a JSONL run evaluates on ``path``
+    task draws its held-out problems from a seed of its own; a dataset run evaluates on ``path``
     (same fields as ``data``) and skips evaluation without it."""
 
     num_prompts: int = 256  # 0: no evaluation
     every_steps: int = 100  # also before the first step and after the last
     path: str | None = None
+    # k responses per problem: mean@k and pass@j (unbiased estimator) for j = 1, 2, 4, ..., k
+    samples_per_prompt: int = 1
 
     def __post_init__(self):
         _check(self.num_prompts >= 0, "num_prompts", f"must be >= 0, got {self.num_prompts}")
+        _check(self.samples_per_prompt >= 1, "samples_per_prompt",
+               f"must be >= 1, got {self.samples_per_prompt}")  # fmt: skip
         _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")
 
 

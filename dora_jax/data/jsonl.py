@@ -1,13 +1,15 @@
-"""Prompts with answers from a JSONL file: one JSON object per line."""
+"""Prompts with answers from a JSONL file, as ``(prompt, answer)`` string pairs (the
+built-in-style reader; :mod:`dora_jax.data.files` and :mod:`dora_jax.data.examples` read every
+format, chat messages and nested fields)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from dora_jax.data.examples import to_examples
+from dora_jax.data.files import DataError, read_rows
 
-class DataError(ValueError):
-    """A data file is missing or a line lacks a needed field; the message names the line."""
+__all__ = ["DataError", "load_jsonl_prompts", "load_jsonl_rows"]
 
 
 def load_jsonl_rows(
@@ -19,37 +21,13 @@ def load_jsonl_rows(
 ) -> list[tuple[int, str, str]]:
     """``[(line number, prompt, answer), ...]``; every bad line fails with ``file:line: reason``
     (``setting`` names the config field that points at the file, for a missing one)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: no such file ({setting})")
-    out: list[tuple[int, str, str]] = []
-    with p.open("rb") as f:
-        for n, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{p}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{p}:{n}: expected a JSON object, got {type(row).__name__}")
-            for field in (prompt_field, answer_field):
-                if field not in row:
-                    raise DataError(f"{p}:{n}: missing field {field!r} (has: {sorted(row)})")
-            prompt, answer = row[prompt_field], row[answer_field]
-            if not isinstance(prompt, str) or not prompt:
-                raise DataError(f"{p}:{n}: field {prompt_field!r} must be a non-empty string")
-            if not isinstance(answer, (str, int, float)):
-                raise DataError(f"{p}:{n}: field {answer_field!r} must be a string or number")
-            out.append((n, prompt, str(answer)))
-    if not out:
-        raise DataError(f"{p}: holds no prompts ({setting})")
+    rows = read_rows("jsonl", path, setting=setting)
+    examples = to_examples(rows, prompt_field, answer_field, str(path))
+    out = []
+    for ex in examples:
+        if not isinstance(ex.prompt, str):
+            raise DataError(f"{path}:{ex.row}: field {prompt_field!r} must be a string here")
+        out.append((ex.row, ex.prompt, ex.answer))
     return out
 
 

@@ -1,13 +1,12 @@
-"""Reward functions ``(response, answer) -> float`` and a guard that never lets one crash a run."""
+"""Built-in reward functions ``(response, answer) -> float``: exact match, and the pieces of the
+boxed-math reward (:mod:`dora_jax.data.math_answers`) that do not need math-verify."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from fractions import Fraction
 
 RewardFn = Callable[[str, str], float]
-log = logging.getLogger(__name__)
 
 
 def exact_reward(response: str, answer: str) -> float:
@@ -47,37 +46,7 @@ def _normalise(s: str) -> str | Fraction:
         return s
 
 
-def boxed_math_reward(response: str, answer: str) -> float:
-    """1 when the last ``\\boxed{}`` of the response equals the answer, numerically when both
-    parse as numbers or fractions (``0.5 == \\frac{1}{2}``), else as normalised strings."""
-    got = last_boxed(response)
-    if got is None:
-        return 0.0
-    want = last_boxed(answer) or answer
-    return 1.0 if _normalise(got) == _normalise(want) else 0.0
-
-
-class SafeReward:
-    """Wraps a reward function: an exception or a non-finite value gives reward 0, is logged and
-    counted in ``errors`` (the run goes on)."""
-
-    def __init__(self, fn: RewardFn):
-        self.fn = fn
-        self.errors = 0
-
-    def __call__(self, response: str, answer: str) -> float:
-        try:
-            value = float(self.fn(response, answer))
-        except Exception as e:  # a user reward function may raise anything: count and go on
-            self.errors += 1
-            log.warning("reward function raised %s: %s (reward 0)", type(e).__name__, e)
-            return 0.0
-        if value != value or value in (float("inf"), float("-inf")):
-            self.errors += 1
-            log.warning("reward function returned %r (reward 0)", value)
-            return 0.0
-        return value
-
-
-def safe_reward(fn: RewardFn) -> SafeReward:
-    return SafeReward(fn)
+def normalised_equal(got: str, want: str) -> bool:
+    """Our own comparison, used where math-verify is missing: numerically when both parse as
+    numbers or fractions (``0.5 == \\frac{1}{2}``), else as normalised strings."""
+    return _normalise(got) == _normalise(want)

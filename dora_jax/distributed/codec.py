@@ -10,15 +10,31 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import msgpack
 import numpy as np
 
 _ND = 1  # msgpack extension type of a numpy array
 
 
+def dtype_tag(dt: np.dtype) -> str:
+    """NumPy's own types by their type string (``<f4``); the extension types jax uses
+    (``bfloat16``, the float8 types: all ``V`` to NumPy) by name."""
+    return dt.name if dt.kind == "V" else dt.str
+
+
+def dtype_from_tag(tag: str) -> np.dtype:
+    if tag[:1] in "<>|=":
+        return np.dtype(tag)
+    t = getattr(ml_dtypes, tag, None)
+    if t is None or not isinstance(t, type):
+        raise ValueError(f"unknown array dtype {tag!r} in a message")
+    return np.dtype(t)
+
+
 def _default(x: Any) -> Any:
     if isinstance(x, np.ndarray):
-        head = msgpack.packb([x.dtype.str, list(x.shape)])
+        head = msgpack.packb([dtype_tag(x.dtype), list(x.shape)])
         return msgpack.ExtType(_ND, head + np.ascontiguousarray(x).tobytes())
     if isinstance(x, np.generic):
         return x.item()
@@ -34,7 +50,7 @@ def _ext(code: int, data: bytes) -> Any:
     unpacker.feed(data)
     dtype, shape = next(unpacker)
     body = data[unpacker.tell() :]
-    return np.frombuffer(body, dtype=np.dtype(dtype)).reshape(shape).copy()
+    return np.frombuffer(body, dtype=dtype_from_tag(dtype)).reshape(shape).copy()
 
 
 def encode(obj: Any) -> bytes:

@@ -26,11 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from dora_jax.distributed.codec import decode, encode
+from dora_jax.distributed.codec import decode, dtype_from_tag, dtype_tag, encode
 from dora_jax.distributed.process import Process
 
 WAIT_S = 600.0
 CHUNK = 4 << 20  # bytes per key-value entry on the host-copy path
+# one host copy at a time: jax.device_get of the same arrays from two threads at once can fail
+# inside jax (seen with jax 0.10: IndexError in copy_to_host_async, four groups served one
+# version's params from four threads)
+_HOST_COPY_LOCK = threading.Lock()
+
+
+class TransferError(RuntimeError):
+    """The holder could not serve the arrays; the message carries its reason."""
 
 
 class Transfers:
@@ -49,17 +57,30 @@ class Transfers:
             return (self.proc.index << 40) | next(self._ids)
 
     def serve(self, uid: int, arrays: Sequence[Any], meta: dict | None = None) -> None:
+        """Offer ``arrays`` under ``uid``. If that fails, the receiver gets the error (its
+        :meth:`fetch` raises :class:`TransferError` at once instead of waiting out its bound),
+        and it is raised here too."""
+        try:
+            self._serve(uid, arrays, meta)
+        except Exception as e:
+            err = {"error": f"process {self.proc.index} could not serve transfer {uid}: {e!r}"}
+            self.proc.client.key_value_set_bytes(f"dora/x/{uid}", encode(err))
+            raise
+
+    def _serve(self, uid: int, arrays: Sequence[Any], meta: dict | None) -> None:
         import jax
 
         arrays = list(arrays)
         record = {
             "from": self.proc.index,
-            "shapes": [[list(a.shape), np.dtype(a.dtype).str] for a in arrays],
+            "shapes": [[list(a.shape), dtype_tag(np.dtype(a.dtype))] for a in arrays],
             "meta": meta or {},
             "chunks": 0,
         }
         if self.via_store and arrays:
-            data = encode([np.asarray(h) for h in jax.device_get(arrays)])
+            with _HOST_COPY_LOCK:
+                host = jax.device_get(arrays)
+            data = encode([np.asarray(h) for h in host])
             pieces = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
             for i, piece in enumerate(pieces):
                 self.proc.client.key_value_set_bytes(f"dora/xc/{uid}/{i}", piece)
@@ -76,6 +97,8 @@ class Transfers:
         key = f"dora/x/{uid}"
         record = decode(self.proc.client.blocking_key_value_get_bytes(key, int(timeout_s * 1e3)))
         self.proc.client.key_value_delete(key)
+        if "error" in record:
+            raise TransferError(record["error"])
         meta = record["meta"]
         if callable(shardings):
             shardings = shardings(meta)
@@ -87,7 +110,7 @@ class Transfers:
                 client.key_value_delete(k)
             host = decode(data)
             return [jax.device_put(h, s) for h, s in zip(host, shardings, strict=True)], meta
-        specs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dt), sharding=s)
+        specs = [jax.ShapeDtypeStruct(tuple(shape), dtype_from_tag(dt), sharding=s)
                  for (shape, dt), s in zip(record["shapes"], shardings, strict=True)]  # fmt: skip
         arrays = []
         if specs:

@@ -115,6 +115,9 @@ class EngineBackend:
         self.trainer_params = trainer_params
         self.published = 0
         self.overheads = Overheads()
+        # told of every finished request as the control plane takes it in (the pipeline starts
+        # scoring it at once, off the control loop); must return at once
+        self.on_finished: Callable[[int, Completion], None] | None = None
         self._tick = 0
         n = len(meshes)
         self._version = [0] * n  # what each group holds, or is receiving
@@ -384,4 +387,6 @@ class EngineBackend:
         comp = Completion(
             prompt, f.tokens, f.logprobs, f.finish_reason, f.prefill_tokens, f.migrations
         )
+        if self.on_finished is not None:
+            self.on_finished(f.id, comp)
         return FinishedRequest(f.id, pg, len(prompt.tokens), len(f.tokens), tuple(versions), comp)

@@ -19,6 +19,7 @@ class PromptPayload:
     tokens: tuple[int, ...]
     answer: str
     max_new_tokens: int | None = None  # None: the backend's default
+    metadata: dict | None = None  # the dataset row's other fields, for the reward function
 
 
 @dataclass(frozen=True)

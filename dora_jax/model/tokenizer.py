@@ -136,9 +136,11 @@ class HFTokenizer:
         )
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as the user's message, through the tokenizer's chat template."""
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+def encode_prompt(tokenizer: Tokenizer, text: str | Sequence[Message]) -> list[int]:
+    """Token ids of a prompt through the tokenizer's chat template: ``text`` is the user's
+    message, or the whole list of chat messages."""
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
+    return tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
 def response_ids(tokenizer: Tokenizer, ids: Sequence[int]) -> list[int]:

@@ -10,12 +10,16 @@ their tick. On the wall clock every engine step, weight load and KV move of a gr
 
 - ``bubble``: idle group-ticks / group-ticks (a group is idle when it holds no request and is
   not receiving weights; requests in migration transit do not make a group idle).
+- ``prefill_frac``, ``weight_transfer_frac``, ``migration_frac``: group time prefilling,
+  receiving weights, and packing / unpacking the KV of moving requests (the same names as the
+  simulator's figures and the run summary's overheads).
 - ``utilisation``: sampled tokens / (slots x tokens per slot-tick x group-ticks), the slot-level
   occupancy of decode (an engine that decodes several steps per call samples up to that many
   tokens per slot and tick).
 - throughput: trajectories (and their response tokens) consumed by training per tick.
 - staleness mean / max of consumed trajectories, re-prefilled tokens, discarded requests,
-  migrated requests, weight transfers, plans and their planning time.
+  migrated requests, weight transfers, plans and their planning time, plans per trigger and how
+  many of them moved anything.
 - ``overlap``: the share of the trainer's busy time (its steps' spans) during which at least one
   group was prefilling or decoding; ``group_idle``: each group's idle share of the horizon (no
   engine step, weight load or KV move). On the wall clock ``bubble`` is their mean.
@@ -72,7 +76,7 @@ class Summary:
     bubble: float
     utilisation: float
     prefill_frac: float
-    transfer_frac: float
+    weight_transfer_frac: float  # group time receiving weights
     staleness_mean: float
     staleness_max: int
     reprefill_tokens: int
@@ -88,8 +92,11 @@ class Summary:
     seconds: float = 0.0  # wall clock: the horizon in seconds
     traj_per_s: float = 0.0
     tokens_per_s: float = 0.0
+    migration_frac: float = 0.0  # group time packing / unpacking the KV of moving requests
     overlap: float = 0.0  # share of trainer-busy time with some group prefilling or decoding
     group_idle: tuple[float, ...] = ()  # per group, idle share of the horizon
+    plans_by_trigger: dict[str, int] = field(default_factory=dict)  # plans per trigger
+    plans_moving: int = 0  # plans that moved weights or requests (the others changed nothing)
     cross_host_weight_transfers: int = 0  # weight loads from another process
     cross_host_migrated: int = 0  # requests moved with their KV to another process
 
@@ -112,6 +119,9 @@ class Records:
     # moves between processes: (tick, "weights" | "kv", source group (-1: trainer), dest, n)
     cross_host: list[tuple[float, str, int, int, int]] = field(default_factory=list)
     consumed: list[ConsumedRecord] = field(default_factory=list)
+    # adaptive K: (version published, K from then on, share of the step's interval the trainer
+    # waited for the window)
+    k_log: list[tuple[int, int, float]] = field(default_factory=list)
 
     def add_tick(self, events: StepEvents, cluster: ClusterTick) -> None:
         if self.clock == "wall":
@@ -140,7 +150,7 @@ class Records:
         steps_in, common = self._common(end)
         rows = self.groups[:end]
         gt = max(1, end * self.num_groups)
-        idle = prefill = transfer = tokens = reprefill = 0
+        idle = prefill = transfer = migrate = tokens = reprefill = 0
         max_live = 0
         idle_by_group = [0] * self.num_groups
         busy_ticks: list[tuple[float, float]] = []
@@ -155,6 +165,8 @@ class Records:
                     prefill += 1
                 elif g.activity == "transfer":
                     transfer += 1
+                elif g.activity == "migrate":
+                    migrate += 1
                 if g.active:
                     live.add(g.version)
                 rolling = rolling or g.activity in ("prefill", "decode")
@@ -170,7 +182,8 @@ class Records:
             bubble=idle / gt,
             utilisation=tokens / (gt * self.max_slots * self.tokens_per_slot_tick),
             prefill_frac=prefill / gt,
-            transfer_frac=transfer / gt,
+            weight_transfer_frac=transfer / gt,
+            migration_frac=migrate / gt,
             reprefill_tokens=reprefill,
             max_live_versions=max_live,
             overlap=_overlap(self.steps, end, busy_ticks),
@@ -184,7 +197,7 @@ class Records:
         spans = [g for g in self.spans if g.t0 < end]
         span = max(end, 1e-12)
         busy = [0.0] * self.num_groups
-        cat = dict.fromkeys(("prefill", "transfer"), 0.0)
+        cat = dict.fromkeys(("prefill", "transfer", "migrate"), 0.0)
         tokens = reprefill = engine_steps = 0
         for g in spans:
             dt = min(g.t1, end) - g.t0
@@ -206,7 +219,8 @@ class Records:
             bubble=sum(group_idle) / max(self.num_groups, 1),
             utilisation=tokens / max(engine_steps * self.max_slots * self.tokens_per_slot_tick, 1),
             prefill_frac=cat["prefill"] / gs,
-            transfer_frac=cat["transfer"] / gs,
+            weight_transfer_frac=cat["transfer"] / gs,
+            migration_frac=cat["migrate"] / gs,
             reprefill_tokens=reprefill,
             max_live_versions=_max_live(spans, self.num_groups),
             clock="wall",
@@ -244,6 +258,7 @@ class Records:
             "max_version_span": max((c.version_span for c in consumed), default=0),
             "cross_host_weight_transfers": sum(1 for m in moves if m[1] == "weights"),
             "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
+            **_plan_counts(plans),
         }
 
     def timeline(self, every: int = 1, end: int | None = None) -> list[str]:
@@ -261,6 +276,17 @@ class Records:
                     chars.append({"prefill": "^", "transfer": "~"}.get(x.activity, "."))
             lines.append(f"g{g:<3d}" + "".join(chars))
         return lines
+
+
+def _plan_counts(plans: list[PlanRecord]) -> dict:
+    """Plans per trigger (in order of first use) and how many moved weights or requests."""
+    by: dict[str, int] = {}
+    for p in plans:
+        by[p.trigger] = by.get(p.trigger, 0) + 1
+    return {
+        "plans_by_trigger": by,
+        "plans_moving": sum(1 for p in plans if p.transfers or p.migrated),
+    }
 
 
 def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -30,6 +30,7 @@ training ticks exactly as far as the mode's window allows.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,14 +42,18 @@ from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend
 from dora_jax.orchestrator.clock import LogicalClock, WallClock
 from dora_jax.orchestrator.modes import ModePolicy, policy_for
 from dora_jax.orchestrator.planner import (
+    MUTABLE_TRIGGERS,
     PlanPolicy,
     Snapshot,
+    idle_group_waiting,
     latest_supplement,
     plan,
     plan_trigger,
+    trigger_key,
 )
 from dora_jax.orchestrator.records import ClusterTick, PlanRecord, Records, StepRecord, Summary
 from dora_jax.orchestrator.rollout_manager import DISCARDED, PromptSource, RolloutManager
+from dora_jax.orchestrator.staleness import AdaptiveK
 from dora_jax.orchestrator.transfer_queue import ReadyGroup, TransferQueue
 from dora_jax.orchestrator.versions import VersionWindow
 
@@ -162,6 +167,16 @@ class Runtime:
         self._last_plan: float | None = None
         self._engine_steps = 0  # wall clock: engine steps reported by all groups
         self._new_version = True  # the initial version counts as new: plan at the first tick
+        # triggers whose last plan moved nothing, with what must change before they fire again
+        self._muted: dict[str, object] = {}
+        # adaptive K (orchestrator/staleness.py): time the idle trainer waited for the window
+        # since the last publish, when the last publish and round were, the running batch's
+        # mean staleness, and the per-K costs
+        self._blocked = 0.0
+        self._last_publish = 0.0
+        self._last_round: float | None = None
+        self._batch_staleness = 0.0
+        self.adaptive = AdaptiveK(min(cfg.adaptive_k_min, self.policy.k), self.policy.k)
 
     # -- one tick --------------------------------------------------------------------------------
 
@@ -182,6 +197,8 @@ class Runtime:
             limit = self.max_steps if limit is None else min(limit, self.max_steps)
         if self._train is None and not self.stopping and (limit is None or self.steps_done < limit):
             self._maybe_train(t)
+        if self.cfg.adaptive_k and self.policy.planner:
+            self._count_wait(t)
         infos = self.backend.groups()
         if self.policy.planner:
             infos = self._plan_or_top_up(t, infos)
@@ -251,6 +268,8 @@ class Runtime:
         self.records.steps[-1] = StepRecord(start, t, version, n, maxst)
         self._train = None
         self._new_version = True
+        if self.cfg.adaptive_k and self.policy.planner:
+            self._adapt_k(t, version)
         if self.policy.on_update == "reprefill":
             infos = self.backend.groups()
             running = [rid for g in infos for rid in g.requests]
@@ -266,6 +285,30 @@ class Runtime:
             self.manager.requeue(partials, version)
         for obs in self.observers:
             obs.on_publish(self, version)
+
+    def _count_wait(self, t: float) -> None:
+        """Adaptive K: this round counts as waiting for the window when the trainer is idle with
+        a full batch ready (the oldest version has not drained)."""
+        dt = 1.0 if self.clock.kind == "logical" else t - (self._last_round or t)
+        self._last_round = t
+        if self._train is None and self.queue.num_ready >= self.cfg.train_batch_prompts:
+            self._blocked += dt
+
+    def _adapt_k(self, t: float, version: int) -> None:
+        """Adaptive K: re-choose the bound from the share of the last step's interval the
+        trainer waited for the window and the staleness effect (orchestrator/staleness.py)."""
+        span = t - self._last_publish
+        share = self._blocked / span if span > 0 else 0.0
+        inner = getattr(self.trainer, "inner", self.trainer)
+        effect = getattr(inner, "staleness_effect", None)
+        cost = effect() if callable(effect) else None
+        cost = self.cfg.staleness_cost if cost is None else cost
+        ran = self.window.target_k
+        self.adaptive.observe(ran, share, self._batch_staleness, cost)
+        target = self.adaptive.choose(ran, share, cost)
+        self.window.set_k(target)
+        self.records.k_log.append((version, target, share))
+        self._blocked, self._last_publish = 0.0, t
 
     def _maybe_train(self, t: int) -> None:
         tbs = self.cfg.train_batch_prompts
@@ -286,6 +329,7 @@ class Runtime:
         self.queue.take(batch, v, t)
         self.manager.on_consumed(batch)
         maxst = max(v - rg.version for rg in batch)
+        self._batch_staleness = sum(v - rg.version for rg in batch) / len(batch)
         self._train = (t, v + 1, maxst)
         self.records.steps.append(StepRecord(t, t, v + 1, len(batch), maxst))
         self.trainer.start(batch, t)
@@ -317,13 +361,8 @@ class Runtime:
     def _plan_or_top_up(self, t: int, infos: list[GroupInfo]) -> list[GroupInfo]:
         now = self._period_clock()
         since = now - self._last_plan if self._last_plan is not None else now + 1
-        idle_waiting = False
-        if self.policy.plan_on_idle and self.manager.pending_count():
-            waiting = self.manager.pending_by_version()
-            idle_waiting = any(
-                not g.requests and not g.busy_ticks and any(v != g.version for v in waiting)
-                for g in infos
-            )
+        waiting = self.manager.pending_by_version()
+        idle_waiting = self.policy.plan_on_idle and idle_group_waiting(infos, waiting)
         trigger = plan_trigger(
             new_version=self._new_version,
             groups=infos,
@@ -331,6 +370,8 @@ class Runtime:
             ticks_since_plan=since,
             period=self.cfg.plan_period_ticks,
             idle_waiting=idle_waiting,
+            muted=self._muted,
+            pending=waiting,
         )
         if trigger is None:
             self._dispatch()
@@ -349,10 +390,18 @@ class Runtime:
             room={v: w.room(v) for v in range(max(w.oldest, w.first), w.latest + 1)},
             group_size=self.group_size,
             trigger=trigger,
+            ready=self.queue.num_ready,
+            train_batch=self.cfg.train_batch_prompts,
         )
-        t0 = time.perf_counter()
-        p = plan(snap, self.plan_policy)
-        ms = (time.perf_counter() - t0) * 1e3
+        collecting = gc.isenabled()
+        gc.disable()  # a collection of the whole run's records would land in the plan's time
+        try:
+            t0 = time.perf_counter()
+            p = plan(snap, self.plan_policy)
+            ms = (time.perf_counter() - t0) * 1e3
+        finally:
+            if collecting:
+                gc.enable()
         host = {g.group: g.host for g in infos}
         for m in p.migrations:
             self.backend.migrate(list(m.request_ids), m.src, m.dst)
@@ -372,6 +421,12 @@ class Runtime:
                 n_sup += n
         if p.migrations:
             self.records.migrations.append((t, p.migrated_requests))
+        if p.moves:
+            self._muted.clear()  # the cluster changed: every trigger may fire again
+        elif trigger in MUTABLE_TRIGGERS and self.cfg.plan_hysteresis:
+            self._muted[trigger] = trigger_key(
+                trigger, infos, snap.pending, self.cfg.kv_pressure_threshold
+            )
         self.records.plans.append(
             PlanRecord(t, trigger, ms, len(p.transfers), p.migrated_requests, n_sup)
         )
@@ -408,6 +463,16 @@ class Runtime:
             "train_job": job,
             "last_plan": self._last_plan,
             "new_version": self._new_version,
+            "muted": dict(self._muted),
+            "adaptive": (
+                self._blocked,
+                self._last_publish,
+                self._last_round,
+                self._batch_staleness,
+                dict(self.adaptive.costs),
+                self.adaptive.seen,
+                dict(self.adaptive.last),
+            ),
             "engine_steps": self._engine_steps,
             "window": self.window.state_dict(),
             "queue": self.queue.state_dict(),
@@ -424,6 +489,11 @@ class Runtime:
         self.tick_index, self.steps_done = state["tick_index"], state["steps_done"]
         self.dispatching, self._train = state["dispatching"], state["train"]
         self._last_plan, self._new_version = state["last_plan"], state["new_version"]
+        self._muted = dict(state.get("muted", {}))
+        adaptive = state.get("adaptive", (0.0, 0.0, None, 0.0, {}, 0, {}))
+        self._blocked, self._last_publish, self._last_round, self._batch_staleness = adaptive[:4]
+        self.adaptive.costs, self.adaptive.seen = dict(adaptive[4]), adaptive[5]
+        self.adaptive.last = dict(adaptive[6])
         self._engine_steps = state["engine_steps"]
         if isinstance(self.trainer, TickedTrainer):
             self.trainer._job = state["train_job"]
@@ -431,6 +501,13 @@ class Runtime:
             raise ValueError("the saved state has a train step running, which only a logical "
                              "run can continue")  # fmt: skip
         self.window.load_state_dict(state["window"])
+        # a resume may change the mode, K or batch sizes: the bound is this run's K (an adaptive
+        # K keeps the saved one within it); resume.check_restored refuses a K the groups in
+        # flight cannot be consumed within
+        adapt = self.cfg.adaptive_k and self.policy.planner
+        w, k = self.window, self.policy.k
+        w.k = min(w.k, k) if adapt else k
+        w.target_k = min(w.target_k, w.k) if adapt else k
         self.records = state["records"]
         self.records.mode = self.policy.name  # a resume may change the mode
         self.queue.consumed = self.records.consumed

@@ -45,6 +45,7 @@ class VersionWindow:
         if k < 0 or per_step <= 0:
             raise ValueError(f"need k >= 0 and per_step > 0, got k={k} per_step={per_step}")
         self.k = k
+        self.target_k = k  # adaptive K: where the bound is heading (dispatch uses it at once)
         self.per_step = per_step
         self.first = initial_version  # no version before this one exists
         self.latest = initial_version  # newest published version: the trainer's params
@@ -78,15 +79,15 @@ class VersionWindow:
 
     def room(self, version: int) -> int:
         """How many more prompt groups may be dispatched at ``version`` now."""
-        c = self.consume_version
-        if version > self.latest or version < max(c - self.k, self.first):
+        c, k = self.consume_version, min(self.k, self.target_k)
+        if version > self.latest or version < max(c - k, self.first):
             return 0
         cum = sum(n for v, n in self._open.items() if v <= version)
         best = None
         for w in range(version, self.latest + 1):
             if w > version:
                 cum += self._open.get(w, 0)
-            cap = (w + self.k - c + 1) * self.per_step - cum
+            cap = (w + k - c + 1) * self.per_step - cum
             best = cap if best is None else min(best, cap)
         return max(0, best if best is not None else 0)
 
@@ -117,6 +118,32 @@ class VersionWindow:
                 return False
         return True
 
+    def set_k(self, k: int) -> int:
+        """Aim the bound at ``k`` from now on; return the bound in force. Raising it is always
+        safe. Lowering it takes effect at once for dispatch (:meth:`room`), and for consumption
+        only as far as the prompt groups already open allow (:meth:`min_k`), so the trainer can
+        still consume them all within it (the no-deadlock argument above holds as if that had
+        been the bound all along); call again after steps to let the bound follow."""
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        self.target_k = k
+        self.k = max(k, self.min_k()) if k < self.k else k
+        return self.k
+
+    def min_k(self) -> int:
+        """The smallest bound the prompt groups already open satisfy (at most the current one):
+        ``open(<= w) <= (w + k - c + 1) * per_step`` for every ``w``."""
+        return min(self.smallest_k(), self.k)
+
+    def smallest_k(self) -> int:
+        """The smallest K under which the open prompt groups keep the dispatch bound (not
+        capped by this window's K: a window restored under a smaller K may need more)."""
+        c, cum, need = self.consume_version, 0, 0
+        for w in sorted(self._open):
+            cum += self._open[w]
+            need = max(need, -(-cum // self.per_step) - w + c - 1)
+        return need
+
     def bound_violation(self, k: int | None = None) -> int | None:
         """The oldest version ``w`` whose open prompt groups break the dispatch bound (with
         ``k``, default this window's K), or None. Always None for a window that was run under
@@ -130,22 +157,17 @@ class VersionWindow:
                 return w
         return None
 
-    def smallest_k(self) -> int:
-        """The smallest K under which the open prompt groups keep the dispatch bound."""
-        k = 0
-        while self.bound_violation(k) is not None:
-            k += 1
-        return k
-
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {"first": self.first, "latest": self.latest, "training": self.training,
-                "open": dict(self._open)}  # fmt: skip
+                "open": dict(self._open), "k": self.k, "target_k": self.target_k}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.first, self.latest = state["first"], state["latest"]
         self.training, self._open = state["training"], dict(state["open"])
+        self.k = state.get("k", self.k)
+        self.target_k = state.get("target_k", self.k)
 
     # -- updates ---------------------------------------------------------------------------------
 

@@ -2,9 +2,13 @@
 
 The per-step training reward of an asynchronous run mixes policy quality with which prompts
 happen to finish first (short ones come back early), so it is a noisy and biased view of
-learning. :class:`Evaluator` instead samples one response to each of ``num_prompts`` fixed
-held-out problems, with the same per-problem sampling keys at every evaluation, so two
-evaluations differ only through the policy (paired, low-variance comparisons).
+learning. :class:`Evaluator` instead samples one response (``eval.samples_per_prompt=k``: k
+responses) to each of ``num_prompts`` fixed held-out problems, with the same per-problem sampling
+keys at every evaluation, so two evaluations differ only through the policy (paired,
+low-variance comparisons). With k > 1 it also reports mean@k (the mean reward of the k samples,
+averaged over problems) and pass@j for j = 1, 2, 4, ..., k: the chance that at least one of j
+samples is solved, from the unbiased estimator ``1 - C(k - c, j) / C(k, j)`` with c solved
+samples of k (Chen et al., 2021), averaged over problems.
 
 It owns a small engine on one device of the trainer submesh and runs between train steps, so it
 never touches the rollout groups, their requests or any random stream of the run.
@@ -13,15 +17,18 @@ never touches the rollout groups, their requests or any random stream of the run
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
 from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
+from dora_jax.data.examples import Example
+from dora_jax.data.scoring import Scorer
 from dora_jax.mesh import make_mesh
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids
@@ -38,12 +45,15 @@ class EvalResult:
     solved: float  # share with full reward
     response_len: float  # mean response tokens
     seconds: float
+    at_k: dict[str, float] = field(default_factory=dict)  # "mean@k", "pass@j" (k > 1 samples)
+    scores: tuple[tuple[float, ...], ...] = ()  # [problem][sample] rewards (not logged)
 
     @classmethod
     def from_metrics(cls, step: int, m: dict[str, float]) -> EvalResult:
         """The inverse of :meth:`metrics` (a line of ``eval.jsonl``)."""
+        at_k = {k[len("eval/") :]: v for k, v in m.items() if "@" in k}
         return cls(step, m["eval/reward"], m["eval/solved"], m["eval/response_len"],
-                   m["eval/seconds"])  # fmt: skip
+                   m["eval/seconds"], at_k)  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -51,7 +61,27 @@ class EvalResult:
             "eval/solved": self.solved,
             "eval/response_len": self.response_len,
             "eval/seconds": self.seconds,
+            **{f"eval/{k}": v for k, v in self.at_k.items()},
         }
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from ``n`` samples of which ``c`` are solved."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def at_k_metrics(scores: np.ndarray) -> dict[str, float]:
+    """``mean@k`` and ``pass@j`` (j = 1, 2, 4, ..., and k) from ``scores[problem, sample]``;
+    a sample is solved when its reward is full (>= 1)."""
+    n_problems, k = scores.shape
+    solved = (scores >= 1.0).sum(axis=1)
+    out = {f"mean@{k}": float(scores.mean())}
+    js = sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k})
+    for j in js:
+        out[f"pass@{j}"] = float(np.mean([pass_at_k(k, int(c), j) for c in solved]))
+    return out
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -66,15 +96,24 @@ class Evaluator:
         rollout_cfg: RolloutConfig,
         device: jax.Device,
         tokenizer: Tokenizer,
-        problems: Sequence[tuple[str, str]],  # (prompt text, reference answer)
-        reward_fn: Callable[[str, str], float],
+        problems: Sequence[tuple[str, str] | Example],  # (prompt, reference answer)
+        reward_fn: Scorer | Callable[[str, str], float],
         seed: int,
+        *,
+        encode: Callable[[object], list[int]] | None = None,  # prompt -> ids (chat template)
+        samples_per_prompt: int = 1,
     ):
         if not problems:
             raise ValueError("an evaluation needs at least one problem")
-        self.tokenizer, self.reward_fn, self.seed = tokenizer, reward_fn, seed
-        self.references = [ref for _, ref in problems]
-        self.prompts = [encode_prompt(tokenizer, p) for p, _ in problems]
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        self.tokenizer, self.seed, self.k = tokenizer, seed, samples_per_prompt
+        self.scorer = reward_fn if isinstance(reward_fn, Scorer) else Scorer(reward_fn)
+        examples = [p if isinstance(p, Example) else Example(*p) for p in problems]
+        self.references = [ex.answer for ex in examples]
+        self.metadata = [ex.metadata or None for ex in examples]
+        encode = encode or (lambda p: encode_prompt(tokenizer, p))
+        self.prompts = [encode(ex.prompt) for ex in examples]
         longest = max(len(p) for p in self.prompts)
         if longest > rollout_cfg.max_prompt_len:
             raise ValueError(
@@ -83,7 +122,7 @@ class Evaluator:
             )
         # Enough slots and pages for a wide batch; results need not be batch-invariant here
         # (nothing migrates), so the engine may use its cheaper shape buckets.
-        slots = min(64, len(problems))
+        slots = min(64, len(problems) * samples_per_prompt)
         pages_per_request = -(-(longest + rollout_cfg.max_new_tokens) // rollout_cfg.page_size)
         cfg = dataclasses.replace(
             rollout_cfg,
@@ -98,8 +137,12 @@ class Evaluator:
     def __call__(self, params: Params, step: int) -> EvalResult:
         t0 = time.perf_counter()
         self.engine.load_params(params, step)
+        n = len(self.prompts)
+        # sample j of problem i is request j * n + i; the first sample's key is the one a
+        # single-sample evaluation uses, so k = 1 is unchanged
         self.engine.submit(
-            Request(i, list(p), step, request_key(self.seed, _EVAL_STREAM, i), self.max_new_tokens)
+            Request(j * n + i, list(p), step, self._key(i, j), self.max_new_tokens)
+            for j in range(self.k)
             for i, p in enumerate(self.prompts)
         )
         responses: dict[int, list[int]] = {}
@@ -107,14 +150,23 @@ class Evaluator:
         while self.engine.num_requests:
             for f in self.engine.step().finished:
                 responses[f.id] = response_ids(self.tokenizer, f.tokens)
-        rewards = [
-            self.reward_fn(self.tokenizer.decode(responses[i]), ref)
-            for i, ref in enumerate(self.references)
-        ]
+        order = [(i, j) for i in range(n) for j in range(self.k)]
+        outcomes = self.scorer.score_many([
+            (self.tokenizer.decode(responses[j * n + i]), self.references[i], self.metadata[i])
+            for i, j in order
+        ])  # fmt: skip
+        scores = np.array([o.score for o in outcomes], np.float64).reshape(n, self.k)
         return EvalResult(
             step=step,
-            reward=float(np.mean(rewards)),
-            solved=float(np.mean([r >= 1.0 for r in rewards])),
+            reward=float(scores.mean()),
+            solved=float(np.mean(scores >= 1.0)),
             response_len=float(np.mean([len(r) for r in responses.values()])),
             seconds=time.perf_counter() - t0,
+            at_k=at_k_metrics(scores) if self.k > 1 else {},
+            scores=tuple(tuple(row) for row in scores.tolist()),
         )
+
+    def _key(self, i: int, j: int) -> np.ndarray:
+        if j == 0:
+            return request_key(self.seed, _EVAL_STREAM, i)
+        return request_key(self.seed, _EVAL_STREAM, i, j)

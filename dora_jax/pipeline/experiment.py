@@ -10,6 +10,7 @@ loop with observers for the step logs, freeing old versions and periodic checkpo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,10 +19,13 @@ from pathlib import Path
 import jax
 
 from dora_jax.config import ConfigError, ExperimentConfig
-from dora_jax.data import ArithmeticTask, boxed_math_reward, exact_reward
-from dora_jax.data.jsonl import DataError, load_jsonl_rows
+from dora_jax.data import ArithmeticTask, Example, Scorer, read_rows, to_examples
+from dora_jax.data.files import DataError
+from dora_jax.data.math_answers import FALLBACK_NOTE, MATH_VERIFY
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
-from dora_jax.data.rewards import SafeReward, safe_reward
+from dora_jax.data.reward_functions import RewardSpecError, load_reward_function, resolve_spec
+from dora_jax.data.reward_pool import RewardPool
+from dora_jax.data.rewards import exact_reward
 from dora_jax.execution.backend import EngineBackend
 from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes
@@ -29,12 +33,12 @@ from dora_jax.model import abstract_params, init_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, load_hf_params
 from dora_jax.model.hf_mapping import UnsupportedModelError
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer, encode_prompt, load_tokenizer
+from dora_jax.model.tokenizer import Tokenizer, load_tokenizer
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.orchestrator.modes import policy_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
-from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts
+from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts, encode_chat
 from dora_jax.pipeline.warm_start import warm_start
 from dora_jax.sharding import trainer_rules, tree_shardings
 from dora_jax.train import Trainer
@@ -49,7 +53,7 @@ class Experiment:
     cfg: ExperimentConfig
     meshes: Meshes
     tokenizer: Tokenizer
-    reward: SafeReward
+    reward: Scorer
     source: PromptSource
     grpo: GRPOTrainer
     backend: EngineBackend
@@ -66,10 +70,11 @@ class Experiment:
         return self.grpo.trainer
 
     def close(self) -> None:
-        """Stop the worker threads of a wall-clock run (a no-op on the logical clock)."""
+        """Stop the worker threads of a wall-clock run and the reward workers."""
         self.backend.close()
         if isinstance(self.runtime.trainer, ThreadedTrainer):
             self.runtime.trainer.close()
+        self.reward.close()
 
     def evaluate(self, step: int) -> EvalResult:
         """The held-out evaluation of the trainer's current params (needs ``evaluator``)."""
@@ -78,55 +83,86 @@ class Experiment:
         return self.evaluator(self.trainer.export_params(), step)
 
 
-def _fitting_rows(
-    rows: list[tuple[int, str, str]], tokenizer: Tokenizer, cfg: ExperimentConfig, path: str,
-    setting: str,
-) -> tuple[list[tuple[str, str]], list[int]]:  # fmt: skip
-    """The JSONL rows whose prompt fits ``rollout.max_prompt_len`` once tokenised (with the chat
-    template), and the line numbers of those that do not. With ``data.long_prompts=error`` the
-    first that does not fit is a :class:`DataError` naming its line."""
-    limit, kept, skipped = cfg.rollout.max_prompt_len, [], []
-    for line, prompt, answer in rows:
-        n = len(encode_prompt(tokenizer, prompt))
+def _fitting(
+    examples: list[Example], encode: Callable[[object], list[int]], cfg: ExperimentConfig,
+    path: str, setting: str,
+) -> tuple[list[Example], list[int]]:  # fmt: skip
+    """The examples whose prompt fits ``rollout.max_prompt_len`` once tokenised as the run
+    tokenises it (``data.system_prompt``, ``data.prompt_template``, the chat template), and the
+    rows (JSONL lines) of those that do not. With ``data.long_prompts=error`` the first that does
+    not fit is a :class:`DataError` naming its file and row."""
+    d, limit, kept, skipped = cfg.data, cfg.rollout.max_prompt_len, [], []
+    for ex in examples:
+        n = len(encode(ex.prompt))
         if 0 < n <= limit:
-            kept.append((prompt, answer))
+            kept.append(ex)
             continue
-        if cfg.data.long_prompts == "error":
+        if d.long_prompts == "error":
+            extra = [f for f, v in (("data.system_prompt", d.system_prompt),
+                     ("data.prompt_template", d.prompt_template != "{prompt}")) if v]  # fmt: skip
+            with_ = f" with {' and '.join(extra)}" if extra else ""
             raise DataError(
-                f"{path}:{line}: the prompt has {n} tokens; rollout.max_prompt_len is {limit} "
-                f"({setting}: raise rollout.max_prompt_len, filter the file, or set "
+                f"{path}:{ex.row}: the prompt has {n} tokens{with_}; rollout.max_prompt_len is "
+                f"{limit} ({setting}: raise rollout.max_prompt_len, filter the file, or set "
                 "data.long_prompts=skip)"
             )
-        skipped.append(line)
+        skipped.append(ex.row)
     if not kept:
         raise DataError(f"{path}: no prompt fits rollout.max_prompt_len={limit} ({setting})")
     return kept, skipped
 
 
-def _task_parts(cfg: ExperimentConfig, tokenizer: Tokenizer):
-    """(prompt source, reward fn, worked-example fn or None, JSONL lines skipped as too long)
-    for ``data.task``."""
+def _task_parts(cfg: ExperimentConfig, encode: Callable[[object], list[int]] | None = None):
+    """(prompt source, inline reward fn or None, worked-example fn or None, rows skipped as too
+    long) for ``data.task``; the reward is None when it runs in worker processes
+    (:func:`_scorers`). With ``encode`` (a prompt's token ids) a dataset's prompts longer than
+    ``rollout.max_prompt_len`` are refused or skipped (``data.long_prompts``)."""
     d = cfg.data
     if d.task == "arithmetic":
         task = ArithmeticTask(cfg.seed, median_steps=d.median_steps)
         # warm-start problems differ from RL prompts
         sft = ArithmeticTask(cfg.seed + 1_000_003, median_steps=d.median_steps)
         example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
-        reward = task.answer_reward if d.reward == "exact" else task.reward
+        reward = {"exact": task.answer_reward, "partial_credit": task.reward}.get(d.reward)
         return task.source(), reward, example, []
-    rows = load_jsonl_rows(d.path, d.prompt_field, d.answer_field, setting="data.path")
-    items, skipped = _fitting_rows(rows, tokenizer, cfg, d.path, "data.path")
-    reward = {"exact": exact_reward, "boxed_math": boxed_math_reward}[d.reward]
-    return PromptSource(shuffled_epochs(items, cfg.seed), f"jsonl:{d.path}"), reward, None, skipped
+    items, skipped = load_examples(cfg, d.path), []
+    if encode is not None:
+        items, skipped = _fitting(items, encode, cfg, d.path, "data.path")
+    source = PromptSource(shuffled_epochs(items, cfg.seed, d.shuffle), f"{d.task}:{d.path}")
+    return source, {"exact": exact_reward}.get(d.reward), None, skipped
+
+
+def load_examples(cfg: ExperimentConfig, path: str, setting: str = "data.path") -> list[Example]:
+    """The rows of ``path`` read as ``data.task``, with ``data``'s field paths (``setting`` names
+    the config field that points at ``path``, for a missing file)."""
+    d = cfg.data
+    rows = read_rows(d.task, path, d.split, setting=setting)
+    return to_examples(rows, d.prompt_field, d.answer_field, path)
+
+
+def _scorers(cfg: ExperimentConfig, inline, now) -> tuple[Scorer, Scorer]:
+    """The run's scorer and the evaluation's (its own error counts; one worker pool)."""
+    if inline is not None:
+        return Scorer(inline), Scorer(inline)
+    spec = cfg.data.reward
+    try:
+        load_reward_function(spec)  # fail now, naming data.reward, not in every worker
+    except RewardSpecError as e:
+        raise ExperimentError(str(e)) from None
+    if spec == "boxed_math" and not MATH_VERIFY:
+        print(f"note: {FALLBACK_NOTE}", flush=True)
+    d = cfg.data
+    pool = RewardPool(resolve_spec(spec), d.reward_workers, d.reward_timeout_s, now=now)
+    return Scorer(pool=pool), Scorer(pool=pool)
 
 
 def _eval_problems(
-    cfg: ExperimentConfig, tokenizer: Tokenizer | None = None
-) -> list[tuple[str, str]]:
-    """Held-out ``(prompt, reference)`` pairs: the built-in task's come from a seed no training
-    or warm-start problem uses; a JSONL run's from ``eval.path`` (none without it; with a
-    tokenizer, prompts longer than ``rollout.max_prompt_len`` are refused or skipped like the
-    training data's)."""
+    cfg: ExperimentConfig, encode: Callable[[object], list[int]] | None = None
+) -> list[tuple[str, str]] | list[Example]:
+    """Held-out problems: the built-in task's come from a seed no training or warm-start
+    problem uses; a dataset run's from ``eval.path`` (none without it), read like ``data``
+    (with ``encode``, prompts longer than ``rollout.max_prompt_len`` are refused or skipped like
+    the training data's)."""
     e, d = cfg.eval, cfg.data
     if e.num_prompts == 0:
         return []
@@ -135,10 +171,10 @@ def _eval_problems(
         return [held_out.problem(i) for i in range(e.num_prompts)]
     if e.path is None:
         return []
-    rows = load_jsonl_rows(e.path, d.prompt_field, d.answer_field, setting="eval.path")
-    if tokenizer is None:
-        return [(p, a) for _, p, a in rows][: e.num_prompts]
-    return _fitting_rows(rows, tokenizer, cfg, e.path, "eval.path")[0][: e.num_prompts]
+    examples = load_examples(cfg, e.path, "eval.path")
+    if encode is not None:
+        examples = _fitting(examples, encode, cfg, e.path, "eval.path")[0]
+    return examples[: e.num_prompts]
 
 
 def check_fits(cfg: ExperimentConfig) -> None:
@@ -223,7 +259,14 @@ def build(
             f"{cfg.data.tokenizer} tokenizer has {tokenizer.vocab_size} "
             "tokens"
         )
-    source, reward_fn, example, long_skipped = _task_parts(cfg, tokenizer)
+    d = cfg.data
+    encode = functools.partial(
+        encode_chat, tokenizer, system_prompt=d.system_prompt, template=d.prompt_template
+    )
+    source, reward_fn, example, long_skipped = _task_parts(cfg, encode)
+    wall = cfg.orchestrator.clock == "wall"
+    clock, bus = (WallClock() if wall else LogicalClock()), Bus()
+    reward, eval_reward = _scorers(cfg, reward_fn, clock.now)
     shardings = tree_shardings(
         param_axes(cfg.model),
         abstract_params(cfg.model),
@@ -246,11 +289,8 @@ def build(
             on_step=on_warm_step,
         )
         params = jax.device_put(params, shardings)
-    reward = safe_reward(reward_fn)
     trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params)
     grpo = GRPOTrainer(trainer, tokenizer, reward)
-    wall = cfg.orchestrator.clock == "wall"
-    clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     cluster = _cluster(cfg, meshes, process, bus, clock, tokenizer.eos_id)
     if cluster is not None and not cluster.transfers.via_store:
         grpo.export_shardings = cluster.link.stage_shardings()
@@ -266,11 +306,14 @@ def build(
         bus=bus,
         cluster=cluster,
     )
-    skip = cfg.data.long_prompts == "skip"
-    prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len, skip=skip)
+    if reward.pool is not None:  # score each request as it finishes, in the workers
+        backend.on_finished = grpo.prefetch
+    skip = d.long_prompts == "skip"
+    prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len,
+                               d.system_prompt, d.prompt_template, skip=skip)  # fmt: skip
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
-    problems = _eval_problems(cfg, tokenizer)
+    problems = _eval_problems(cfg, prompts.encode)
     evaluator = None
     if problems:
         try:
@@ -280,8 +323,10 @@ def build(
                 meshes.trainer.devices.flat[0],
                 tokenizer,
                 problems,
-                safe_reward(reward_fn),  # its own error count: eval errors are not the run's
+                eval_reward,  # its own error count: eval errors are not the run's
                 cfg.seed,
+                encode=prompts.encode,
+                samples_per_prompt=cfg.eval.samples_per_prompt,
             )
         except ValueError as e:
             raise ExperimentError(f"eval: {e}") from None

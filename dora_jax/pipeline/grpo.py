@@ -1,11 +1,13 @@
 """Glue between the control plane and the real arrays: prompts in, GRPO steps out.
 
 - :class:`TokenizedPrompts`: the runtime's prompt source, from a :class:`dora_jax.data.PromptSource`
-  and a tokenizer (a prompt longer than the engine's context fails with a clear error, or with
-  ``data.long_prompts=skip`` is left out and counted).
-- :class:`GRPOTrainer`: the runtime's trainer. It scores finished requests with the reward
-  function, packs them into a train batch, runs one jitted GRPO step on the trainer submesh,
-  and keeps the params of every version the rollout side may still ask for.
+  and a tokenizer: a string prompt (through ``data.prompt_template``) or the row's chat messages,
+  with ``data.system_prompt``, rendered by the chat template (a prompt longer than the engine's
+  context fails with a clear error, or with ``data.long_prompts=skip`` is left out and counted).
+- :class:`GRPOTrainer`: the runtime's trainer. It scores finished requests with the
+  :class:`~dora_jax.data.Scorer` (a pooled scorer starts on each request as it finishes, see
+  :meth:`GRPOTrainer.prefetch`), packs them into a train batch, runs one jitted GRPO step on the
+  trainer submesh, and keeps the params of every version the rollout side may still ask for.
 
 Versions: the policy version is the number of train steps taken. A step that the non-finite
 guard skips leaves the params unchanged and still produces the next version (equal params), so
@@ -22,7 +24,9 @@ import jax
 import numpy as np
 
 from dora_jax import faults
+from dora_jax.data.examples import chat_messages
 from dora_jax.data.prompts import PromptSource
+from dora_jax.data.scoring import Scorer
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids
@@ -39,25 +43,46 @@ class TokenizedPrompts:
     """``next_prompt()`` for the runtime: text -> chat template -> token ids."""
 
     def __init__(
-        self, source: PromptSource, tokenizer: Tokenizer, max_prompt_len: int, skip: bool = False
+        self,
+        source: PromptSource,
+        tokenizer: Tokenizer,
+        max_prompt_len: int,
+        system_prompt: str | None = None,
+        template: str = "{prompt}",
+        *,
+        skip: bool = False,
     ):
         self.source, self.tokenizer, self.max_prompt_len = source, tokenizer, max_prompt_len
+        self.system_prompt, self.template = system_prompt, template
         self.skip = skip
         self.skipped = 0  # prompts left out (too long), part of the checkpoint
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt (a string or chat messages)."""
+        return encode_chat(self.tokenizer, prompt, self.system_prompt, self.template)
 
     def next_prompt(self) -> PromptSpec:
         while True:
             (p,) = self.source.take(1)
-            tokens = tuple(encode_prompt(self.tokenizer, p.text))
+            tokens = tuple(self.encode(p.text))
             if tokens and len(tokens) <= self.max_prompt_len:
-                return PromptSpec(len(tokens), PromptPayload(p.index, tokens, p.answer))
+                payload = PromptPayload(p.index, tokens, p.answer, metadata=p.metadata or None)
+                return PromptSpec(len(tokens), payload)
             if not self.skip:
                 raise PromptTooLong(
                     f"prompt {p.index} of the stream has {len(tokens)} tokens; "
                     f"rollout.max_prompt_len is {self.max_prompt_len} (raise it, filter the data, "
-                    f"or set data.long_prompts=skip): {p.text[:60]!r}"
+                    f"or set data.long_prompts=skip): {str(p.text)[:60]!r}"
                 )
             self.skipped += 1
+
+
+def encode_chat(
+    tokenizer: Tokenizer, prompt, system_prompt: str | None = None, template: str = "{prompt}"
+) -> list[int]:
+    """Token ids of a prompt (a string or chat messages) as the run renders it: ``template``,
+    ``system_prompt``, the tokenizer's chat template."""
+    return encode_prompt(tokenizer, chat_messages(prompt, system_prompt, template))
 
 
 @dataclass
@@ -66,6 +91,9 @@ class StepLog:
     metrics: dict[str, Any]
     rewards: list[float]
     trajectories: list[int] = field(default_factory=list)  # request ids consumed
+    # the means of the extra metrics the reward function returned (over the responses that
+    # returned each), and the failed calls of this step by kind
+    reward_metrics: dict[str, float] = field(default_factory=dict)
 
 
 class GRPOTrainer:
@@ -75,11 +103,12 @@ class GRPOTrainer:
         self,
         trainer: Trainer,
         tokenizer: Tokenizer,
-        reward_fn: Callable[[str, str], float],
+        reward_fn: Scorer | Callable[[str, str], float],
         *,
         train_ticks: int = 1,
     ):
-        self.trainer, self.tokenizer, self.reward_fn = trainer, tokenizer, reward_fn
+        self.trainer, self.tokenizer = trainer, tokenizer
+        self.scorer = reward_fn if isinstance(reward_fn, Scorer) else Scorer(reward_fn)
         self.train_ticks = train_ticks
         self.params: dict[int, Params] = {self.version: trainer.export_params()}
         # Where exports go (None: the trainer's own shardings). A multi-process run exports in
@@ -95,16 +124,30 @@ class GRPOTrainer:
         state = self.trainer.state
         return int(state.version) + int(state.skipped)
 
-    def score(self, comp: Completion) -> float:
+    def item(self, comp: Completion) -> tuple[str, str, dict | None]:
+        """What the reward function reads: the response text, the answer, the row's fields."""
         text = self.tokenizer.decode(response_ids(self.tokenizer, comp.tokens))
-        return self.reward_fn(text, comp.prompt.answer)
+        return text, comp.prompt.answer, comp.prompt.metadata
+
+    def prefetch(self, request_id: int, comp: Completion) -> None:
+        """Start scoring a request the moment it finishes (returns at once); its train step
+        then finds the score ready, or waits at most the reward timeout for it."""
+        self.scorer.prefetch(request_id, self.item(comp))
 
     def step(self, batch: list[ReadyGroup]) -> int:
         trajectories, rewards, ids = [], [], []
+        found = [(t.request_id, t.payload) for rg in batch for t in rg.trajectories]
+        outcomes = iter(self.scorer.score_many(
+            [self.item(c) for _, c in found], keys=[rid for rid, _ in found]
+        ))  # fmt: skip
+        extra: dict[str, list[float]] = {}
         for rg in batch:
             for t in rg.trajectories:
                 comp: Completion = t.payload
-                reward = self.score(comp)
+                out = next(outcomes)
+                reward = out.score
+                for k, v in out.metrics.items():
+                    extra.setdefault(k, []).append(v)
                 rewards.append(reward)
                 ids.append(t.request_id)
                 self.consumed.append((t.request_id, rg.version, comp))
@@ -130,7 +173,8 @@ class GRPOTrainer:
         if self.export_shardings is not None:
             export = jax.device_put(export, self.export_shardings)
         self.params[version] = export
-        self.log.append(StepLog(version, metrics, rewards, ids))
+        means = {k: float(np.mean(v)) for k, v in extra.items()}
+        self.log.append(StepLog(version, metrics, rewards, ids, means))
         return version
 
     def wait(self, version: int) -> None:

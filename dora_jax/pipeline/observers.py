@@ -1,7 +1,11 @@
 """Observers of the run loop: what happens at every published version besides training.
 
-- :class:`MetricsLog`: one ``metrics.jsonl`` line (and TensorBoard scalars) per train step, and the
-  progress bar (or a printed line every ``logging.every_steps`` steps without one).
+- :class:`MetricsLog`: one ``metrics.jsonl`` line (and TensorBoard scalars, and Weights & Biases
+  with ``logging.wandb``) per train step, and the progress bar (or a printed line every
+  ``logging.every_steps`` steps without one). Besides the train step's numbers a line holds the
+  mean reward, the solved share, the means of the reward function's extra metrics
+  (``reward/<name>``) and the failed reward calls so far, in all and by kind
+  (``reward_errors``, ``reward_errors/timeout``, ``/exception``, ``/invalid``, ``/crash``).
 - :class:`HeldOutEval`: the held-out evaluation every ``eval.every_steps`` steps, appended to
   ``eval.jsonl`` (a resumed run keeps the evaluations up to its checkpoint). On the wall clock it
   holds the run still (:meth:`Runtime.quiesce`) while it evaluates.
@@ -33,7 +37,7 @@ def step_solved(log) -> float:
 class MetricsLog:
     """Writes every new step log of the trainer at the version's publication."""
 
-    def __init__(self, exp: Experiment, run_dir: Path, resume: bool):
+    def __init__(self, exp: Experiment, run_dir: Path, resume: bool, mirror=None):
         cfg = exp.cfg
         self.exp, self.cfg = exp, cfg
         done = exp.runtime.steps_done  # published steps; a logical step may have run already
@@ -42,7 +46,7 @@ class MetricsLog:
             cut_jsonl(path, done)
         elif path.is_file():
             path.unlink()
-        self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+        self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, mirror=mirror)
         self.bar = progress(
             cfg.train.total_steps, f"GRPO ({cfg.orchestrator.mode})", enabled=cfg.logging.progress
         )
@@ -65,10 +69,13 @@ class MetricsLog:
         reward, solved = step_reward(log), step_solved(log)
         self.tokens += int(m["num_tokens"])
         elapsed = time.perf_counter() - self.t0
+        scorer = self.exp.reward
+        errors = {f"reward_errors/{k}": v for k, v in scorer.error_counts().items()}
+        extra = {f"reward/{k}": v for k, v in log.reward_metrics.items()}
         self.writer.write(
             log.version,
             {**m, "reward": reward, "solved": solved, "elapsed_s": elapsed,
-             "reward_errors": self.exp.reward.errors},
+             "reward_errors": scorer.errors, **errors, **extra},
         )  # fmt: skip
         self.bar.update(1)
         self.bar.set_postfix(
@@ -94,7 +101,13 @@ class HeldOutEval:
     FILE = "eval.jsonl"
 
     def __init__(
-        self, exp: Experiment, run_dir: Path, cfg: ExperimentConfig, resume: bool, echo=print
+        self,
+        exp: Experiment,
+        run_dir: Path,
+        cfg: ExperimentConfig,
+        resume: bool,
+        echo=print,
+        mirror=None,
     ):
         self.exp, self.every, self.echo = exp, cfg.eval.every_steps, echo
         self.results: list[EvalResult] = []
@@ -110,7 +123,7 @@ class HeldOutEval:
         elif path.is_file():
             path.unlink()
         self.writer = MetricsWriter(
-            run_dir, cfg.logging.tensorboard, filename=self.FILE, tb_dir="tb/eval"
+            run_dir, cfg.logging.tensorboard, filename=self.FILE, tb_dir="tb/eval", mirror=mirror
         )
 
     def on_publish(self, runtime, version: int) -> None:
@@ -126,8 +139,9 @@ class HeldOutEval:
         self.results.append(r)
         self.seconds += r.seconds
         self.writer.write(step, r.metrics())
+        at_k = "".join(f" {k} {v:.3f}" for k, v in r.at_k.items())
         self.echo(
-            f"held-out eval at step {step}: solved {r.solved:.3f} reward {r.reward:.3f} "
+            f"held-out eval at step {step}: solved {r.solved:.3f} reward {r.reward:.3f}{at_k} "
             f"response {r.response_len:.1f} tokens ({r.seconds:.1f} s)"
         )
 

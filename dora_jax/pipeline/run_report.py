@@ -4,6 +4,7 @@ printed to the terminal."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import shlex
 from pathlib import Path
 
@@ -51,13 +52,19 @@ def write_run_report(
             "warm_start_s": warm_start_s,
             "eval_s": evals.seconds,
         },
-        held_out=[dataclasses.asdict(r) for r in evals.results],
+        held_out=[
+            {k: v for k, v in dataclasses.asdict(r).items() if k != "scores"} for r in evals.results
+        ],  # fmt: skip
         extra={
             "reward_errors": exp.reward.errors,
+            "reward_errors_by_kind": exp.reward.error_counts(),
             "config": "config.yaml",
             "stopped_early": exp.stopped,
             "request_states": _counts(result.ledger),
             "consumed_request_ids": [c.request_id for c in rec.consumed],
+            # the measured workload (benchmarks/calibrate_cpu.py feeds it to the simulator)
+            "consumed_response_lens": [c.response_len for c in rec.consumed],
+            "consumed_prompt_lens": [len(comp.prompt.tokens) for _, _, comp in exp.grpo.consumed],
             "skipped_steps": health.skipped_steps if health is not None else [],
             "policy_warnings": health.warnings if health is not None else [],
             "long_prompts_skipped": len(exp.long_prompt_lines)
@@ -90,11 +97,19 @@ def write_run_report(
     if len(evals.results) >= 2:
         e0, e1 = evals.results[0], evals.results[-1]
         n = len(exp.evaluator.prompts)
+        k = exp.evaluator.k
+        each = "one sample each" if k == 1 else f"{k} samples each"
         print(
-            f"held-out eval ({n} problems, one sample each): solved {e0.solved:.3f} at step "
+            f"held-out eval ({n} problems, {each}): solved {e0.solved:.3f} at step "
             f"{e0.step} -> {e1.solved:.3f} at step {e1.step} (+-{binomial_se(e1.solved, n):.3f}); "
             f"mean response {e0.response_len:.1f} -> {e1.response_len:.1f} tokens"
         )
+        if e1.at_k:
+            moves = [f"{n} {e0.at_k.get(n, math.nan):.3f} -> {v:.3f}" for n, v in e1.at_k.items()]
+            print(f"held-out at steps {e0.step} -> {e1.step}: " + ", ".join(moves))
+    if exp.reward.errors:
+        kinds = ", ".join(f"{n} {k}" for k, n in exp.reward.error_counts().items() if n)
+        print(f"reward function failures (reward 0): {kinds}")
     print(
         f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
     )

@@ -50,7 +50,7 @@ from dora_jax.sim.workload import ResponseLengths
 # group-seconds accounting, per tick (summed over groups)
 CATEGORIES = ("transfer", "migrate", "prefill", "reprefill", "decode", "idle", "train")
 TRANSFER, MIGRATE, PREFILL, REPREFILL, DECODE, IDLE, TRAIN = range(len(CATEGORIES))
-_ACTIVITY = ("idle", "prefill", "decode", "transfer")
+_ACTIVITY = ("idle", "prefill", "decode", "transfer", "migrate")
 _FIELDS = ("rid", "pg", "plen", "target", "gen", "pf", "rp", "vflag")
 
 
@@ -394,8 +394,9 @@ class SimBackend:
         busy = secs[:, TRANSFER] + secs[:, MIGRATE]
         fill = secs[:, PREFILL] + secs[:, REPREFILL]
         dec = secs[:, DECODE]
-        act = np.where(dec >= fill, 2, 1)  # 0 idle, 1 prefill, 2 decode, 3 transfer
-        act = np.where((busy >= fill) & (busy >= dec), 3, act)
+        act = np.where(dec >= fill, 2, 1)  # 0 idle, 1 prefill, 2 decode, 3 transfer, 4 migrate
+        moving = np.where(secs[:, MIGRATE] > secs[:, TRANSFER], 4, 3)
+        act = np.where((busy >= fill) & (busy >= dec), moving, act)
         act = np.where(np.maximum(np.maximum(busy, fill), dec) <= 0, 0, act)
         time_s = dt - secs[:, IDLE] - secs[:, TRAIN]
         cols = zip(

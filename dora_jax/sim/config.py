@@ -53,9 +53,10 @@ class ClusterConfig:
 
     def __post_init__(self):
         _check(
-            self.hardware in HARDWARE,
+            self.hardware in HARDWARE or self.hardware == "cpu",
             "hardware",
-            f"unknown preset {self.hardware!r}; expected one of {', '.join(HARDWARE)}",
+            f"unknown preset {self.hardware!r}; expected one of {', '.join(HARDWARE)}, or 'cpu' "
+            "(measured constants: SimConfig.calibration)",
         )
         _positive(self, "total_gpus", "rollout_tp", "max_slots", "page_size")
         _fraction(self, "mem_util")
@@ -176,9 +177,20 @@ class OrchestrationConfig:
     kv_admit_reserve_tokens: int = 2048  # room to grow each request reserves at admission
     legacy_fill: bool = True
     plan_on_idle: bool = True
+    plan_hysteresis: bool = True  # mute a KV-pressure / idle trigger whose plan moved nothing
+    # planner v2 features (orchestrator.planner.PlanPolicy), switchable for ablations
+    kv_aware: bool = True  # releases and moves budget KV pages, not only slots
+    consolidate: bool = True  # older versions' tails packed onto the groups their KV needs
+    spread: bool = True  # spare groups take over part of the gate version's load
+    legacy_fill_margin: int = 2  # legacy fill only at versions >= window's oldest + this
+    # adaptive K within [adaptive_k_min, staleness_k] (orchestrator/staleness.py; dora only)
+    adaptive_k: bool = False
+    adaptive_k_min: int = 1
+    staleness_cost: float = 0.05
 
     def __post_init__(self):
         _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
+        _check(self.legacy_fill_margin >= 1, "legacy_fill_margin", "must be >= 1")
         _positive(
             self, "train_batch_prompts", "group_size", "plan_period_s", "kv_admit_reserve_tokens"
         )
@@ -228,6 +240,9 @@ class SimConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # hardware 'cpu': the calibrate_cpu.json whose measured constants give every cost
+    # (benchmarks/calibrate_cpu.py; a relative path is taken from the repository root)
+    calibration: str | None = None
 
     def __post_init__(self):
         _check(
@@ -235,6 +250,17 @@ class SimConfig:
             "model",
             f"unknown preset {self.model!r}; expected one of {', '.join(MODELS)}",
         )
+        _check(
+            self.cluster.hardware != "cpu" or bool(self.calibration),
+            "calibration",
+            "hardware 'cpu' needs the calibrate_cpu.json of benchmarks/calibrate_cpu.py",
+        )
+
+    def calibration_path(self) -> Path | None:
+        if not self.calibration:
+            return None
+        p = Path(self.calibration)
+        return p if p.is_absolute() or p.exists() else Path(__file__).resolve().parents[2] / p
 
     def variants(self) -> list[tuple[str, str]]:
         """(mode, placement) pairs to run, in table order."""

@@ -34,7 +34,9 @@ HBM bandwidth ``B``, scale-up link ``W``, scale-out link ``N``; efficiencies ``e
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -149,3 +151,69 @@ class CostModel:
             (s * s).sum() / 2.0
         )
         return flops / (devices * self.hw.peak_flops * e.train_mfu) + e.train_step_overhead_s
+
+
+@dataclass(frozen=True)
+class MeasuredCost:
+    """The cost model of a machine measured rather than derived (``benchmarks/calibrate_cpu.py``
+    writes its constants): where the roofline does not hold, as for the default task's 78k-
+    parameter model on a CPU, whose engine steps cost about the same whatever they hold (the
+    engine's shapes are batch-invariant and overheads dominate). Same interface as
+    :class:`CostModel`:
+
+    - a decode step: ``decode_call_s / decode_steps`` (one engine call samples ``decode_steps``
+      tokens per request);
+    - a prefill: one engine call per ``max_slots`` requests of up to ``prefill_chunk_tokens``
+      tokens each (``ceil(tokens / (max_slots * chunk))`` calls of ``prefill_call_s``);
+    - a weight load, a KV move (any size here) and a train step: their measured times.
+    """
+
+    decode_call_s: float
+    decode_steps: int
+    prefill_call_s: float
+    prefill_chunk_tokens: int
+    max_slots: int
+    weight_load_s: float
+    kv_move_s: float
+    train_step_fixed_s: float
+    kv_capacity: int
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> MeasuredCost:
+        """The ``constants`` of a ``calibrate_cpu.json``."""
+        c = json.loads(Path(path).read_text())["constants"]
+        return cls(
+            decode_call_s=c["decode_step_s"],
+            decode_steps=c["decode_steps_per_call"],
+            prefill_call_s=c["prefill_step_s"],
+            prefill_chunk_tokens=c["prefill_chunk_tokens"],
+            max_slots=c["max_slots"],
+            weight_load_s=c["weight_load_s"],
+            kv_move_s=c["kv_move_s"],
+            train_step_fixed_s=c["train_step_s"],
+            kv_capacity=c["kv_capacity_tokens"],
+        )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_capacity
+
+    def decode_step_s(self, n: np.ndarray | float, ctx: np.ndarray | float) -> np.ndarray:
+        n = np.asarray(n, dtype=np.float64)
+        return np.full_like(n, self.decode_call_s / self.decode_steps)
+
+    def prefill_s(self, tokens: np.ndarray | float, pairs: np.ndarray | float) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.float64)
+        calls = np.ceil(tokens / (self.max_slots * self.prefill_chunk_tokens))
+        return np.where(tokens > 0, calls * self.prefill_call_s, 0.0)
+
+    causal_pairs = staticmethod(CostModel.causal_pairs)
+
+    def weight_transfer_s(self) -> float:
+        return self.weight_load_s
+
+    def kv_transfer_s(self, tokens: float) -> float:
+        return self.kv_move_s
+
+    def train_step_s(self, seq_lens: np.ndarray, devices: int) -> float:
+        return self.train_step_fixed_s

@@ -133,6 +133,20 @@ MODELS: dict[str, ModelSpec] = {
         "qwen2.5-32b", layers=64, hidden=5120, heads=40, kv_heads=8, ffn=27648, vocab=152064
     ),
     "longcat-flash-560b": _longcat_flash(),
+    # the default task's policy (configs/default.yaml): 2 layers, hidden 64, 4 Q / 2 KV heads of
+    # 16, intermediate 128, vocab 64, tied embeddings: 78k parameters. Its costs come from
+    # measurement (hardware 'cpu', benchmarks/calibrate_cpu.py), not from this spec.
+    "tiny-default": qwen2_dense(
+        "tiny-default",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn=128,
+        vocab=64,
+        head_dim=16,
+        tied=True,
+    ),  # fmt: skip
 }
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import yaml
 
 from dora_jax.config.loading import to_dict
+from dora_jax.report import plot_timeline
 from dora_jax.sim.run import SimMetrics, SimRun, cost_model
 
 PAPER_FIGURES = Path(__file__).resolve().with_name("paper_figures.yaml")
@@ -57,18 +58,42 @@ def table(metrics: list[SimMetrics]) -> str:
     """One row per (mode, placement), figures in modeled seconds (see ``run.py``)."""
     head = (
         f"{'mode':<15}{'grp':>4}{'step s':>8}{'roll-only s':>12}{'frac':>6}{'train s':>8}"
-        f"{'tok/s':>8}{'bubble':>7}{'plan%':>7}{'kvxfer%':>8}{'wgt%':>6}{'reprf%':>7}"
-        f"{'stale':>6}{'max':>4}{'discard':>8}{'migr':>7}"
+        f"{'tok/s':>8}{'bubble':>7}{'plan%':>7}{'wxfer%':>7}{'migr%':>7}{'reprf%':>7}"
+        f"{'stale':>6}{'max':>4}{'discard':>8}{'migr':>7}{'plans':>6}"
     )
     lines = [head, "-" * len(head)]
     for m in metrics:
         lines.append(
             f"{_label(m):<15}{m.groups:>4}{m.step_s:>8.1f}{m.rollout_only_s:>12.1f}"
             f"{m.rollout_only_frac:>6.2f}{m.train_s:>8.1f}{m.tokens_per_s:>8.0f}{m.bubble:>7.3f}"
-            f"{100 * m.plan_frac:>7.3f}{100 * m.transfer_frac:>8.2f}{100 * m.weight_frac:>6.2f}"
-            f"{100 * m.reprefill_frac:>7.2f}{m.staleness_mean:>6.2f}{m.staleness_max:>4}"
-            f"{m.discarded:>8}{m.migrated:>7}"
+            f"{100 * m.plan_frac:>7.3f}{100 * m.weight_transfer_frac:>7.2f}"
+            f"{100 * m.migration_frac:>7.2f}{100 * m.reprefill_frac:>7.2f}"
+            f"{m.staleness_mean:>6.2f}{m.staleness_max:>4}{m.discarded:>8}{m.migrated:>7}"
+            f"{m.plans:>6}"
         )
+    return "\n".join(lines)
+
+
+DECOMPOSITION = (
+    ("gpu_rollout_full_s", "full batch"),
+    ("gpu_rollout_tail_s", "tail"),
+    ("gpu_reprefill_s", "re-prefill"),
+    ("gpu_train_s", "train"),
+    ("gpu_moves_s", "moves"),
+    ("gpu_idle_s", "idle"),
+)
+
+
+def decomposition(metrics: list[SimMetrics]) -> str:
+    """Each mode's step time split by what its GPUs did (GPU-seconds per step over the cluster's
+    GPUs; the parts add up to the step): rollout while requests wait for a slot (full batch),
+    rollout while nothing waits (the tail), re-prefill, training, weight and KV moves, idle."""
+    head = f"{'mode':<15}{'step s':>8}" + "".join(f"{name:>12}" for _, name in DECOMPOSITION)
+    lines = [head, "-" * len(head)]
+    for m in metrics:
+        parts = [getattr(m, k) for k, _ in DECOMPOSITION]
+        cells = "".join(f"{x:>7.1f} {100 * x / m.step_s:>3.0f}%" for x in parts)
+        lines.append(f"{_label(m):<15}{m.step_s:>8.1f}{cells}")
     return "\n".join(lines)
 
 
@@ -98,74 +123,66 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "inf" if isinstance(x, float) and math.isinf(x) else format(x, spec)
 
 
+# The placement of the baseline each paper figure compares DORA to. The paper (sec. 4.1) runs
+# "partial rollout in the colocated model placement"; it names no placement for synchronous
+# training, and presents DORA disaggregated: we read its sync as sharing DORA's split.
+_ROWS = (
+    ("throughput", "sync", "throughput", "throughput_speedup_vs_sync"),
+    ("step time", "sync", "step_time", "step_time_speedup_vs_sync"),
+    ("rollout-only time", "sync", "rollout_only", "rollout_only_speedup"),
+    ("throughput", "partial", "throughput", "throughput_speedup_vs_partial"),
+    ("step time", "partial", "step_time", "step_speedup_vs_partial"),
+)
+PAPER_PLACEMENT = {"sync": "dis", "partial": "co"}
+
+
 def paper_comparison(metrics: list[SimMetrics], paper: dict | None) -> str:
-    """DORA's speedups and fractions, ours beside the paper's (when given)."""
+    """DORA's speedups over each baseline in both placements, colocated ``sync`` (what veRL
+    users run) first, beside the paper's figure and the placement of the paper's baseline."""
     by = {_label(m): m for m in metrics}
     sp = speedups(metrics)
     dora = by.get("dora/dis")
     if dora is None:
         return "(no dora run: no comparison)"
     p = (paper or {}).get("figures") or {}
-    sync = [k for k in ("sync/dis", "sync/co") if k in sp]
-    part = [k for k in ("partial/co", "partial/dis") if k in sp]
-    rows = [
-        (
-            "rollout-only speedup vs sync",
-            [sp[k]["rollout_only"] for k in sync],
-            sync,
-            p.get("rollout_only_speedup"),
-        ),
-        (
-            "throughput speedup vs sync",
-            [sp[k]["throughput"] for k in sync],
-            sync,
-            p.get("throughput_speedup_vs_sync"),
-        ),
-        (
-            "step-time speedup vs sync",
-            [sp[k]["step_time"] for k in sync],
-            sync,
-            p.get("step_time_speedup_vs_sync"),
-        ),
-        (
-            "throughput speedup vs partial",
-            [sp[k]["throughput"] for k in part],
-            part,
-            p.get("throughput_speedup_vs_partial"),
-        ),
-        (
-            "step-time speedup vs partial",
-            [sp[k]["step_time"] for k in part],
-            part,
-            p.get("step_speedup_vs_partial"),
-        ),
-    ]
-    lines = [f"{'DORA vs baselines':<32}{'ours':<44}{'paper':>8}", "-" * 84]
-    for name, vals, keys, pv in rows:
-        ours = ", ".join(f"{_fmt(v)}x ({k})" for v, k in zip(vals, keys, strict=True)) or "-"
-        lines.append(f"{name:<32}{ours:<44}{_fmt(pv):>8}")
-    s_ro = [f"{by[k].rollout_only_frac:.2f} ({k})" for k in ("sync/dis", "sync/co") if k in by]
+    head = (
+        f"{'DORA (disaggregated) vs':<34}{'colocated':>10}{'disaggr.':>10}{'paper':>8}"
+        "  (the paper's baseline)"
+    )
+    lines = [head, "-" * 84]
+    for name, base, key, pkey in _ROWS:
+        cells = [sp.get(f"{base}/{pl}", {}).get(key) for pl in ("co", "dis")]
+        pv = p.get(pkey)
+        where = "disaggregated, as DORA" if PAPER_PLACEMENT[base] == "dis" else "colocated"
+        note = f"  ({base} {where})" if pv is not None else ""
+        lines.append(
+            f"{name + ' vs ' + base:<34}"
+            + "".join(f"{(_fmt(c) + 'x') if c is not None else '-':>10}" for c in cells)
+            + f"{_fmt(pv):>8}{note}"
+        )
+    s_ro = [f"{by[k].rollout_only_frac:.2f} ({k})" for k in ("sync/co", "sync/dis") if k in by]
     lines.append(
-        f"{'sync rollout-only fraction':<32}{', '.join(s_ro):<44}"
-        f"{_fmt(p.get('sync_rollout_only_fraction')):>8}"
+        f"{'sync rollout-only fraction':<34}{', '.join(s_ro):<28}"
+        f"{_fmt(p.get('sync_rollout_only_fraction')):>6}"
     )
     lines.append(
-        f"{'dora rollout-only fraction':<32}{dora.rollout_only_frac:<44.2f}"
-        f"{_fmt(p.get('dora_rollout_only_fraction')):>8}"
+        f"{'dora rollout-only fraction':<34}{dora.rollout_only_frac:<28.2f}"
+        f"{_fmt(p.get('dora_rollout_only_fraction')):>6}"
     )
     lines.append(
-        f"{'dora tokens/s':<32}{dora.tokens_per_s:<44.0f}"
-        f"{_fmt(p.get('dora_throughput_tokens_per_s'), '.0f'):>8}"
+        f"{'dora tokens/s':<34}{dora.tokens_per_s:<28.0f}"
+        f"{_fmt(p.get('dora_throughput_tokens_per_s'), '.0f'):>6}"
     )
     ov = (paper or {}).get("overheads") or {}
     lb, rt = ov.get("load_balancing"), ov.get("request_transfer")
     lines.append(
-        f"{'dora plan + weight moves %':<32}"
-        f"{100 * (dora.plan_frac + dora.weight_frac):<44.3f}{_fmt(lb and 100 * lb, '.3f'):>8}"
+        f"{'dora plan + weight moves %':<34}"
+        f"{100 * (dora.plan_frac + dora.weight_transfer_frac):<28.3f}"
+        f"{_fmt(lb and 100 * lb, '.3f'):>6}"
     )
     lines.append(
-        f"{'dora request transfer %':<32}{100 * dora.transfer_frac:<44.3f}"
-        f"{_fmt(rt and 100 * rt, '.3f'):>8}"
+        f"{'dora request transfer %':<34}{100 * dora.migration_frac:<28.3f}"
+        f"{_fmt(rt and 100 * rt, '.3f'):>6}"
     )
     return "\n".join(lines)
 
@@ -183,13 +200,91 @@ def cost_summary(cfg) -> dict:
     }
 
 
+# dora with one planner feature switched off at a time (overrides of the sim config)
+ABLATIONS = (
+    ("planner v2", []),
+    ("- consolidation", ["orchestration.consolidate=false"]),
+    ("- KV-aware moves", ["orchestration.kv_aware=false"]),
+    ("- spread of the gate", ["orchestration.spread=false"]),
+    ("- trigger hysteresis", ["orchestration.plan_hysteresis=false"]),
+    ("- idle trigger", ["orchestration.plan_on_idle=false"]),
+    ("legacy fill at oldest+1 (v1)", ["orchestration.legacy_fill_margin=1"]),
+    ("- legacy fill", ["orchestration.legacy_fill=false"]),
+    (
+        "every v2 feature off",
+        [
+            "orchestration.consolidate=false",
+            "orchestration.kv_aware=false",
+            "orchestration.spread=false",
+            "orchestration.plan_hysteresis=false",
+            "orchestration.legacy_fill_margin=1",
+        ],
+    ),
+)
+
+
+def ablation(cfg, baselines: list[SimMetrics]) -> list[dict]:
+    """Run ``dora`` once per row of :data:`ABLATIONS` (the rest of ``cfg`` unchanged) and give
+    its figures and its throughput over each baseline run in ``baselines``."""
+    from dora_jax.config.loading import apply_overrides, from_dict
+    from dora_jax.sim.run import simulate
+
+    base = {_label(m): m.tokens_per_s for m in baselines if m.mode != "dora"}
+    rows = []
+    for name, overrides in ABLATIONS:
+        c = from_dict(type(cfg), apply_overrides(to_dict(cfg), overrides, type(cfg)))
+        m = simulate(c, "dora").metrics
+        rows.append(
+            {
+                "variant": name,
+                "overrides": overrides,
+                "tokens_per_s": m.tokens_per_s,
+                "bubble": m.bubble,
+                "rollout_only_frac": m.rollout_only_frac,
+                "staleness_mean": m.staleness_mean,
+                "plans": m.plans,
+                "migrated": m.migrated,
+                "weight_transfers": m.weight_transfers,
+                "vs": {k: m.tokens_per_s / v for k, v in base.items() if v},
+            }
+        )
+    return rows
+
+
+def ablation_table(rows: list[dict]) -> str:
+    """The ablation rows: dora's throughput without each feature, and over each baseline."""
+    keys = [k for k in ("sync/co", "sync/dis", "partial/co", "partial/dis") if k in rows[0]["vs"]]
+    head = (
+        f"{'dora planner':<30}{'tok/s':>8}{'vs v2':>7}{'bubble':>7}{'ro':>6}{'stale':>6}"
+        f"{'plans':>6}{'migr':>7}{'wxfer':>6}" + "".join(f"{'/' + k:>13}" for k in keys)
+    )
+    lines = [head, "-" * len(head)]
+    full = rows[0]["tokens_per_s"]
+    for r in rows:
+        lines.append(
+            f"{r['variant']:<30}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / full:>7.3f}"
+            f"{r['bubble']:>7.3f}{r['rollout_only_frac']:>6.2f}{r['staleness_mean']:>6.2f}"
+            f"{r['plans']:>6}{r['migrated']:>7}{r['weight_transfers']:>6}"
+            + "".join(f"{r['vs'][k]:>12.2f}x" for k in keys)
+        )
+    return "\n".join(lines)
+
+
 def write_json(
-    path: Path, cfg, runs: list[SimRun], workload: dict, paper: dict | None, note: str, command: str
+    path: Path,
+    cfg,
+    runs: list[SimRun],
+    workload: dict,
+    paper: dict | None,
+    note: str,
+    command: str,
+    ablation: list[dict] | None = None,
 ) -> None:
     metrics = [r.metrics for r in runs]
     data = {
         "command": command,
-        "units": "modeled seconds (step_s, rollout_only_s, train_s), response tokens consumed by "
+        "units": "modeled seconds (step_s, rollout_only_s, train_s, gpu_*_s: GPU-seconds per "
+        "step over the cluster's GPUs, adding up to step_s), response tokens consumed by "
         "training per modeled second (tokens_per_s), fractions of group-seconds (bubble, "
         "*_frac) except plan_frac (planner wall time / modeled span); wall_s: host seconds",
         "config": to_dict(cfg),
@@ -199,72 +294,28 @@ def write_json(
         "speedups_of_dora": speedups(metrics),
         "paper": paper,
         "paper_note": note,
+        "paper_baseline_placement": {
+            base: "disaggregated (as DORA)" if pl == "dis" else "colocated"
+            for base, pl in PAPER_PLACEMENT.items()
+        },
+        "ablation": ablation,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=float) + "\n")
 
 
-def timeline_png(run: SimRun, path: Path, max_cols: int = 1600) -> None:
-    """Groups x modeled time, coloured by the version each group holds (decode or prefill);
-    white idle, black weight transfer, grey training (colocated). A top strip shows when the
-    trainer runs; dashed lines mark the ends of train steps. Shows ``timeline_steps`` steps
-    after the warm-up."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-
+def timeline_png(run: SimRun, path: Path) -> Path:
+    """Groups x modeled time over ``timeline_steps`` train steps after the warm-up, drawn by
+    :func:`dora_jax.report.plot_timeline` (the real runs' timeline: colour = version, light =
+    prefill or requests waiting (also while a colocated trainer holds the devices), grey =
+    weight transfer, near-black = KV move, white = idle; the trainer and migrations lanes on
+    top), x in modeled seconds."""
     cfg, rec = run.cfg, run.result.records
     w, k = cfg.run.warmup_steps, cfg.run.timeline_steps
     t0 = rec.steps[w - 1].end if w else 0
     done = min(len(rec.steps), cfg.run.steps)  # the last record may be a step still running
     t1 = rec.steps[min(w + max(k, 1), done) - 1].end
-    every = max(1, math.ceil((t1 - t0) / max_cols))
-    ticks = range(t0, t1, every)
-    G = rec.num_groups
-    img = np.full((G + 2, len(ticks)), -1, dtype=np.int64)  # -1 idle
-    frozen = np.zeros(len(rec.groups), bool)
-    if run.placement == "colocated":
-        for s in run.trainer.steps:
-            frozen[s.tick : s.tick + s.ticks] = True
-    for j, t in enumerate(ticks):
-        for g in rec.groups[t]:
-            if frozen[t]:
-                img[g.group + 2, j] = -3
-            elif g.activity == "transfer":
-                img[g.group + 2, j] = -2
-            elif g.activity in ("decode", "prefill"):
-                img[g.group + 2, j] = g.version % 10
-        img[0, j] = -4 if rec.cluster[t].training else -1
-    palette = list(plt.get_cmap("tab10").colors)
-    palette[7] = "#ffd92f"  # gold: tab10's grey would read as "training"
-    cmap = ListedColormap(["#2d2d2d", "#b0b0b0", "black", "white", *palette])
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.28 * G))
-    x0, x1 = t0 * cfg.run.tick_s / 60, t1 * cfg.run.tick_s / 60
-    ax.imshow(
-        img + 4,
-        aspect="auto",
-        cmap=cmap,
-        vmin=0,
-        vmax=13,
-        interpolation="nearest",
-        extent=(x0, x1, G + 1.5, -0.5),
-    )
-    for s in rec.steps:
-        if t0 < s.end <= t1:
-            ax.axvline(s.end * cfg.run.tick_s / 60, color="red", lw=0.6, ls="--")
-    ax.set_yticks(
-        [0] + list(range(2, G + 2)), ["trainer"] + [f"g{g}" for g in range(G)], fontsize=6
-    )
-    ax.set_xlabel("modeled time (minutes)")
     m = run.metrics
-    ax.set_title(
-        f"{cfg.name}: {m.mode} ({m.placement}), {m.groups} groups; colour = version mod "
-        f"10, white idle, black weight transfer, grey training; red: step ends",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"{cfg.name}: {m.mode} ({m.placement}), {m.groups} groups, modeled time"
+    secs = [cfg.run.tick_s] * len(rec.groups)
+    return plot_timeline(rec, path, title=title, tick_seconds=secs, span=(t0, t1))

@@ -1,0 +1,147 @@
+"""Reward functions by name: the built-in ones, or yours as ``path/to/file.py:function`` or
+``package.module:function`` (``data.reward``).
+
+A function is called as ``fn(response, answer, metadata)`` (or ``fn(response, answer)`` when it
+takes two arguments): the response text, the reference answer and the dataset row's other fields.
+It returns a number, or a mapping with a numeric ``score`` and further numeric metrics (each
+logged per step as its mean). A coroutine function is awaited. Anything else is junk:
+:func:`outcome` raises :class:`InvalidReward` and the response scores 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+BUILT_IN = ("exact", "boxed_math")  # partial_credit and exact of the built-in task: see arithmetic
+
+
+class RewardSpecError(ValueError):
+    """``data.reward`` names no usable function (the message says why)."""
+
+
+class InvalidReward(ValueError):
+    """A reward function returned something that is neither a finite number nor a mapping with
+    a finite numeric ``score`` and numeric metrics."""
+
+
+def resolve_spec(spec: str) -> str:
+    """``spec`` with a file path made absolute (workers may start elsewhere)."""
+    target, sep, name = spec.rpartition(":")
+    if sep and _is_file(target):
+        return f"{Path(target).resolve()}:{name}"
+    return spec
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def load_reward_function(spec: str) -> Callable[..., Any]:
+    """The function ``spec`` names; :class:`RewardSpecError` naming ``data.reward`` otherwise."""
+    if spec in BUILT_IN:
+        from dora_jax.data.math_answers import boxed_math_reward
+        from dora_jax.data.rewards import exact_reward
+
+        return {"exact": exact_reward, "boxed_math": boxed_math_reward}[spec]
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise RewardSpecError(f"data.reward: expected 'file.py:function' or "
+                              f"'package.module:function', got {spec!r}")  # fmt: skip
+    if _is_file(target):
+        path = Path(target)
+        if not path.is_file():
+            raise RewardSpecError(f"data.reward: {path}: no such file")
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+        mod_name = f"dora_jax_user_reward_{digest}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's file may raise anything on import
+            del sys.modules[mod_name]
+            raise RewardSpecError(f"data.reward: {path} failed to import: "
+                                  f"{type(e).__name__}: {e}") from None  # fmt: skip
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:  # ImportError, or anything the module raises on import
+            raise RewardSpecError(f"data.reward: cannot import {target!r}: "
+                                  f"{type(e).__name__}: {e}") from None  # fmt: skip
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise RewardSpecError(f"data.reward: {target} has no {name!r}")
+    if not callable(fn):
+        raise RewardSpecError(f"data.reward: {target}:{name} is not callable")
+    arity(fn)
+    return fn
+
+
+def arity(fn: Callable[..., Any]) -> int:
+    """3 (response, answer, metadata) or 2 (response, answer) positional arguments."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return 3
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in params) or len(positional) >= 3:
+        return 3
+    if len(positional) == 2:
+        return 2
+    raise RewardSpecError(f"data.reward: {getattr(fn, '__name__', fn)} must take (response, "
+                          f"answer, metadata) or (response, answer), takes {len(positional)} "
+                          "positional arguments")  # fmt: skip
+
+
+def call(fn: Callable[..., Any], n_args: int, response: str, answer: str, metadata: dict) -> Any:
+    """``fn``'s result for one response; a coroutine is run to its end."""
+    result = fn(response, answer, metadata) if n_args == 3 else fn(response, answer)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_wait(result))
+    return result
+
+
+async def _wait(awaitable):
+    return await awaitable
+
+
+def _finite(x: Any) -> float | None:
+    if isinstance(x, bool):
+        return float(x)
+    if isinstance(x, int | float) or (hasattr(x, "dtype") and getattr(x, "ndim", 1) == 0):
+        v = float(x)
+        return v if math.isfinite(v) else None
+    return None
+
+
+def outcome(value: Any) -> tuple[float, dict[str, float]]:
+    """``(score, metrics)`` of a returned value, or :class:`InvalidReward`."""
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise InvalidReward(f"returned a mapping without 'score' (keys: {sorted(value)})")
+        score = _finite(value["score"])
+        if score is None:
+            raise InvalidReward(f"returned score {value['score']!r:.60}, not a finite number")
+        metrics = {}
+        for k, v in value.items():
+            if k == "score":
+                continue
+            f = _finite(v)
+            if f is None:
+                raise InvalidReward(f"returned metric {k!r} = {v!r:.60}, not a finite number")
+            metrics[str(k)] = f
+        return score, metrics
+    score = _finite(value)
+    if score is None:
+        raise InvalidReward(f"returned a {type(value).__name__} ({value!r:.60}), not a finite "
+                            "number or a mapping with a 'score'")  # fmt: skip
+    return score, {}

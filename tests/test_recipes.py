@@ -1,0 +1,30 @@
+"""The ``configs/recipes/`` presets load, and read the user's files the way their comments say."""
+
+from pathlib import Path
+
+import pytest
+
+from dora_jax.config import load_config
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "configs" / "recipes").glob("*.yaml"))
+
+
+def test_there_are_gsm8k_and_math_recipes_for_both_sizes():
+    names = {p.stem for p in RECIPES}
+    assert {f"{t}-qwen2.5-{s}" for t in ("gsm8k", "math") for s in ("0.5b", "1.5b")} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_loads(path):
+    cfg = load_config(path)
+    d = cfg.data
+    assert d.reward == "boxed_math" and d.tokenizer == "hf" and cfg.model.hf_path
+    assert cfg.eval.path and cfg.eval.num_prompts > 0
+    if path.stem.startswith("gsm8k"):
+        assert (d.task, d.prompt_field, d.answer_field) == ("jsonl", "question", "answer")
+        assert "\\boxed{}" in d.prompt_template and "{prompt}" in d.prompt_template
+    else:
+        assert (d.task, d.answer_field) == ("parquet", "reward_model.ground_truth")
+        assert cfg.eval.samples_per_prompt == 4
+    size = path.stem.rsplit("-", 1)[1]
+    assert cfg.model.hf_path.endswith(f"Qwen2.5-{size.upper()}-Instruct")
