@@ -1,26 +1,40 @@
 """Run checkpoints with orbax ``CheckpointManager``, and exact resume.
 
-A checkpoint (one step directory) holds four items:
+A checkpoint (one step directory, named by the runtime's tick) holds five items:
 
 - ``train_state``: the trainer's state (params, optimizer state, version, skip counter), restored
   directly into the trainer's shardings;
 - ``versions``: the params of every policy version the rollout side may still need (held by a
   group, or the trainer's newest), restored into the trainer's param shardings;
 - ``host``: the control plane and everything in flight, as the plain-data state of each part
-  (``state_dict()``), pickled: the runtime's (window, transfer queue, rollout manager with its
-  ledger, records), the backend's (request table, every engine's requests with their tokens,
-  logprobs and keys, and the KV pages of running requests, so a resumed request continues
-  without re-prefill, bit for bit), the prompt cursor and the trainer log;
-- ``config``: the resolved config (JSON).
+  (``state_dict()``): the runtime's (window, transfer queue, rollout manager with its ledger,
+  records), the backend's (request table, every engine's requests with their tokens, logprobs
+  and keys, and the KV pages of running requests, so a resumed request continues without
+  re-prefill, bit for bit), the prompt cursor and the trainer log. It is stored as JSON text plus
+  the large numpy arrays (:mod:`dora_jax.state_codec`): reading it never unpickles;
+- ``config``: the resolved config (JSON): a resumed run starts from it (:mod:`dora_jax.resume`);
+- ``meta``: the host state's format (:data:`HOST_FORMAT`), the steps done, the tick.
 
 A checkpoint is taken between control rounds with no train step running on a worker (the wall
-clock quiesces the groups first: :meth:`Runtime.quiesce`).
+clock quiesces the groups first: :meth:`Runtime.quiesce`). Saves are atomic (orbax writes a
+temporary directory and renames it when complete): a run killed mid-save leaves a temporary
+directory, which the next run discards (and says so), and the previous checkpoint stays usable. A
+checkpoint that cannot be read is moved to ``run_dir/unusable_checkpoints/`` when an older one is
+restored instead, so the resumed run's saves never collide with it. A failed save raises
+:class:`CheckpointSaveError` (the run stops).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
-import pickle
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,27 +42,120 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from dora_jax import faults, state_codec
 from dora_jax.config import ConfigError, ExperimentConfig, to_dict
 
 log = logging.getLogger(__name__)
-ITEMS = ("train_state", "versions", "host", "config")
-# Fields whose change makes a checkpoint unusable (shapes of params or of the KV cache).
-SHAPE_FIELDS = (
-    "family",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "tie_word_embeddings",
-    "param_dtype",
-)
+ITEMS = ("train_state", "versions", "host", "config", "meta")
+# Format of the host item: 1 was a pickle (no ``meta`` item); 2 is JSON text plus arrays.
+HOST_FORMAT = 2
+TMP_MARK = ".orbax-checkpoint-tmp"
+UNUSABLE_DIR = "unusable_checkpoints"
 
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit the current config."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, no permission): the run stops."""
+
+
+def _one_line(e: BaseException) -> str:
+    """A short cause: the operating system's reason when the error carries one (tensorstore
+    reports it as ``[os_error_code='28']``), else the error's first 300 characters."""
+    if isinstance(e, OSError) and e.errno:
+        return f"{e.strerror or os.strerror(e.errno)} [errno {e.errno}]"
+    text = " ".join(str(e).split())
+    m = re.search(r"os_error_code='?(\d+)", text)
+    if m:
+        code = int(m.group(1))
+        return f"{os.strerror(code)} [errno {code}]"
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+class _QuietSaveFailures(logging.Filter):
+    """Once a run's checkpointer is open, orbax's own reports of a failed background save (error
+    logs with tracebacks, and the 'Event loop is closed' errors tensorstore prints when its writes
+    end after orbax gave up, possibly much later) are left out: :class:`CheckpointSaveError`
+    reports the failure once, with its cause. Installed for the rest of the process."""
+
+    def __init__(self):
+        super().__init__()
+        self._hook = self._unraisable = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+    def _excepthook(self, tp, value, tb):
+        if tp is RuntimeError and str(value) == "Event loop is closed":
+            return
+        self._hook(tp, value, tb)
+
+    def _unraisablehook(self, u):
+        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed":
+            return
+        self._unraisable(u)
+
+    def install(self) -> None:
+        if self._hook is None:
+            logging.getLogger("absl").addFilter(self)
+            self._hook, sys.excepthook = sys.excepthook, self._excepthook
+            self._unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisablehook
+
+
+_QUIET = _QuietSaveFailures()
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Orbax's warnings about read-only managers are noise when we only peek."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def finished_steps(directory: Path) -> list[int]:
+    """The finished checkpoints in ``directory`` (step directories; temporary ones left by an
+    interrupted save do not count). Creates nothing."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def unfinished(directory: Path) -> list[Path]:
+    """Temporary directories of saves that never completed."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if TMP_MARK in p.name)
+
+
+def peek_configs(directory: Path) -> Iterator[tuple[int, dict | None]]:
+    """``(step, saved config or None when unreadable)``, newest first, reading only."""
+    steps = finished_steps(directory)
+    if not steps:
+        return
+    with _quiet_orbax():
+        # This process reads alone (in a multi-process run, process 0 reads the config while
+        # the others wait for its orders): no barrier with the other processes.
+        me = jax.process_index()
+        mp = ocp.options.MultiprocessingOptions(
+            primary_host=me, active_processes={me} if jax.process_count() > 1 else None
+        )
+        opts = ocp.CheckpointManagerOptions(
+            read_only=True, create=False, multiprocessing_options=mp
+        )
+        manager = ocp.CheckpointManager(directory.absolute(), options=opts, item_names=("config",))
+        for step in reversed(steps):
+            try:
+                cfg = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+                yield step, dict(cfg.config)
+            except Exception:  # noqa: BLE001  (an unreadable checkpoint: the caller goes on)
+                yield step, None
 
 
 def _host_state(exp) -> dict[str, Any]:
@@ -66,12 +173,17 @@ def _host_state(exp) -> dict[str, Any]:
         "grpo_consumed": exp.grpo.consumed,
         "wall_s": exp.wall_s,
         "versions": sorted(exp.grpo.params),
+        "long_prompts_skipped": exp.prompts.skipped if exp.prompts is not None else 0,
     }
 
 
 class RunCheckpointer:
+    """The run's checkpoints in ``directory``. Opening it discards the temporary directories of
+    saves that never completed (``discarded`` lists them)."""
+
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        self.discarded = self.discard_unfinished()
         # Only process 0 writes (it holds the trainer, and the other processes' engine snapshots
         # come to it as plain data): the other processes take no part in the saves.
         mp = ocp.options.MultiprocessingOptions(
@@ -82,68 +194,181 @@ class RunCheckpointer:
             enable_async_checkpointing=async_save,
             multiprocessing_options=mp,
             create=False,
+            cleanup_tmp_directories=True,
         )
         self.directory.mkdir(parents=True, exist_ok=True)
         # With several processes, arrays on process 0's devices alone are "host local" to orbax:
         # they are saved as host copies and put back into their shardings on restore.
         self.host_copies = jax.process_count() > 1
         self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=ITEMS)
+        self.moved_aside: list[Path] = []  # unusable checkpoints skipped by restore_latest
+        self.saved_config: dict | None = None  # the config of the checkpoint restored
+        self._saving: int | None = None  # the step of the last save handed to orbax
+        self._closed = False
+        _QUIET.install()
+
+    def close(self) -> None:
+        """Finish the save in progress (errors are the caller's to check first) and let go."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.manager.wait_until_finished()
+        with contextlib.suppress(Exception):
+            self.manager.close()
+
+    def discard_unfinished(self) -> list[str]:
+        out = []
+        for p in unfinished(self.directory):
+            shutil.rmtree(p, ignore_errors=True)
+            out.append(p.name)
+        return out
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
     def save(self, exp) -> int:
         """Save at a tick boundary (between ``runtime.tick()`` calls), keyed by the runtime's
-        tick index; a second save at the same tick is a no-op. Returns the key."""
+        tick index; a second save at the same tick is a no-op. Returns the key. Raises
+        :class:`CheckpointSaveError` when this save, or an earlier asynchronous one, failed."""
         step = exp.runtime.tick_index
+        self.check()
         if step in self.steps():
             return step
-        host = np.frombuffer(pickle.dumps(_host_state(exp), pickle.HIGHEST_PROTOCOL), np.uint8)
+        text, arrays = state_codec.dumps(_host_state(exp))
+        host = {"state": np.frombuffer(text, np.uint8), **arrays}
         versions = {f"v{v}": p for v, p in exp.grpo.params.items()}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                train_state=ocp.args.StandardSave(self._out(exp.trainer.state)),
-                versions=ocp.args.StandardSave(self._out(versions)),
-                host=ocp.args.StandardSave({"blob": host}),
-                config=ocp.args.JsonSave(to_dict(exp.cfg)),
-            ),
-        )
+        meta = {"format": HOST_FORMAT, "steps_done": exp.runtime.steps_done, "tick": step,
+                "saved_at": time.time()}  # fmt: skip
+        self._check_space(step, [exp.trainer.state, versions, host])
+        previous, self._saving = self._saving, step
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    train_state=ocp.args.StandardSave(self._out(exp.trainer.state)),
+                    versions=ocp.args.StandardSave(self._out(versions)),
+                    host=ocp.args.StandardSave(host),
+                    config=ocp.args.JsonSave(to_dict(exp.cfg)),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            )
+            faults.point("save")  # async: the save is still being written
+        except Exception as e:  # noqa: BLE001  (this save, or the previous one still running)
+            unfinished = previous is not None and previous not in finished_steps(self.directory)
+            raise self._save_failed(previous if unfinished else step, e) from e
         return step
 
+    def _check_space(self, step: int, trees: list) -> None:
+        """Refuse a save that would not fit the free space (with a 10% margin) before writing."""
+        need = sum(int(getattr(x, "nbytes", 0)) for t in trees for x in jax.tree.leaves(t))
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return
+        if free < need * 1.1:
+            raise self._save_failed(
+                step, OSError(errno.ENOSPC, f"no space left: {free / 2**20:.1f} MiB free, the "
+                                            f"checkpoint needs about {need / 2**20:.1f} MiB"),
+            )  # fmt: skip
+
+    def _save_failed(self, step: int | None, e: BaseException) -> CheckpointSaveError:
+        step = step if step is not None else -1
+        last = max([s for s in self.safe_steps() if s != step], default=None)
+        kept = f"the last complete checkpoint is {self.directory / str(last)}" if last is not None \
+            else "no checkpoint was completed"  # fmt: skip
+        return CheckpointSaveError(
+            f"saving checkpoint {self.directory / str(step)} failed ({_one_line(e)}); the run "
+            f"stopped; {kept}"
+        )
+
+    def safe_steps(self) -> list[int]:
+        with contextlib.suppress(Exception):
+            self.manager.reload()
+        return finished_steps(self.directory)
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointSaveError` if an asynchronous save has failed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(self._saving, e) from e
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the save in progress is complete (or raise :class:`CheckpointSaveError`)."""
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(self._saving, e) from e
 
     def restore_latest(self, exp) -> int:
         """Restore the newest usable checkpoint into the freshly built ``exp``; a corrupt one is
-        skipped with a warning in favour of the previous. Returns the step restored."""
+        skipped with a warning in favour of the previous, and then moved to
+        ``unusable_checkpoints/`` (``moved_aside``). A checkpoint of another format, or whose
+        config differs from ``exp.cfg`` in a field a resume may not change, is refused. Returns
+        the step restored; ``saved_config`` is that checkpoint's config."""
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
-        errors = []
+        errors, skipped = [], []
         for step in reversed(steps):
             try:
                 self._restore(exp, step)
-                return step
-            except ConfigError:
+            except (ConfigError, CheckpointError):
                 raise
-            except Exception as e:  # a truncated or unreadable checkpoint: try the previous
-                errors.append(f"step {step}: {type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001  (a truncated or unreadable checkpoint)
+                errors.append(f"step {step}: {_one_line(e)}")
+                skipped.append(step)
                 log.warning(
                     "checkpoint %s/%d is unusable (%s); trying the previous one",
                     self.directory,
                     step,
-                    e,
+                    _one_line(e),
                 )
-        raise CheckpointError(f"{self.directory}: no usable checkpoint:\n  " + "\n  ".join(errors))
+                continue
+            self._move_aside(skipped)
+            return step
+        raise CheckpointError(
+            f"{self.directory}: no usable checkpoint (move the directory away to start over):"
+            "\n  " + "\n  ".join(errors)
+        )
+
+    def _move_aside(self, steps: list[int]) -> None:
+        if not steps:
+            return
+        dest = self.directory.parent / UNUSABLE_DIR
+        dest.mkdir(exist_ok=True)
+        for step in steps:
+            target = dest / f"{step}-{int(time.time())}"
+            shutil.move(str(self.directory / str(step)), str(target))
+            self.moved_aside.append(target)
+        self.manager.reload()
+
+    def _format(self, step: int) -> int:
+        path = self.directory / str(step)
+        if not (path / "meta").is_dir():
+            return 1
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return int(meta.meta.get("format", 0))
 
     def _restore(self, exp, step: int) -> None:
+        fmt = self._format(step)
+        if fmt != HOST_FORMAT:
+            what = " (a pickled host state)" if fmt == 1 else ""
+            raise CheckpointError(
+                f"{self.directory / str(step)} is a checkpoint of format {fmt}{what}; this "
+                f"version reads format {HOST_FORMAT} only: resume it with the version that wrote "
+                f"it, or start a fresh run in another run_dir"
+            )
         meta = self.manager.restore(
             step,
             args=ocp.args.Composite(config=ocp.args.JsonRestore(), host=ocp.args.StandardRestore()),
         )
         check_compatible(meta.config, exp.cfg)
-        state = pickle.loads(np.asarray(meta.host["blob"]).tobytes())
+        stored = dict(meta.host)
+        text = np.asarray(stored.pop("state")).tobytes()
+        state = state_codec.loads(text, stored)
         trainer = exp.trainer
         param_target = jax.tree.map(_abstract, trainer.export_params())
         targets = {
@@ -163,6 +388,7 @@ class RunCheckpointer:
         trainer.state = arrays["train_state"]
         exp.grpo.params = {int(k[1:]): v for k, v in arrays["versions"].items()}
         _relink(exp, state)
+        self.saved_config = dict(meta.config)
 
     def _out(self, tree):
         return jax.device_get(tree) if self.host_copies else tree
@@ -186,20 +412,18 @@ def _relink(exp, state: dict[str, Any]) -> None:
     exp.grpo.log = [StepLog(*entry) for entry in state["grpo_log"]]
     exp.grpo.consumed = state["grpo_consumed"]
     exp.wall_s = state["wall_s"]
+    if exp.prompts is not None:
+        exp.prompts.skipped = state["long_prompts_skipped"]
 
 
 def check_compatible(saved: dict[str, Any], cfg: ExperimentConfig) -> None:
-    """A resume may change run settings, never the shapes the checkpoint holds."""
-    now = to_dict(cfg)
-    for name in SHAPE_FIELDS:
-        if saved["model"].get(name) != now["model"].get(name):
-            raise ConfigError(
-                f"model.{name}",
-                f"the checkpoint has {saved['model'].get(name)!r} "
-                f"but the config says {now['model'].get(name)!r}",
-            )
-    if saved["mesh"]["rollout"]["groups"] != now["mesh"]["rollout"]["groups"]:
-        raise ConfigError(
-            "mesh.rollout.groups",
-            f"must match the checkpoint ({saved['mesh']['rollout']['groups']})",
-        )
+    """A resume may change the fields :data:`dora_jax.resume.RULES` allows, never the others (the
+    shapes the checkpoint holds, its prompt stream, ...): :class:`ConfigError` names the field."""
+    from dora_jax.config import from_dict
+    from dora_jax.resume import changes
+
+    try:
+        saved_cfg = from_dict(ExperimentConfig, saved)
+    except ConfigError as e:
+        raise CheckpointError(f"the checkpoint's config cannot be read: {e}") from None
+    changes(saved_cfg, cfg)

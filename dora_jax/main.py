@@ -2,13 +2,21 @@
 
 A run directory gets: ``config.yaml`` (resolved), ``warm_start/`` (cached), ``metrics.jsonl``,
 ``tb/`` (TensorBoard), ``timeline.png``, ``summary.json`` and ``summary.md``.
+
+Misuse and faults (``docs/reliability.md``): a refused run changes nothing in its run dir (every
+check comes before the first write); a run holds the dir's lock while it writes; ``--resume``
+continues from the checkpoint's own config (:mod:`dora_jax.resume`); a bad input exits 2 with one
+line naming the file, line or field; a signal before the run loop saves nothing and says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_config
@@ -62,30 +70,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="key.path=value",
         help="dotted overrides, e.g. train.lr=1e-6",
     )
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
-def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
+def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides)
     if args.mode:
         overrides.append(f"orchestrator.mode={args.mode}")
     if args.steps is not None:
         overrides.append(f"train.total_steps={args.steps}")
+    return overrides
+
+
+def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
+    """A fresh run's config: the preset (default ``configs/default.yaml``), then the overrides."""
     path = args.config
     if path is None and DEFAULT_CONFIG.is_file():
         path = DEFAULT_CONFIG
-    return load_config(path, overrides)
+    return load_config(path, _overrides(args))
+
+
+def resume_hint(run_dir: str | Path) -> str:
+    from dora_jax.pipeline.run_report import resume_hint as hint
+
+    return hint(run_dir)
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
     try:
-        cfg = resolve_config(args)
+        return _main(argv)
+    except KeyboardInterrupt:  # a second signal, or one before our handlers were installed
+        print("\ninterrupted: stopped at once", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
+    from dora_jax.resume import resolve, run_dir_of
+
+    args = parse_args(argv)
+    default = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
+    try:  # a resumed run's config is read by process 0 alone (below)
+        cfg = None if args.resume else resolve_config(args)
+        run_dir = Path(cfg.run_dir) if cfg else run_dir_of(args.config or default, _overrides(args))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.local_processes:
-        return _launch_local(args, argv, cfg)
+        return _launch_local(args, argv, run_dir)
     from dora_jax.distributed.process import ProcessError, initialize, spec_from
 
     proc = None
@@ -100,39 +131,100 @@ def main(argv: list[str]) -> int:
         from dora_jax.distributed.host import serve
 
         return serve(proc)
+    if cfg is None:
+        try:  # the checkpoint's config, changed only where the command line says so
+            cfg, _, _, _ = resolve(args.config, _overrides(args), default_config=default)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     from dora_jax.checkpoint import CheckpointError as RunCheckpointError
+    from dora_jax.checkpoint import CheckpointSaveError
     from dora_jax.data.jsonl import DataError
     from dora_jax.model.hf_checkpoint import CheckpointError
     from dora_jax.model.tokenizer import TokenizerError
-    from dora_jax.pipeline.experiment import ExperimentError
+    from dora_jax.pipeline.experiment import ExperimentError, resolve_model
+    from dora_jax.pipeline.grpo import PromptTooLong
+    from dora_jax.run_dir import RunDirBusy, RunDirError
 
     try:
+        cfg = resolve_model(cfg)  # model.hf_path: the architecture of its config.json
         return train(cfg, resume=args.resume, proc=proc)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except (
-        ConfigError,
         DataError,
         CheckpointError,
         TokenizerError,
         ExperimentError,
         RunCheckpointError,
+        CheckpointSaveError,
+        PromptTooLong,
+        RunDirBusy,
+        RunDirError,
     ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a file system gone read-only, ...
+        where = f": {e.filename}" if e.filename else ""
+        print(
+            f"error: {e.strerror or e}{where}; the run stopped (its last checkpoint is usable: "
+            f"{resume_hint(cfg.run_dir)})",
+            file=sys.stderr,
+        )
+        return 2
+    except Exception as e:  # noqa: BLE001  (a bug: keep the traceback, say what is left)
+        traceback.print_exc()
+        print(
+            f"error: the run crashed ({type(e).__name__}); its run dir is usable: continue "
+            f"from the last checkpoint with: {resume_hint(cfg.run_dir)}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def interrupted_message(signum: int) -> str:
+    import signal
+
+    return (
+        f"{signal.Signals(signum).name} during the warm start or setup: stopped; nothing was "
+        "saved (the first checkpoint is written once training runs); the same command starts over"
+    )
 
 
 class _StopFlag:
-    """Set by SIGINT/SIGTERM: the run saves a checkpoint at the next tick and exits."""
+    """SIGINT/SIGTERM. Before :meth:`arm` (warm start, setup) a signal stops the process at once:
+    nothing is saved, the message says so, the run dir's lock is released (``on_abort``) and the
+    process exits with 128 + the signal number, without unwinding through the computations in
+    flight. Once armed, it sets the flag: the run saves a checkpoint at the next tick and exits;
+    a second signal stops at once."""
 
-    def __init__(self):
+    def __init__(self, on_abort=None):
         self.signal: int | None = None
+        self.armed = False
+        self.on_abort = on_abort
+        self._previous: dict = {}
 
     def __call__(self) -> bool:
         return self.signal is not None
 
+    def arm(self) -> None:
+        self.armed = True
+
     def install(self) -> None:
         import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
 
         def handler(signum, frame):
+            if not self.armed:
+                print(f"\n{interrupted_message(signum)}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                if self.on_abort is not None:
+                    self.on_abort()
+                os._exit(128 + signum)
             if self.signal is not None:  # a second signal: stop now
                 raise KeyboardInterrupt
             self.signal = signum
@@ -142,11 +234,18 @@ class _StopFlag:
                 flush=True,
             )
 
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, handler)
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
-def _launch_local(args: argparse.Namespace, argv: list[str], cfg: ExperimentConfig) -> int:
+def _launch_local(args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
     from dora_jax.distributed.launcher import launch_local
 
     n = args.local_processes
@@ -162,61 +261,111 @@ def _launch_local(args: argparse.Namespace, argv: list[str], cfg: ExperimentConf
         if a.startswith(("--local-processes=", "--devices-per-process=")) or a == "--pin-cores":
             continue
         rest.append(a)
-    return launch_local(n, rest, Path(cfg.run_dir), devices_per_process=k,
+    return launch_local(n, rest, run_dir, devices_per_process=k,
                         pin_cores=args.pin_cores)  # fmt: skip
 
 
 def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
-    """The train command as phases: run dir, build (warm start), checkpoints (resume), the run
-    loop with its observers (metrics, held-out evaluation, checkpoints), final evaluation and
-    reports."""
-    from dora_jax.pipeline.experiment import run
-    from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
-    from dora_jax.pipeline.run_report import write_run_report
+    """The train command as phases: checks that need no write (a fresh run into a dir with
+    checkpoints), the run dir and its lock, build (warm start), checkpoints (resume), the run
+    loop with its observers (metrics, held-out evaluation, health, checkpoints), final
+    evaluation and reports. With several processes only process 0 gets here."""
+    from dora_jax.checkpoint import finished_steps
+    from dora_jax.run_dir import RunDirLock, create
 
     run_dir = Path(cfg.run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    if not resume and finished_steps(ckpt_dir):
+        print(
+            f"error: {ckpt_dir} already holds checkpoints: pass --resume to continue that run "
+            f"({resume_hint(run_dir)}), or choose another run_dir",
+            file=sys.stderr,
+        )
+        return 2
+    create(run_dir)
+    with RunDirLock(run_dir) as lock:
+        if lock.took_over:
+            print(f"note: {run_dir} was held by a run that is gone ({lock.took_over}); taking over")
+        stop = _StopFlag(on_abort=lock.release)
+        stop.install()
+        try:
+            return _train(cfg, run_dir, resume, stop, proc)
+        finally:
+            stop.uninstall()
+
+
+def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) -> int:
+    from dora_jax.checkpoint import finished_steps
+    from dora_jax.pipeline.experiment import run
+    from dora_jax.pipeline.health import RunHealth
+    from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
+    from dora_jax.pipeline.run_report import write_run_report
+    from dora_jax.run_dir import start_over
+
     t_start = time.perf_counter()
+    restoring = resume and bool(finished_steps(run_dir / "checkpoints"))
+    if not restoring:
+        if resume:
+            print(f"note: {run_dir} has no finished checkpoint yet: starting from step 0 with "
+                  "its saved config")  # fmt: skip
+        removed = start_over(run_dir)
+        if removed:
+            print(f"note: removed {', '.join(removed)} of an earlier run that left no checkpoint")
+        dump_yaml(cfg, run_dir / "config.yaml")
     _announce(cfg, run_dir)
     if proc is not None:  # a peer that dies ends this process with a message (exit 3)
         proc.on_peer_lost = lambda what: _resume_hint(run_dir, proc)
         proc.start_watchdog()
-    exp = _build(cfg, run_dir, proc)
+    exp = _build(cfg, run_dir, restoring, proc)
+    checkpointer = None
     wandb_log = None
     try:
-        checkpointer = _open_checkpoints(exp, run_dir, resume)
-        if checkpointer is None:
-            return 2
+        checkpointer = _open_checkpoints(exp, run_dir, restoring)
         warm_start_s = time.perf_counter() - t_start
         if cfg.logging.wandb:  # process 0 only: the others serve their groups (see main)
             from dora_jax.wandb_log import WandbLog
 
             wandb_log = WandbLog(cfg, run_dir)
-        metrics = MetricsLog(exp, run_dir, resume, mirror=wandb_log)
-        evals = HeldOutEval(exp, run_dir, cfg, resume, echo=metrics.echo, mirror=wandb_log)
+        metrics = MetricsLog(exp, run_dir, restoring, mirror=wandb_log)
+        evals = HeldOutEval(exp, run_dir, cfg, restoring, echo=metrics.echo, mirror=wandb_log)
+        health = RunHealth(exp, echo=metrics.echo)
         if exp.runtime.steps_done == 0:
             evals.at(0)  # before the first step
-        stop = _StopFlag()
-        stop.install()
+        stop.arm()  # from here a signal saves a checkpoint at the next tick
         result = run(
             exp,
             max(cfg.train.total_steps - exp.runtime.steps_done, 0),
             checkpointer=checkpointer,
             every_steps=cfg.checkpoint.every_steps,
-            should_stop=stop,
-            observers=(metrics, evals),
+            should_stop=lambda: stop() or health.tripped is not None,
+            observers=(metrics, evals, health),
         )
         metrics.close()
         if not exp.stopped:
             evals.at(exp.runtime.steps_done)
         evals.close()
-        write_run_report(exp, result, evals, run_dir, time.perf_counter() - t_start, warm_start_s)
+        write_run_report(
+            exp, result, evals, run_dir, time.perf_counter() - t_start, warm_start_s,
+            health=health,
+        )  # fmt: skip
+        if health.tripped:
+            print(f"error: {health.tripped}", file=sys.stderr)
+            return 1
+        return 0
+    except BaseException:
+        if checkpointer is not None:  # finish the save in progress: it stays usable
+            with contextlib.suppress(Exception):  # (or it failed too: its temporary dir goes)
+                checkpointer.wait()
+            checkpointer.discard_unfinished()
+        raise
     finally:
+        if checkpointer is not None:
+            checkpointer.close()
         if wandb_log is not None:
             wandb_log.close()
         exp.close()
         if proc is not None:
             proc.finish()
-    return 0
 
 
 def _resume_hint(run_dir: Path, proc) -> str:
@@ -235,8 +384,6 @@ def _resume_hint(run_dir: Path, proc) -> str:
 def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
     from dora_jax.model import count_params
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_yaml(cfg, run_dir / "config.yaml")
     o = cfg.orchestrator
     print(
         f"dora_jax: mode={o.mode} clock={o.clock} K={o.staleness_k} TBS={o.train_batch_prompts} "
@@ -245,19 +392,21 @@ def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
     )
 
 
-def _build(cfg: ExperimentConfig, run_dir: Path, proc=None):
-    """The experiment, with a progress bar over the warm start."""
+def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False, proc=None):
+    """The experiment, with a progress bar over the warm start (none when ``restoring``: the
+    checkpoint brings the policy)."""
     from dora_jax.metrics import progress
     from dora_jax.pipeline.experiment import build
 
-    bar = progress(cfg.warm_start.steps, "warm start", enabled=cfg.logging.progress)
+    steps = 0 if restoring else cfg.warm_start.steps
+    bar = progress(steps, "warm start", enabled=cfg.logging.progress and steps > 0)
 
     def on_warm(i: int, loss: float) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
 
     try:
-        exp = build(cfg, run_dir, on_warm, process=proc)
+        exp = build(cfg, run_dir, on_warm, process=proc, restoring=restoring)
     finally:
         bar.close()
     if exp.warm_start_losses:
@@ -269,28 +418,46 @@ def _build(cfg: ExperimentConfig, run_dir: Path, proc=None):
         f"g{i}:{[d.id for d in m.devices.flat]}" for i, m in enumerate(exp.meshes.groups)
     )
     print(f"trainer mesh {dict(exp.meshes.trainer.shape)}; rollout groups {groups}")
+    if exp.long_prompt_lines:
+        lines = ", ".join(map(str, exp.long_prompt_lines[:20]))
+        more = ", ..." if len(exp.long_prompt_lines) > 20 else ""
+        print(
+            f"note: data.long_prompts=skip left out {len(exp.long_prompt_lines)} prompt(s) "
+            f"longer than rollout.max_prompt_len={cfg.rollout.max_prompt_len} "
+            f"({cfg.data.path} {'lines' if cfg.data.task == 'jsonl' else 'rows'} {lines}{more})"
+        )
     return exp
 
 
-def _open_checkpoints(exp, run_dir: Path, resume: bool):
-    """The run's checkpointer, after restoring the latest checkpoint (``resume``); None (with
-    an error printed) when a fresh run would overwrite checkpoints."""
+def _open_checkpoints(exp, run_dir: Path, restoring: bool):
+    """The run's checkpointer, after restoring the latest checkpoint (``restoring``): the
+    resumed config's changes are checked against it and printed; ``config.yaml`` is rewritten
+    only once the restore has succeeded."""
+    from dora_jax import resume
     from dora_jax.checkpoint import RunCheckpointer
+    from dora_jax.config import from_dict
 
     cfg = exp.cfg
     ckpt_dir = run_dir / "checkpoints"
-    if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        print(
-            f"error: {ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
-            "or choose another run_dir",
-            file=sys.stderr,
-        )
-        return None
     checkpointer = RunCheckpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-    if resume:
-        tick = checkpointer.restore_latest(exp)
+    if checkpointer.discarded:
         print(
-            f"resumed from {ckpt_dir}/{tick}: {exp.runtime.steps_done} steps done, "
-            f"{exp.backend.live_requests()} requests in flight"
+            f"note: discarded {', '.join(checkpointer.discarded)} in {ckpt_dir}: a save that "
+            "never completed (the run stopped while writing it)"
         )
+    if not restoring:
+        return checkpointer
+    tick = checkpointer.restore_latest(exp)
+    for path in checkpointer.moved_aside:
+        print(f"warning: an unreadable checkpoint was moved to {path}; resumed from an older one")
+    saved = from_dict(ExperimentConfig, checkpointer.saved_config)
+    applied = resume.changes(saved, cfg)
+    resume.check_restored(cfg, exp.runtime, applied)
+    for c in applied:
+        print(f"resume: {c} (applied)")
+    dump_yaml(cfg, run_dir / "config.yaml")
+    print(
+        f"resumed from {ckpt_dir}/{tick}: {exp.runtime.steps_done} steps done, "
+        f"{exp.backend.live_requests()} requests in flight"
+    )
     return checkpointer

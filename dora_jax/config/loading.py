@@ -239,9 +239,28 @@ def load_dataclass(
     try:
         return from_dict(cls, data)
     except ConfigError as e:
+        given = override_for(e.path, overrides)
+        if given is not None:
+            raise ConfigError(e.path, f"{e.reason} (from the command line: {given})") from None
         if path is not None:
             raise ConfigError(e.path, f"{e.reason} (in {path})") from None
         raise
+
+
+def override_for(path: str, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """The last override that sets ``path``, a field under it, or the section holding it."""
+    for text in reversed(list(overrides)):
+        key = text.split("=", 1)[0].strip()
+        if not key or not path:
+            continue
+        if (
+            path == key
+            or path.startswith(key + ".")
+            or path.startswith(key + "[")
+            or key.startswith(path + ".")
+        ):
+            return text
+    return None
 
 
 def load_config(

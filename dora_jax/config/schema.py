@@ -295,6 +295,9 @@ class TrainConfig:
     # rows of a packed train batch (several trajectories share a row); 0: one trajectory per row
     pack_rows: int = 0
     staleness_bins: int = 8  # staleness histogram bins 0..bins-1; the last also counts larger
+    # a step whose loss or gradient is not finite is skipped (params unchanged), logged and
+    # counted; after this many in a row the run stops with a checkpoint (0: never stop)
+    max_consecutive_skips: int = 5
 
     def __post_init__(self):
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
@@ -328,6 +331,11 @@ class TrainConfig:
         )
         _check(self.pack_rows >= 0, "pack_rows", f"must be >= 0, got {self.pack_rows}")
         _check(self.staleness_bins > 0, "staleness_bins", f"must be > 0, got {self.staleness_bins}")
+        _check(
+            self.max_consecutive_skips >= 0,
+            "max_consecutive_skips",
+            f"must be >= 0, got {self.max_consecutive_skips}",
+        )
 
     @property
     def resolved_loss_norm_len(self) -> int:
@@ -451,6 +459,9 @@ class DataConfig:
     reward_timeout_s: float = 30.0
     reward_workers: int = 2
     tokenizer: Literal["char", "hf"] = "char"
+    # a prompt longer than rollout.max_prompt_len: "error" refuses the data file before the run
+    # starts, naming the line; "skip" leaves it out and counts it (summary.json)
+    long_prompts: Literal["error", "skip"] = "error"
     # arithmetic: the median number of countdown steps of a problem (lognormal, capped at 40);
     # larger means longer responses and a longer tail
     median_steps: int = 3

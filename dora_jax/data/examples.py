@@ -20,11 +20,13 @@ ROLES = ("system", "user", "assistant", "tool")
 class Example:
     """One prompt of a dataset. ``prompt`` is a string or chat messages (dicts with ``role`` and
     ``content``); ``metadata`` holds the row's fields other than the prompt (plain JSON values),
-    for reward functions."""
+    for reward functions; ``row`` is where the row is in its file (the line of a JSONL row, the
+    1-based row index otherwise; 0: not from a file), for messages."""
 
     prompt: str | tuple[dict[str, str], ...]
     answer: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    row: int = field(default=0, compare=False)
 
 
 def get_path(row: Mapping[str, Any], path: str) -> Any:
@@ -74,8 +76,11 @@ def _messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def to_example(row: Any, prompt_field: str, answer_field: str, where: str) -> Example:
-    """One row -> :class:`Example`; ``where`` (``file:row``) starts every error message."""
+def to_example(
+    row: Any, prompt_field: str, answer_field: str, where: str, number: int = 0
+) -> Example:
+    """One row -> :class:`Example`; ``where`` (``file:row``) starts every error message and
+    ``number`` (the line or row) is the example's ``row``."""
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: expected a mapping, got {type(row).__name__}")
     try:
@@ -97,14 +102,14 @@ def to_example(row: Any, prompt_field: str, answer_field: str, where: str) -> Ex
                         f"got {type(answer).__name__}")  # fmt: skip
     top = prompt_field.split(".")[0]
     metadata = {str(k): plain(v, f"{where}: field {k!r}") for k, v in row.items() if k != top}
-    return Example(prompt, str(answer), metadata)
+    return Example(prompt, str(answer), metadata, number)
 
 
 def to_examples(
     rows: Sequence[tuple[int, Any]], prompt_field: str, answer_field: str, name: str
 ) -> list[Example]:
     """Every ``(line or row number, row)`` of a file (``name``, for messages)."""
-    out = [to_example(r, prompt_field, answer_field, f"{name}:{n}") for n, r in rows]
+    out = [to_example(r, prompt_field, answer_field, f"{name}:{n}", n) for n, r in rows]
     if not out:
         raise DataError(f"{name}: holds no rows")
     return out

@@ -19,11 +19,14 @@ class DataError(ValueError):
     the file and the line or row."""
 
 
-def read_rows(kind: str, path: str | Path, split: str = "train") -> list[tuple[int, Any]]:
-    """The rows of ``path`` read as ``kind`` (``data.task``)."""
+def read_rows(
+    kind: str, path: str | Path, split: str = "train", *, setting: str = "data.path / eval.path"
+) -> list[tuple[int, Any]]:
+    """The rows of ``path`` read as ``kind`` (``data.task``); ``setting`` names the config field
+    that points at ``path``, for a missing file."""
     p = Path(path)
     if not p.exists():
-        raise DataError(f"{p}: no such file or directory (data.path / eval.path)")
+        raise DataError(f"{p}: no such file ({setting})")
     if kind == "jsonl":
         return _jsonl(p)
     if kind == "parquet":
@@ -41,8 +44,14 @@ def _jsonl(p: Path) -> list[tuple[int, Any]]:
     if not p.is_file():
         raise DataError(f"{p}: not a file (a JSONL dataset is one file)")
     out = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{p}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:

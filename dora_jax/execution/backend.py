@@ -27,6 +27,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.execution.group import FromTrainer, GroupEvent, SyncGroup, ThreadGroup
 from dora_jax.execution.payloads import Completion, PromptPayload
@@ -243,6 +244,7 @@ class EngineBackend:
         for rid in request_ids:
             self._leave(rid)
             self._join(rid, dst)
+        faults.point("migration")
         self.overheads.migrated_requests += len(request_ids)
         self.handles[src].migrate(list(request_ids), self.handles[dst])
 

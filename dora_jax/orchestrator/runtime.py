@@ -162,6 +162,7 @@ class Runtime:
         self.stopping = False  # no new train step (a stop was asked): the running one ends
         self.stopped = False  # the last run() ended early on a stop request
         self._step_limit: int | None = None  # wall clock: no step beyond the run's target
+        self.max_steps: int | None = None  # no step beyond this many, on either clock
         self._held = False  # wall clock: the groups are paused (between runs)
         self._train: tuple[float, int, int] | None = None  # (start, new version, max staleness)
         self._last_plan: float | None = None
@@ -193,6 +194,8 @@ class Runtime:
             if done is not None:
                 self._publish(t, *done)
         limit = self._step_limit
+        if self.max_steps is not None:
+            limit = self.max_steps if limit is None else min(limit, self.max_steps)
         if self._train is None and not self.stopping and (limit is None or self.steps_done < limit):
             self._maybe_train(t)
         if self.cfg.adaptive_k and self.policy.planner:
@@ -499,7 +502,15 @@ class Runtime:
             raise ValueError("the saved state has a train step running, which only a logical "
                              "run can continue")  # fmt: skip
         self.window.load_state_dict(state["window"])
+        # a resume may change the mode, K or batch sizes: the bound is this run's K (an adaptive
+        # K keeps the saved one within it); resume.check_restored refuses a K the groups in
+        # flight cannot be consumed within
+        adapt = self.cfg.adaptive_k and self.policy.planner
+        w, k = self.window, self.policy.k
+        w.k = min(w.k, k) if adapt else k
+        w.target_k = min(w.target_k, w.k) if adapt else k
         self.records = state["records"]
+        self.records.mode = self.policy.name  # a resume may change the mode
         self.queue.consumed = self.records.consumed
         self.queue.load_state_dict(state["queue"])
         self.manager.load_state_dict(state["manager"])
@@ -561,7 +572,8 @@ class Runtime:
         finally:
             self.stopping = False
             self._step_limit = None
-        return RunResult(self.records.summary(target), self.records, dict(self.manager.status))
+        summary = self.records.summary(min(target, self.steps_done))  # published steps only
+        return RunResult(summary, self.records, dict(self.manager.status))
 
     def _progress(self) -> tuple[int, int, int]:
         return (self.steps_done, len(self.queue.consumed), self.manager.dispatched_prompt_groups)

@@ -133,11 +133,29 @@ class VersionWindow:
     def min_k(self) -> int:
         """The smallest bound the prompt groups already open satisfy (at most the current one):
         ``open(<= w) <= (w + k - c + 1) * per_step`` for every ``w``."""
+        return min(self.smallest_k(), self.k)
+
+    def smallest_k(self) -> int:
+        """The smallest K under which the open prompt groups keep the dispatch bound (not
+        capped by this window's K: a window restored under a smaller K may need more)."""
         c, cum, need = self.consume_version, 0, 0
         for w in sorted(self._open):
             cum += self._open[w]
             need = max(need, -(-cum // self.per_step) - w + c - 1)
-        return min(need, self.k)
+        return need
+
+    def bound_violation(self, k: int | None = None) -> int | None:
+        """The oldest version ``w`` whose open prompt groups break the dispatch bound (with
+        ``k``, default this window's K), or None. Always None for a window that was run under
+        its own K; a window restored under a smaller K or TBS may break it, and then could not
+        consume everything in flight."""
+        k = self.k if k is None else k
+        c, cum = self.consume_version, 0
+        for w in sorted(self._open):
+            cum += self._open[w]
+            if cum > (w + k - c + 1) * self.per_step:
+                return w
+        return None
 
     # -- state ---------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.data.examples import Example
 from dora_jax.data.scoring import Scorer
@@ -145,6 +146,7 @@ class Evaluator:
             for i, p in enumerate(self.prompts)
         )
         responses: dict[int, list[int]] = {}
+        faults.point("eval")
         while self.engine.num_requests:
             for f in self.engine.step().finished:
                 responses[f.id] = response_ids(self.tokenizer, f.tokens)

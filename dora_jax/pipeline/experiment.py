@@ -10,6 +10,7 @@ loop with observers for the step logs, freeing old versions and periodic checkpo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import jax
 
 from dora_jax.config import ConfigError, ExperimentConfig
 from dora_jax.data import ArithmeticTask, Example, Scorer, read_rows, to_examples
+from dora_jax.data.files import DataError
 from dora_jax.data.math_answers import FALLBACK_NOTE, MATH_VERIFY
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.data.reward_functions import RewardSpecError, load_reward_function, resolve_spec
@@ -29,12 +31,14 @@ from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes
 from dora_jax.model import abstract_params, init_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, load_hf_params
+from dora_jax.model.hf_mapping import UnsupportedModelError
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, check_vocabularies, eos_ids, load_tokenizer
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
+from dora_jax.orchestrator.modes import policy_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
-from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts
+from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts, encode_chat
 from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
 from dora_jax.pipeline.memory_plan import resolve as resolve_pages
 from dora_jax.pipeline.warm_start import warm_start
@@ -61,6 +65,8 @@ class Experiment:
     memory_plan: MemoryPlan | None = None
     wall_s: float = 0.0
     stopped: bool = False  # the last run() ended early on a stop request
+    prompts: TokenizedPrompts | None = None  # the runtime's prompt source
+    long_prompt_lines: list[int] = field(default_factory=list)  # JSONL lines left out as too long
 
     @property
     def trainer(self) -> Trainer:
@@ -80,9 +86,40 @@ class Experiment:
         return self.evaluator(self.trainer.export_params(), step)
 
 
-def _task_parts(cfg: ExperimentConfig):
-    """(prompt source, inline reward fn or None, worked-example fn or None) for ``data.task``;
-    the reward is None when it runs in worker processes (:func:`_scorers`)."""
+def _fitting(
+    examples: list[Example], encode: Callable[[object], list[int]], cfg: ExperimentConfig,
+    path: str, setting: str,
+) -> tuple[list[Example], list[int]]:  # fmt: skip
+    """The examples whose prompt fits ``rollout.max_prompt_len`` once tokenised as the run
+    tokenises it (``data.system_prompt``, ``data.prompt_template``, the chat template), and the
+    rows (JSONL lines) of those that do not. With ``data.long_prompts=error`` the first that does
+    not fit is a :class:`DataError` naming its file and row."""
+    d, limit, kept, skipped = cfg.data, cfg.rollout.max_prompt_len, [], []
+    for ex in examples:
+        n = len(encode(ex.prompt))
+        if 0 < n <= limit:
+            kept.append(ex)
+            continue
+        if d.long_prompts == "error":
+            extra = [f for f, v in (("data.system_prompt", d.system_prompt),
+                     ("data.prompt_template", d.prompt_template != "{prompt}")) if v]  # fmt: skip
+            with_ = f" with {' and '.join(extra)}" if extra else ""
+            raise DataError(
+                f"{path}:{ex.row}: the prompt has {n} tokens{with_}; rollout.max_prompt_len is "
+                f"{limit} ({setting}: raise rollout.max_prompt_len, filter the file, or set "
+                "data.long_prompts=skip)"
+            )
+        skipped.append(ex.row)
+    if not kept:
+        raise DataError(f"{path}: no prompt fits rollout.max_prompt_len={limit} ({setting})")
+    return kept, skipped
+
+
+def _task_parts(cfg: ExperimentConfig, encode: Callable[[object], list[int]] | None = None):
+    """(prompt source, inline reward fn or None, worked-example fn or None, rows skipped as too
+    long) for ``data.task``; the reward is None when it runs in worker processes
+    (:func:`_scorers`). With ``encode`` (a prompt's token ids) a dataset's prompts longer than
+    ``rollout.max_prompt_len`` are refused or skipped (``data.long_prompts``)."""
     d = cfg.data
     if d.task == "arithmetic":
         task = ArithmeticTask(cfg.seed, median_steps=d.median_steps)
@@ -90,16 +127,20 @@ def _task_parts(cfg: ExperimentConfig):
         sft = ArithmeticTask(cfg.seed + 1_000_003, median_steps=d.median_steps)
         example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
         reward = {"exact": task.answer_reward, "partial_credit": task.reward}.get(d.reward)
-        return task.source(), reward, example
-    items = load_examples(cfg, d.path)
+        return task.source(), reward, example, []
+    items, skipped = load_examples(cfg, d.path), []
+    if encode is not None:
+        items, skipped = _fitting(items, encode, cfg, d.path, "data.path")
     source = PromptSource(shuffled_epochs(items, cfg.seed, d.shuffle), f"{d.task}:{d.path}")
-    return source, {"exact": exact_reward}.get(d.reward), None
+    return source, {"exact": exact_reward}.get(d.reward), None, skipped
 
 
-def load_examples(cfg: ExperimentConfig, path: str) -> list[Example]:
-    """The rows of ``path`` read as ``data.task``, with ``data``'s field paths."""
+def load_examples(cfg: ExperimentConfig, path: str, setting: str = "data.path") -> list[Example]:
+    """The rows of ``path`` read as ``data.task``, with ``data``'s field paths (``setting`` names
+    the config field that points at ``path``, for a missing file)."""
     d = cfg.data
-    return to_examples(read_rows(d.task, path, d.split), d.prompt_field, d.answer_field, path)
+    rows = read_rows(d.task, path, d.split, setting=setting)
+    return to_examples(rows, d.prompt_field, d.answer_field, path)
 
 
 def _scorers(cfg: ExperimentConfig, inline, now) -> tuple[Scorer, Scorer]:
@@ -118,9 +159,13 @@ def _scorers(cfg: ExperimentConfig, inline, now) -> tuple[Scorer, Scorer]:
     return Scorer(pool=pool), Scorer(pool=pool)
 
 
-def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]] | list[Example]:
+def _eval_problems(
+    cfg: ExperimentConfig, encode: Callable[[object], list[int]] | None = None
+) -> list[tuple[str, str]] | list[Example]:
     """Held-out problems: the built-in task's come from a seed no training or warm-start
-    problem uses; a dataset run's from ``eval.path`` (none without it), read like ``data``."""
+    problem uses; a dataset run's from ``eval.path`` (none without it), read like ``data``
+    (with ``encode``, prompts longer than ``rollout.max_prompt_len`` are refused or skipped like
+    the training data's)."""
     e, d = cfg.eval, cfg.data
     if e.num_prompts == 0:
         return []
@@ -129,7 +174,34 @@ def _eval_problems(cfg: ExperimentConfig) -> list[tuple[str, str]] | list[Exampl
         return [held_out.problem(i) for i in range(e.num_prompts)]
     if e.path is None:
         return []
-    return load_examples(cfg, e.path)[: e.num_prompts]
+    examples = load_examples(cfg, e.path, "eval.path")
+    if encode is not None:
+        examples = _fitting(examples, encode, cfg, e.path, "eval.path")[0]
+    return examples[: e.num_prompts]
+
+
+def check_fits(cfg: ExperimentConfig) -> None:
+    """Sizes that must hold a full-length trajectory (``max_prompt_len + max_new_tokens``)."""
+    r, t = cfg.rollout, cfg.train
+    longest = r.max_prompt_len + r.max_new_tokens
+    if t.length_buckets[-1] < longest:
+        raise ConfigError(
+            "train.length_buckets",
+            f"the largest bucket ({t.length_buckets[-1]}) must hold a full-length trajectory: "
+            f"rollout.max_prompt_len + rollout.max_new_tokens = {longest} tokens",
+        )
+    pages = -(-longest // r.page_size)
+    if r.num_pages - 1 < pages:
+        raise ConfigError(
+            "rollout.num_pages",
+            f"{r.num_pages} pages of {r.page_size} tokens cannot hold one request of "
+            f"max_prompt_len + max_new_tokens = {longest} tokens (it needs {pages} pages, plus "
+            "the reserved page 0)",
+        )
+    try:
+        policy_for(cfg.orchestrator)
+    except ValueError as e:
+        raise ConfigError("orchestrator.staleness_k", str(e)) from None
 
 
 def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -138,16 +210,21 @@ def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
     m = cfg.model
     if m.hf_path is None:
         return cfg
-    hf = load_hf_config(
-        m.hf_path,
-        param_dtype=m.param_dtype,
-        compute_dtype=m.compute_dtype,
-        remat=m.remat,
-        hf_path=m.hf_path,
-        attention=m.attention,
-        attention_block=m.attention_block,
-        seq_chunk=m.seq_chunk,
-    )
+    try:
+        hf = load_hf_config(
+            m.hf_path,
+            param_dtype=m.param_dtype,
+            compute_dtype=m.compute_dtype,
+            remat=m.remat,
+            hf_path=m.hf_path,
+            attention=m.attention,
+            attention_block=m.attention_block,
+            seq_chunk=m.seq_chunk,
+        )
+    except UnsupportedModelError as e:
+        what = str(e).removeprefix("config.json: ")
+        where = Path(m.hf_path) / "config.json"
+        raise ExperimentError(f"{where}: {what} (model.hf_path)") from None
     try:
         return dataclasses.replace(cfg, model=hf)
     except ConfigError as e:
@@ -170,12 +247,16 @@ def build(
     on_warm_step: Callable[[int, float], None] | None = None,
     warm_start_dir: Path | None = None,
     process=None,
+    *,
+    restoring: bool = False,
 ) -> Experiment:
     """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
     ``run_dir / "warm_start"``), so runs that share it start from the same policy. With a
     ``process`` (``dora_jax.distributed.process.Process``, index 0 of several), rollout groups
-    on the other processes' devices run there."""
+    on the other processes' devices run there. With ``restoring`` (a checkpoint will replace the
+    policy) the warm start is not run."""
     cfg = resolve_model(cfg)
+    check_fits(cfg)
     meshes = build_meshes(cfg.mesh)
     plan = _memory_plan(cfg, meshes)  # before anything is allocated
     cfg = resolve_pages(cfg, plan)
@@ -183,7 +264,11 @@ def build(
     note = check_vocabularies(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer)
     if note:
         print(f"note: {note}", flush=True)
-    source, reward_fn, example = _task_parts(cfg)
+    d = cfg.data
+    encode = functools.partial(
+        encode_chat, tokenizer, system_prompt=d.system_prompt, template=d.prompt_template
+    )
+    source, reward_fn, example, long_skipped = _task_parts(cfg, encode)
     wall = cfg.orchestrator.clock == "wall"
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     reward, eval_reward = _scorers(cfg, reward_fn, clock.now)
@@ -195,7 +280,7 @@ def build(
     )
     params = initial_policy(cfg, shardings)
     losses: list[float] = []
-    if example is not None and cfg.warm_start.steps > 0:
+    if example is not None and cfg.warm_start.steps > 0 and not restoring:
         # The built-in task's warm start is small: it runs on one device, then is sharded.
         params, losses = warm_start(
             jax.device_get(params),
@@ -232,12 +317,12 @@ def build(
     )
     if reward.pool is not None:  # score each request as it finishes, in the workers
         backend.on_finished = grpo.prefetch
-    d = cfg.data
+    skip = d.long_prompts == "skip"
     prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len,
-                               d.system_prompt, d.prompt_template)  # fmt: skip
+                               d.system_prompt, d.prompt_template, skip=skip)  # fmt: skip
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
-    problems = _eval_problems(cfg)
+    problems = _eval_problems(cfg, prompts.encode)
     evaluator = None
     if problems:
         try:
@@ -255,8 +340,8 @@ def build(
         except ValueError as e:
             raise ExperimentError(f"eval: {e}") from None
     return Experiment(
-        cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses, evaluator=evaluator,
-        memory_plan=plan,
+        cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses,
+        evaluator=evaluator, memory_plan=plan, prompts=prompts, long_prompt_lines=long_skipped,
     )  # fmt: skip
 
 
@@ -317,14 +402,19 @@ def run(
 ) -> RunResult:
     """Run until ``num_steps`` more train steps have been published. Observers, in order, at
     every published version: ``on_step`` sees each new step log, versions no longer needed are
-    freed, the checkpointer saves every ``every_steps`` steps, then ``observers``. When
-    ``should_stop()`` turns true (SIGTERM) the run stops early (``exp.stopped`` is set); with a
-    checkpointer, the end or the stop is saved too."""
+    freed, ``observers`` (metrics, evaluation), then the checkpointer saves every
+    ``every_steps`` steps (last, so a checkpoint at step ``n`` comes after step ``n``'s log
+    lines). When ``should_stop()`` turns true (SIGTERM) the run stops early (``exp.stopped`` is
+    set); with a checkpointer, the end or the stop is saved too.
+
+    No train step starts beyond ``train.total_steps`` (or beyond this call's target when that is
+    larger): ``total_steps`` is the number of updates, and a logical run that stops earlier still
+    starts the next step in the same round as an uninterrupted run would."""
     rt = exp.runtime
-    rt.observers = [_StepLogs(exp, on_step), _FreeVersions(exp)]
-    if checkpointer is not None and every_steps:
+    rt.observers = [_StepLogs(exp, on_step), _FreeVersions(exp), *observers]
+    if checkpointer is not None:
         rt.observers.append(_Checkpoints(exp, checkpointer, every_steps))
-    rt.observers += list(observers)
+    rt.max_steps = max(exp.cfg.train.total_steps, rt.steps_done + num_steps)
     t0 = time.perf_counter()
     try:
         result = rt.run(
@@ -365,14 +455,18 @@ class _FreeVersions:
 
     def on_publish(self, runtime: Runtime, version: int) -> None:
         held = {g.version for g in self.exp.backend.groups()}
-        self.exp.grpo.forget(held | {self.exp.trainer.version})
+        self.exp.grpo.forget(held | {self.exp.grpo.version})
 
 
 class _Checkpoints:
+    """Saves every ``every`` steps (0: never here); at every step, stops the run if an
+    asynchronous save failed."""
+
     def __init__(self, exp: Experiment, checkpointer, every_steps: int):
         self.exp, self.checkpointer, self.every = exp, checkpointer, every_steps
 
     def on_publish(self, runtime: Runtime, version: int) -> None:
-        if runtime.steps_done % self.every == 0:
+        self.checkpointer.check()
+        if self.every and runtime.steps_done % self.every == 0:
             with runtime.quiesce():
                 self.checkpointer.save(self.exp)

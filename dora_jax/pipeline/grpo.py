@@ -2,12 +2,16 @@
 
 - :class:`TokenizedPrompts`: the runtime's prompt source, from a :class:`dora_jax.data.PromptSource`
   and a tokenizer: a string prompt (through ``data.prompt_template``) or the row's chat messages,
-  with ``data.system_prompt``, rendered by the chat template (prompts longer than the engine's
-  context fail with a clear error).
+  with ``data.system_prompt``, rendered by the chat template (a prompt longer than the engine's
+  context fails with a clear error, or with ``data.long_prompts=skip`` is left out and counted).
 - :class:`GRPOTrainer`: the runtime's trainer. It scores finished requests with the
   :class:`~dora_jax.data.Scorer` (a pooled scorer starts on each request as it finishes, see
   :meth:`GRPOTrainer.prefetch`), packs them into a train batch, runs one jitted GRPO step on the
   trainer submesh, and keeps the params of every version the rollout side may still ask for.
+
+Versions: the policy version is the number of train steps taken. A step that the non-finite
+guard skips leaves the params unchanged and still produces the next version (equal params), so
+the control plane goes on; ``metrics["skipped"]`` marks it in the step's log.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dora_jax import faults
 from dora_jax.data.examples import chat_messages
 from dora_jax.data.prompts import PromptSource
 from dora_jax.data.scoring import Scorer
@@ -44,25 +49,40 @@ class TokenizedPrompts:
         max_prompt_len: int,
         system_prompt: str | None = None,
         template: str = "{prompt}",
+        *,
+        skip: bool = False,
     ):
         self.source, self.tokenizer, self.max_prompt_len = source, tokenizer, max_prompt_len
         self.system_prompt, self.template = system_prompt, template
+        self.skip = skip
+        self.skipped = 0  # prompts left out (too long), part of the checkpoint
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt (a string or chat messages)."""
-        messages = chat_messages(prompt, self.system_prompt, self.template)
-        return encode_prompt(self.tokenizer, messages)
+        return encode_chat(self.tokenizer, prompt, self.system_prompt, self.template)
 
     def next_prompt(self) -> PromptSpec:
-        (p,) = self.source.take(1)
-        tokens = tuple(self.encode(p.text))
-        if not tokens or len(tokens) > self.max_prompt_len:
-            raise PromptTooLong(
-                f"prompt {p.index} has {len(tokens)} tokens; rollout.max_prompt_len is "
-                f"{self.max_prompt_len} (raise it, or filter the data): {str(p.text)[:60]!r}"
-            )
-        payload = PromptPayload(p.index, tokens, p.answer, metadata=p.metadata or None)
-        return PromptSpec(len(tokens), payload)
+        while True:
+            (p,) = self.source.take(1)
+            tokens = tuple(self.encode(p.text))
+            if tokens and len(tokens) <= self.max_prompt_len:
+                payload = PromptPayload(p.index, tokens, p.answer, metadata=p.metadata or None)
+                return PromptSpec(len(tokens), payload)
+            if not self.skip:
+                raise PromptTooLong(
+                    f"prompt {p.index} of the stream has {len(tokens)} tokens; "
+                    f"rollout.max_prompt_len is {self.max_prompt_len} (raise it, filter the data, "
+                    f"or set data.long_prompts=skip): {str(p.text)[:60]!r}"
+                )
+            self.skipped += 1
+
+
+def encode_chat(
+    tokenizer: Tokenizer, prompt, system_prompt: str | None = None, template: str = "{prompt}"
+) -> list[int]:
+    """Token ids of a prompt (a string or chat messages) as the run renders it: ``template``,
+    ``system_prompt``, the tokenizer's chat template."""
+    return encode_prompt(tokenizer, chat_messages(prompt, system_prompt, template))
 
 
 @dataclass
@@ -90,7 +110,7 @@ class GRPOTrainer:
         self.trainer, self.tokenizer = trainer, tokenizer
         self.scorer = reward_fn if isinstance(reward_fn, Scorer) else Scorer(reward_fn)
         self.train_ticks = train_ticks
-        self.params: dict[int, Params] = {trainer.version: trainer.export_params()}
+        self.params: dict[int, Params] = {self.version: trainer.export_params()}
         # Where exports go (None: the trainer's own shardings). A multi-process run exports in
         # the rollout groups' layout on process 0, so that a published version can be pulled by
         # another process at once, without a copy that would wait for the next train step.
@@ -100,6 +120,12 @@ class GRPOTrainer:
         # sampled ids the tokenizer cannot decode (a model vocabulary larger than the
         # tokenizer's): they read as nothing to the reward, so they are counted, per step
         self.undecodable_tokens = 0
+
+    @property
+    def version(self) -> int:
+        """The policy version: steps taken, applied or skipped (blocks on the device)."""
+        state = self.trainer.state
+        return int(state.version) + int(state.skipped)
 
     def item(self, comp: Completion) -> tuple[str, str, dict | None]:
         """What the reward function reads: the response text, the answer, the row's fields."""
@@ -142,10 +168,15 @@ class GRPOTrainer:
                         group_id=rg.prompt_group,
                     )
                 )
-        packed = self.trainer.pack(trajectories, num_groups=len(batch))
+        # a broken policy may have sampled non-finite logprobs: the step's guard skips the step
+        packed = self.trainer.pack(
+            trajectories, num_groups=len(batch), version=self.version,
+            allow_nonfinite_logprobs=True,
+        )  # fmt: skip
         metrics = self.trainer.step(packed)
         metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
-        version = self.trainer.version
+        faults.point("train_step")
+        version = self.version
         export = self.trainer.export_params()
         if self.export_shardings is not None:
             export = jax.device_put(export, self.export_shardings)
@@ -169,5 +200,6 @@ class GRPOTrainer:
 
     def forget(self, keep: set[int]) -> None:
         """Free the params of versions no longer referenced (invariant 5)."""
-        for v in [v for v in self.params if v not in keep and v != self.trainer.version]:
+        current = self.version
+        for v in [v for v in self.params if v not in keep and v != current]:
             del self.params[v]

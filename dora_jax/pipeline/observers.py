@@ -13,16 +13,16 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
 from dora_jax.config import ExperimentConfig
-from dora_jax.metrics import MetricsWriter, progress, read_metrics
+from dora_jax.metrics import METRICS_FILE, MetricsWriter, progress, read_metrics
 from dora_jax.pipeline.evaluation import EvalResult
 from dora_jax.pipeline.experiment import Experiment
+from dora_jax.run_dir import cut_jsonl
 
 
 def step_reward(log) -> float:
@@ -41,8 +41,11 @@ class MetricsLog:
         cfg = exp.cfg
         self.exp, self.cfg = exp, cfg
         done = exp.runtime.steps_done  # published steps; a logical step may have run already
-        if resume:  # metrics.jsonl continues; drop lines past the checkpoint
-            _truncate(run_dir / "metrics.jsonl", done)
+        path = run_dir / METRICS_FILE
+        if resume:  # metrics.jsonl continues; drop lines past the checkpoint (each step once)
+            cut_jsonl(path, done)
+        elif path.is_file():
+            path.unlink()
         self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, mirror=mirror)
         self.bar = progress(
             cfg.train.total_steps, f"GRPO ({cfg.orchestrator.mode})", enabled=cfg.logging.progress
@@ -114,8 +117,8 @@ class HeldOutEval:
             return
         path = run_dir / self.FILE
         if resume and path.is_file():
-            kept = [r for r in read_metrics(path) if r["step"] <= exp.runtime.steps_done]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            cut_jsonl(path, exp.runtime.steps_done)
+            kept = read_metrics(path)
             self.results = [EvalResult.from_metrics(r["step"], r) for r in kept]
         elif path.is_file():
             path.unlink()
@@ -145,9 +148,3 @@ class HeldOutEval:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def _truncate(path: Path, keep: int) -> None:
-    if path.is_file():
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(lines[:keep]))

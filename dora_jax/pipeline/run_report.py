@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,10 @@ CLOSE_UP_TICKS = 300  # the close-up timeline's extent (ticks; on the wall clock
 
 def write_run_report(
     exp: Experiment, result: RunResult, evals: HeldOutEval, run_dir: Path, wall_s: float,
-    warm_start_s: float,
+    warm_start_s: float, health=None,
 ) -> None:  # fmt: skip
-    """Plots and summary files in ``run_dir``; prints the run's figures."""
+    """Plots and summary files in ``run_dir``; prints the run's figures. ``health`` (a
+    :class:`~dora_jax.pipeline.health.RunHealth`) adds the skipped steps and policy warnings."""
     cfg, o = exp.cfg, exp.cfg.orchestrator
     rewards = [(sl.version, step_reward(sl)) for sl in exp.grpo.log]  # the whole run, resumes too
     solved = [(sl.version, step_solved(sl)) for sl in exp.grpo.log]
@@ -63,13 +65,17 @@ def write_run_report(
             # the measured workload (benchmarks/calibrate_cpu.py feeds it to the simulator)
             "consumed_response_lens": [c.response_len for c in rec.consumed],
             "consumed_prompt_lens": [len(comp.prompt.tokens) for _, _, comp in exp.grpo.consumed],
+            "skipped_steps": health.skipped_steps if health is not None else [],
+            "policy_warnings": health.warnings if health is not None else [],
+            "long_prompts_skipped": len(exp.long_prompt_lines)
+            + (exp.prompts.skipped if exp.prompts is not None else 0),
+            "long_prompt_lines": exp.long_prompt_lines[:1000],
         },
     )
-    if exp.stopped:
+    if exp.stopped and (health is None or health.tripped is None):
         print(
             f"stopped at step {exp.runtime.steps_done} with a checkpoint in "
-            f"{run_dir / 'checkpoints'}; continue with: python launch/train.py --resume "
-            f"run_dir={cfg.run_dir}"
+            f"{run_dir / 'checkpoints'}; continue with: {resume_hint(cfg.run_dir)}"
         )
     s = result.summary
     overlap = f", trainer busy with rollout decoding {s.overlap:.0%}" if wall else ""
@@ -107,6 +113,11 @@ def write_run_report(
     print(
         f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
     )
+
+
+def resume_hint(run_dir: str | Path) -> str:
+    """The command that continues the run in ``run_dir`` (its config comes from the checkpoint)."""
+    return f"python launch/train.py --resume run_dir={shlex.quote(str(run_dir))}"
 
 
 def _counts(ledger: dict) -> dict[str, int]:

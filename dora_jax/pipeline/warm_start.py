@@ -7,6 +7,8 @@ settings that made it; a later run with the same settings loads it instead of tr
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dora_jax import faults
 from dora_jax.config import ModelConfig, WarmStartConfig
 from dora_jax.model import forward
 from dora_jax.model.hf_checkpoint import load_hf_params, save_hf_checkpoint
@@ -54,6 +57,16 @@ def make_batch(
         col += len(seq)
         index += 1
     return (tokens, seg, mask), index
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _loss(params: Params, tokens, seg, mask, cfg: ModelConfig):
@@ -96,9 +109,16 @@ def warm_start(
         batch, index = make_batch(example, tokenizer, index, cfg)
         params, opt_state, loss = step(params, opt_state, *batch)
         losses.append(float(loss))
+        faults.point("warm_start")
         if on_step is not None:
             on_step(i, losses[-1])
-    if cache_dir is not None and cfg.steps:
-        save_hf_checkpoint(params, model_cfg, cache_dir)
-        (cache_dir / "settings.json").write_text(json.dumps(settings))
+    if cache_dir is not None and cfg.steps:  # written aside, then renamed: never half a cache
+        for left in cache_dir.parent.glob(f".{cache_dir.name}.tmp-*"):
+            if not _alive(left.name.rsplit("-", 1)[-1]):  # left by a killed run
+                shutil.rmtree(left, ignore_errors=True)
+        tmp = cache_dir.with_name(f".{cache_dir.name}.tmp-{os.getpid()}")
+        save_hf_checkpoint(params, model_cfg, tmp)
+        (tmp / "settings.json").write_text(json.dumps(settings))
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        os.replace(tmp, cache_dir)
     return params, losses

@@ -110,7 +110,9 @@ def _first_fit(lengths: Sequence[int], rows: int, capacity: int) -> list[tuple[i
     return place
 
 
-def _validate(t: Any, where: str, trainer_version: int, vocab_size: int | None) -> None:
+def _validate(
+    t: Any, where: str, trainer_version: int, vocab_size: int | None, finite: bool = True
+) -> None:
     P, R = len(t.prompt_tokens), len(t.response_tokens)
     if P == 0:
         raise ValueError(f"{where}: empty prompt (the first response token needs a context)")
@@ -121,7 +123,7 @@ def _validate(t: Any, where: str, trainer_version: int, vocab_size: int | None) 
     if not math.isfinite(float(t.reward)):
         raise ValueError(f"{where}: non-finite reward {t.reward!r}")
     lp = np.asarray(t.behavior_logprobs, np.float64)
-    if not np.all(np.isfinite(lp)):
+    if finite and not np.all(np.isfinite(lp)):
         raise ValueError(
             f"{where}: non-finite behavior logprob at response index "
             f"{int(np.argmin(np.isfinite(lp)))}"
@@ -144,6 +146,7 @@ def pack_batch(
     num_groups: int | None = None,
     rows: int | None = None,
     vocab_size: int | None = None,
+    allow_nonfinite_logprobs: bool = False,
 ) -> TrainBatch:
     """Pack complete prompt groups of finished trajectories into a :class:`TrainBatch`.
 
@@ -152,7 +155,9 @@ def pack_batch(
     ``trainer_version``: the version the update will be applied to (staleness is measured
     against it). ``num_groups``: pad to this many groups (default: as many as given) so ``S``
     stays fixed across steps. ``rows``: override ``cfg.pack_rows`` (0: one sample per row).
-    ``vocab_size``: if given, token ids are checked against it.
+    ``vocab_size``: if given, token ids are checked against it. ``allow_nonfinite_logprobs``:
+    pack non-finite behavior logprobs (a broken policy sampled them) instead of raising; the
+    train step's non-finite guard then skips the step.
     """
     G = cfg.group_size
     if len(trajectories) == 0:
@@ -170,7 +175,8 @@ def pack_batch(
         if len(versions) != 1:
             raise ValueError(f"prompt group {gid!r} mixes policy versions {sorted(versions)}")
         for i, m in enumerate(members):
-            _validate(m, f"group {gid!r} member {i}", trainer_version, vocab_size)
+            _validate(m, f"group {gid!r} member {i}", trainer_version, vocab_size,
+                      finite=not allow_nonfinite_logprobs)  # fmt: skip
     NG = len(groups) if num_groups is None else num_groups
     if len(groups) > NG:
         raise ValueError(f"{len(groups)} prompt groups do not fit num_groups={NG}")

@@ -413,12 +413,21 @@ class Trainer:
         """Optimizer steps applied so far (blocks on the device)."""
         return int(self.state.version)
 
-    def pack(self, trajectories: Sequence[Any], *, num_groups: int | None = None) -> TrainBatch:
-        """:func:`pack_batch` against the current version, checking the row count."""
+    def pack(
+        self,
+        trajectories: Sequence[Any],
+        *,
+        num_groups: int | None = None,
+        version: int | None = None,
+        allow_nonfinite_logprobs: bool = False,
+    ) -> TrainBatch:
+        """:func:`pack_batch` against ``version`` (default the optimizer's version; a caller
+        that counts skipped steps as versions passes its own), checking the row count."""
         batch = pack_batch(
             trajectories,
             self.train_cfg,
-            trainer_version=self.version,
+            allow_nonfinite_logprobs=allow_nonfinite_logprobs,
+            trainer_version=self.version if version is None else version,
             num_groups=num_groups,
             vocab_size=self.model_cfg.vocab_size,
         )

@@ -1,0 +1,100 @@
+"""The run's health at every published step: skipped steps and a dead policy.
+
+- A step whose loss or gradient is not finite is skipped by the train step's guard (params and
+  optimizer state unchanged); :class:`RunHealth` says so, counts it (``summary.json``), and after
+  ``train.max_consecutive_skips`` skips in a row asks the run to stop (it saves a checkpoint and
+  the command exits 1 with a message): the policy will not recover by itself.
+- A collapse detector warns when, for :data:`DEAD_STEPS` steps in a row, the policy's entropy is
+  within 2% of ``ln(vocab_size)`` (it outputs near-uniform noise) or the gradient norm is zero
+  while the advantages are not (a saturated policy that no longer learns). It warns once per
+  episode and does not stop the run.
+
+Everything it counts is derived from the step logs, which the checkpoint holds, so a resumed run
+continues the counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dora_jax.pipeline.experiment import Experiment
+
+DEAD_STEPS = 3
+UNIFORM_FRACTION = 0.98
+
+
+class RunHealth:
+    def __init__(self, exp: Experiment, echo=print):
+        self.exp, self.echo = exp, echo
+        self.max_skips = exp.cfg.train.max_consecutive_skips
+        self.ln_vocab = math.log(exp.cfg.model.vocab_size)
+        self.skipped_steps: list[int] = []
+        self.warnings: list[str] = []
+        self.tripped: str | None = None  # why the run must stop
+        self._streak = 0
+        self._dead: list[str] = []  # signs of a dead policy, one per step in a row
+        self._warned = False
+        self.seen = 0
+        done = exp.runtime.steps_done
+        for log in exp.grpo.log:  # the run so far (a resume), silently
+            if log.version <= done:
+                self._check(log, quiet=True)
+                self.seen += 1
+
+    def on_publish(self, runtime, version: int) -> None:
+        log = self.exp.grpo.log
+        while self.seen < len(log) and log[self.seen].version <= version:
+            self._check(log[self.seen])
+            self.seen += 1
+
+    def _check(self, log, quiet: bool = False) -> None:
+        m = {k: np.asarray(v) for k, v in log.metrics.items()}
+        step = log.version
+        if int(m["skipped"]):
+            self._streak += 1
+            self.skipped_steps.append(step)
+            if not quiet:
+                self.echo(
+                    f"warning: step {step} skipped: loss {float(m['loss']):.4g}, grad norm "
+                    f"{float(m['grad_norm']):.4g} (not finite); params unchanged "
+                    f"({self._streak} in a row, {len(self.skipped_steps)} in all)"
+                )
+            if self.max_skips and self._streak >= self.max_skips:
+                first = self.skipped_steps[-self._streak]
+                self.tripped = (
+                    f"{self._streak} train steps in a row were skipped (steps {first}-{step}: the "
+                    f"loss or gradient was not finite), so the policy will not recover; the run "
+                    f"stopped with a checkpoint. Lower train.lr (now "
+                    f"{self.exp.cfg.train.lr:g}) or train.max_grad_norm and start again, or "
+                    "resume from an earlier checkpoint with --resume and a smaller train.lr"
+                )
+            return
+        self._streak = 0
+        sign = self._dead_sign(m)
+        self._dead = [*self._dead, sign][-DEAD_STEPS:] if sign else []
+        if sign is None:
+            self._warned = False
+        elif len(self._dead) >= DEAD_STEPS and not self._warned:
+            self._warned = True
+            text = (
+                f"warning: the policy looks dead at step {step}: {sign} for {DEAD_STEPS} steps "
+                f"in a row; check train.lr (now {self.exp.cfg.train.lr:g})"
+            )
+            self.warnings.append(text)
+            if not quiet:
+                self.echo(text)
+
+    def _dead_sign(self, m: dict) -> str | None:
+        entropy, grad = float(m["entropy"]), float(m["grad_norm"])
+        if entropy >= UNIFORM_FRACTION * self.ln_vocab:
+            return (
+                f"entropy {entropy:.3f} nats = {entropy / self.ln_vocab:.0%} of ln(vocab_size) "
+                f"= {self.ln_vocab:.3f} (near-uniform output), grad norm {grad:.3g}"
+            )
+        if grad <= 1e-10 and float(m["advantage_abs_mean"]) > 1e-6:
+            return (
+                f"grad norm {grad:.3g} with non-zero advantages (saturated), entropy {entropy:.3f}"
+            )
+        return None

@@ -1,0 +1,368 @@
+"""Misuse, bad input and faults, as a hostile new user would try them (docs/reliability.md): each
+case gets a message naming the file, line or field, or carries on correctly, and never leaves the
+run directory unusable. The command runs in this process (``dora_jax.main.main``) unless a
+signal or a process limit is part of the case."""
+
+import errno
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from reliability_cases import CASES, expect  # tests/reliability_cases.py
+
+from dora_jax import faults
+from dora_jax.main import main, parse_args
+from dora_jax.run_dir import RunDirLock
+
+ROOT = Path(__file__).resolve().parents[1]
+# a 1-layer policy, TBS 2, RBS 4, G 2, no warm start, no evaluation, the logical clock
+T = [
+    "warm_start.steps=0", "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4", "train.group_size=2", "model.num_layers=1",
+    "eval.num_prompts=0", "orchestrator.clock=logical", "logging.progress=false",
+    "logging.tensorboard=false", "rollout.max_new_tokens=48",
+]  # fmt: skip
+
+
+def test_reliability_doc_names_a_test_for_every_case():
+    """Every row of docs/reliability.md's table names a test that exists and checks that row."""
+    assert len(CASES) >= 30
+    for case in CASES.values():
+        file, name = case.test.split("::")
+        source = (ROOT / "tests" / file).read_text()
+        assert f"def {name}(" in source, case
+        start = source.index(f"def {name}(")
+        end = source.find("\ndef ", start + 1)
+        body = source[source.rfind("\n\n", 0, start) : end if end > 0 else None]  # decorators too
+        assert f'"{case.case}"' in body, f"{case.test} does not check {case.case!r}"
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:
+    faults.reset()
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def metric_steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def jsonl(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
+    return path
+
+
+# -- bad input: one line naming the file, line or field, exit 2, nothing written ----------------
+
+
+def test_prompt_longer_than_the_context_is_refused_naming_the_line(tmp_path, capsys):
+    data = jsonl(tmp_path / "long.jsonl", ["12-5="] * 8 + ["9" * 40 + "-5="] + ["7-2="])
+    run_dir = tmp_path / "run"
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "data.task=jsonl", f"data.path={data}")
+    expect("prompt-too-long", out, rc)
+    assert f"{data}:9: the prompt has" in out and "Traceback" not in out
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_jsonl_that_is_not_utf8_names_the_line(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b'{"prompt": "1-1=", "answer": "0"}\n{"prompt": "\xff-1=", "answer": "0"}\n')
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, "data.task=jsonl", f"data.path={data}")
+    expect("jsonl-not-utf8", out, rc)
+    assert f"{data}:2: not UTF-8" in out
+
+
+def test_unsupported_hf_architecture(tmp_path, capsys):
+    hf = tmp_path / "gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                "model_type": "gpt2"}))  # fmt: skip
+    run_dir = tmp_path / "run"
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, f"model.hf_path={hf}")
+    expect("unsupported-architecture", out, rc)
+    assert f"{hf / 'config.json'}: architecture" in out
+    assert not run_dir.exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    "case, override",
+    [
+        ("bucket-too-small", "train.length_buckets=[32]"),
+        ("too-few-kv-pages", "rollout.num_pages=3"),
+        ("one-step-without-staleness", "orchestrator.staleness_k=0"),
+    ],
+)
+def test_sizes_that_cannot_work_are_refused_before_the_run(tmp_path, capsys, case, override):
+    extra = ["--mode", "one_step"] if case == "one-step-without-staleness" else []
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, override, *extra)
+    expect(case, out, rc)
+    assert "Traceback" not in out
+
+
+def test_unwritable_run_dir(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'file' / 'run'}", *T)
+    expect("run-dir-under-a-file", out, rc)
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)  # as a read-only file system answers
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'ro' / 'run'}", *T)
+    expect("run-dir-read-only", out, rc)
+
+
+def test_eval_path_missing_names_eval_path(tmp_path, capsys):
+    data = jsonl(tmp_path / "train.jsonl", ["12-5="] * 4)
+    missing = tmp_path / "nope.jsonl"
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, "data.task=jsonl",
+                  f"data.path={data}", "eval.num_prompts=2", f"eval.path={missing}")  # fmt: skip
+    expect("eval-path-missing", out, rc)
+    assert "(data.path)" not in out
+
+
+def test_override_errors_blame_the_command_line(tmp_path, capsys):
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", "train.lr=abc")
+    expect("override-error", out, rc)
+    assert "default.yaml" not in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: abc\n")
+    rc, out = cli(capsys, "--config", str(bad), f"run_dir={tmp_path / 'run'}")
+    assert rc == 2 and f"train.lr: expected a float, got 'abc' (in {bad})" in out
+
+
+def test_hf_model_metadata_is_the_checkpoints(tmp_path, capsys):
+    """The announced parameter count and config.yaml come from the HF config.json."""
+    from dora_jax.config import ModelConfig
+    from dora_jax.model import count_params
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    }))  # fmt: skip
+    run_dir = tmp_path / "run"
+    # rollout.num_pages=3 stops the run in the build, after the announcement
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, f"model.hf_path={hf}", "rollout.num_pages=3")
+    expect("hf-model-metadata", out, rc)
+    n = count_params(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                 num_layers=3, num_heads=4, num_kv_heads=2))  # fmt: skip
+    assert f"({n:,} params)" in out
+    assert "hidden_size: 32" in (run_dir / "config.yaml").read_text()
+    assert "num_layers: 3" in (run_dir / "config.yaml").read_text()
+
+
+# -- the run directory: an owner, and refusals that change nothing ---------------------------
+
+
+def test_a_second_run_on_a_locked_dir_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("the first run's\n")
+    with RunDirLock(run_dir):
+        rc, out = cli(capsys, f"run_dir={run_dir}", *T)
+        expect("two-runs-one-dir", out, rc)
+        assert f"pid {os.getpid()}" in out
+    assert (run_dir / "config.yaml").read_text() == "the first run's\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+
+
+def test_refused_runs_change_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "7").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("the first run's\n")
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "warm_start.steps=5")
+    expect("fresh-run-into-checkpoints", out, rc)
+    assert (run_dir / "config.yaml").read_text() == "the first run's\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml"]
+
+    missing = tmp_path / "missing"
+    rc, out = cli(capsys, "--resume", f"run_dir={missing}")
+    expect("resume-missing-dir", out, rc)
+    assert not missing.exists()
+
+
+def test_overrides_may_follow_resume():
+    args = parse_args(["run_dir=x", "--resume", "train.lr=1e-3", "--mode", "sync", "seed=1"])
+    assert args.resume and args.mode == "sync"
+    assert args.overrides == ["run_dir=x", "train.lr=1e-3", "seed=1"]
+
+
+# -- steps ---------------------------------------------------------------------------------------
+
+
+def test_total_steps_is_the_number_of_updates(tmp_path):
+    """A logical run whose batch for step N+1 is ready when step N is published still stops at
+    N = train.total_steps updates (with RBS 8 it used to start a third step here)."""
+    from dora_jax.config import load_config
+    from dora_jax.pipeline.experiment import build, run
+
+    cfg = load_config(
+        ROOT / "configs" / "default.yaml",
+        [*T, "orchestrator.rollout_batch_prompts=8", "train.total_steps=2"],
+    )
+    exp = build(cfg, tmp_path / "run")
+    result = run(exp, 2)
+    expect("total-steps", "")  # no message: the row promises the counts checked here
+    assert exp.trainer.version == 2 and len(exp.grpo.log) == 2
+    assert result.summary.steps == 2 and exp.runtime.steps_done == 2
+    assert len(exp.runtime.records.consumed) == 2 * 2 * 2
+
+
+def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path, capsys):
+    """lr=1e30 after a short warm start: the update blows the params up, the next steps are
+    skipped (logged, counted, the run goes on) until max_consecutive_skips in a row stop it with
+    a checkpoint."""
+    run_dir = tmp_path / "run"
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "warm_start.steps=20",
+                  "warm_start.batch_size=8", "data.reward=partial_credit", "train.lr=1e30",
+                  "train.total_steps=12", "train.max_consecutive_skips=3")  # fmt: skip
+    expect("nonfinite-step", out, rc)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = [x["step"] for x in lines if x["skipped"]]
+    assert len(skipped) >= 3 and skipped[-3:] == [lines[-1]["step"] - 2 + i for i in range(3)]
+    assert [x["step"] for x in lines] == list(range(1, len(lines) + 1))  # every step logged
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["extra"]["skipped_steps"] == skipped and summary["extra"]["stopped_early"]
+    assert any(p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())
+
+
+@pytest.mark.slow  # one training run, about 25 s on 2 cores
+def test_a_dead_policy_is_reported(tmp_path, capsys):
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, "warm_start.steps=20",
+                  "warm_start.batch_size=8", "data.reward=partial_credit", "train.lr=1e6",
+                  "train.total_steps=7")  # fmt: skip
+    expect("dead-policy", out, rc)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(summary["extra"]["policy_warnings"]) == 1
+
+
+# -- runs that need training steps ------------------------------------------------------------
+
+
+@pytest.mark.slow  # one training run
+def test_long_prompts_can_be_skipped(tmp_path, capsys):
+    data = jsonl(tmp_path / "long.jsonl", ["12-5="] * 8 + ["9" * 40 + "-5="] + ["7-2="])
+    run_dir = tmp_path / "run"
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "data.task=jsonl", f"data.path={data}",
+                  "data.long_prompts=skip", "train.total_steps=1")  # fmt: skip
+    expect("prompt-too-long-skip", out, rc)
+    assert f"{data} lines 9)" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["extra"]["long_prompts_skipped"] == 1
+    assert summary["extra"]["long_prompt_lines"] == [9]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return int(proc.stdout)
+
+
+@pytest.mark.slow  # one training run
+def test_stale_lock_and_old_logs_of_a_killed_run(tmp_path, capsys):
+    """A run killed before its first checkpoint left its lock and a metrics.jsonl behind: the
+    next fresh run takes the lock over and starts the logs afresh (it used to append)."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(),
+                                               "started": "earlier"}))  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9}\n{"step": 2, "lo')
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "train.total_steps=1")
+    expect("stale-lock", out, rc)
+    expect("fresh-after-killed", out, rc)
+    assert metric_steps(run_dir / "metrics.jsonl") == [1]
+    assert json.loads((run_dir / "metrics.jsonl").read_text())["loss"] != 9
+    assert not (run_dir / ".lock").exists()  # released at the end
+
+
+@pytest.mark.slow  # three commands, two of them train
+def test_a_crash_leaves_a_usable_run_dir(tmp_path, capsys, monkeypatch):
+    """An exception in step 3 while a save may be in progress: the save is finished, the run dir
+    stays usable (a fresh run is refused, --resume continues), each step is logged once."""
+    run_dir = tmp_path / "run"
+    args = [f"run_dir={run_dir}", *T, "train.total_steps=4", "checkpoint.every_steps=1"]
+    monkeypatch.setenv(faults.ENV, "train_step@3:raise")
+    rc, out = cli(capsys, *args)
+    expect("crash-mid-run", out, rc)
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if ".orbax-checkpoint-tmp" in p.name]
+    monkeypatch.delenv(faults.ENV)
+    rc, out = cli(capsys, *args)
+    expect("fresh-run-into-checkpoints", out, rc)
+    rc, out = cli(capsys, "--resume", f"run_dir={run_dir}")
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in out and "2 steps done" in out
+    assert metric_steps(run_dir / "metrics.jsonl") == [1, 2, 3, 4]
+    ids = json.loads((run_dir / "summary.json").read_text())["extra"]["consumed_request_ids"]
+    assert len(ids) == len(set(ids)) == 4 * 2 * 2
+
+
+@pytest.mark.slow  # one training run
+def test_a_save_that_does_not_fit_is_refused(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=50_000))
+    run_dir = tmp_path / "run"
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "train.total_steps=3",
+                  "checkpoint.every_steps=1")  # fmt: skip
+    expect("disk-nearly-full", out, rc)
+    assert metric_steps(run_dir / "metrics.jsonl") == [1]  # stopped at the first save
+    assert not any((run_dir / "checkpoints").iterdir())
+
+
+def _limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+
+
+@pytest.mark.slow  # a training subprocess
+def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
+    """The checkpoint files cannot be written (a file size limit: every write past 100 kB fails
+    as on a full disk): the run stops at the next step with one line, no orbax traceback."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *T,
+         "train.total_steps=6", "checkpoint.every_steps=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size,
+    )  # fmt: skip
+    expect("disk-full", out.stdout + out.stderr, out.returncode)
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip().splitlines()[-1]]  # one line
+    assert len(metric_steps(run_dir / "metrics.jsonl")) < 6
+    assert not list((run_dir / "checkpoints").iterdir())  # the unfinished save was discarded
+
+
+@pytest.mark.slow  # two subprocesses that build and start a warm start
+@pytest.mark.parametrize("sig, case", [(signal.SIGTERM, "sigterm-warm-start"),
+                                       (signal.SIGINT, "sigint-warm-start")])  # fmt: skip
+def test_a_signal_in_the_warm_start_saves_nothing(tmp_path, sig, case):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *T,
+         "warm_start.steps=100000", "warm_start.batch_size=8"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    first = proc.stdout.readline()
+    assert first.startswith("dora_jax:"), first + proc.stderr.read()[-2000:]
+    time.sleep(4)  # into the warm start (or still building the engines before it)
+    assert proc.poll() is None
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    expect(case, first + out + err, proc.returncode)
+    assert "Traceback" not in err
+    assert not (run_dir / "warm_start").exists() and not (run_dir / "checkpoints").exists()
+    assert not (run_dir / ".lock").exists()
