@@ -41,6 +41,7 @@ RULES: tuple[tuple[str, str, str], ...] = (
     ("rollout.", REFUSE, "requests in flight were sampled and their KV pages laid out under it"),
     ("train.group_size", REFUSE, "prompt groups in flight have this many members"),
     ("train.fp32_master_weights", REFUSE, "it changes the layout of the saved train state"),
+    ("train.adam_moment_dtype", REFUSE, "it changes the layout of the saved train state"),
     (
         "train.kl_beta",
         APPLY,

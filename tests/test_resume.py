@@ -77,6 +77,13 @@ OTHER = {
     "logging.wandb_project": "elsewhere",
     "logging.wandb_name": "run-2",
     "logging.wandb_tags": ["a"],
+    "mesh.device_memory_gib": 40.0,
+    "model.attention": "dense",
+    "model.attention_block": 256,
+    "model.seq_chunk": 512,
+    "rollout.extra_eos_ids": [3],
+    "train.adam_moment_dtype": "bfloat16",
+    "rollout.num_pages": 300,
 }
 
 
