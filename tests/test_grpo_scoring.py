@@ -2,6 +2,8 @@
 ``on_finished``) and then consumed by a train step has its undecodable ids counted once, and the
 reward function reads the response without them and without any EOS id."""
 
+from types import SimpleNamespace
+
 from dora_jax.data.scoring import Scorer
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.model.tokenizer import CharTokenizer
@@ -21,16 +23,20 @@ class StubTrainer:
     """Only what GRPOTrainer asks of a Trainer (no arrays, no jit)."""
 
     def __init__(self):
-        self.version = 0
+        self.state = SimpleNamespace(version=0, skipped=0)
+
+    @property
+    def version(self):
+        return self.state.version
 
     def export_params(self):
-        return {"v": self.version}
+        return {"v": self.state.version}
 
-    def pack(self, trajectories, num_groups):
+    def pack(self, trajectories, num_groups, **kw):
         return trajectories
 
     def step(self, packed):
-        self.version += 1
+        self.state.version += 1
         return {"loss": 0.0}
 
 
