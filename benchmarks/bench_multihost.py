@@ -2,6 +2,7 @@
 different cores, a cross-process KV migration against re-prefill, and a control round's cost.
 
     python benchmarks/bench_multihost.py [--steps 30] [--rounds 2] [--contexts 1024,2048,4096]
+        [overrides for the throughput runs, e.g. data.median_steps=6 train.pack_rows=32]
 
 - Throughput: the arrangement of ``bench_wallclock.py`` (process 0: trainer and control plane on
   one core; process 1: the rollout groups on the other), the default task, dora (K=2) and sync;
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--contexts", default="1024,2048,4096")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_multihost.json")
+    p.add_argument("overrides", nargs="*", help="config overrides for the throughput runs")
     a = p.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench_multihost_") as tmp:
@@ -71,13 +73,14 @@ def main(argv: list[str] | None = None) -> int:
                 f", re-prefill {r['prefill_s'] * 1e3:.1f} ms: {r['ratio']:.1%}",
                 flush=True,
             )
-        thr = measure(a.steps, a.warmup, a.rounds, [], work)
+        thr = measure(a.steps, a.warmup, a.rounds, a.overrides, work)
     res = {
         "benchmark": "multi-process (jax.distributed, 2 CPU processes on loopback)",
         "command": "python benchmarks/bench_multihost.py "
         + " ".join(sys.argv[1:] if argv is None else argv),  # fmt: skip
         "arrangement": "process 0 = trainer (2x2 mesh) + control plane, process 1 = 4 rollout "
         "groups; each process pinned to its own CPU core",  # fmt: skip
+        "throughput_overrides": a.overrides,
         "dora_over_sync_wall": thr["dora_over_sync_wall"],
         "trajectories_per_s": thr["trajectories_per_s"],
         "overlap_dora": thr["overlap_dora"],

@@ -27,6 +27,7 @@ their tick. On the wall clock every engine step, weight load and KV move of a gr
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -325,10 +326,26 @@ def _overlap(steps: list[StepRecord], end: float, rolling: list[tuple[float, flo
 
 
 def _max_live(spans: list[GroupTick], num_groups: int) -> int:
-    """Most distinct versions holding requests at one moment, sweeping the spans by start."""
-    held: list[int | None] = [None] * num_groups
+    """Most distinct versions holding requests at one moment. A group holds its span's version
+    from the start of an active span (one that held requests) until the start of its next span
+    if that one is active too, else until the span's end (its last requests finished in it)."""
+    by_group: list[list[GroupTick]] = [[] for _ in range(num_groups)]
+    for g in spans:
+        by_group[g.group].append(g)
+    events: list[tuple[float, int, int]] = []  # (time, +1 start / -1 end, version)
+    for own in by_group:
+        own.sort(key=lambda x: x.t0)
+        for i, g in enumerate(own):
+            if not g.active:
+                continue
+            nxt = own[i + 1] if i + 1 < len(own) else None
+            until = nxt.t0 if nxt is not None and nxt.active else g.t1
+            events += [(g.t0, 1, g.version), (max(until, g.t0), -1, g.version)]
+    live: Counter = Counter()
     best = 0
-    for g in sorted(spans, key=lambda x: x.t0):
-        held[g.group] = g.version if g.active else None
-        best = max(best, len({v for v in held if v is not None}))
+    for _, d, v in sorted(events, key=lambda e: (e[0], e[1])):  # ends before starts at a tie
+        live[v] += d
+        if live[v] == 0:
+            del live[v]
+        best = max(best, len(live))
     return best
