@@ -147,7 +147,7 @@ def migration(proc, argv: list[str]) -> dict:
     stage = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rollout_rules(),
                            make_mesh(jax.local_devices()[:1], 1, 1))  # fmt: skip
     cluster.connect(bus.post, clock.now, lambda: stage)
-    cluster.start_hosts(to_dict(cfg), -1, cfg.seed, False)
+    cluster.start_hosts(to_dict(cfg), [-1], cfg.seed, False)
     src_g = next(g for g, m in enumerate(meshes.groups) if cluster.owner(m, "g") == 0)
     dst_g = next(g for g, m in enumerate(meshes.groups) if cluster.owner(m, "g") == 1)
     src = SyncGroup(src_g, Engine(cfg.model, cfg.rollout, meshes.groups[src_g], -1), clock.now,
