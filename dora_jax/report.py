@@ -513,14 +513,7 @@ def reward_curve_plot(
         if pts:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, ms=3, lw=1.4, label=label)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.grid(alpha=0.3)
-    if curves:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return _save_curves(fig, ax, path, bool(curves), xlabel=xlabel, ylabel=ylabel, title=title)
 
 
 def seed_band(
@@ -562,9 +555,14 @@ def seed_band_plot(
         ax.plot(xs, mean, color=color, lw=1.8, label=f"{label} (mean of {len(curves)})")
         if se is not None:
             ax.fill_between(xs, mean - se, mean + se, color=color, alpha=0.2, lw=0)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return _save_curves(fig, ax, path, bool(runs), xlabel=xlabel, ylabel=ylabel, title=title)
+
+
+def _save_curves(fig: Figure, ax: Any, path: Path, legend: bool, **labels: str) -> Path:
+    """Label, grid and legend a curve plot and write it as a PNG."""
+    ax.set(**labels)
     ax.grid(alpha=0.3)
-    if runs:
+    if legend:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
