@@ -30,9 +30,9 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dora_jax.config import load_config  # noqa: E402
+from dora_jax.curves import seed_band_plot  # noqa: E402
 from dora_jax.pipeline.evaluation import binomial_se  # noqa: E402
 from dora_jax.pipeline.experiment import build, run  # noqa: E402
-from dora_jax.report import seed_band_plot  # noqa: E402
 
 VARIANTS = {
     "sync": ["orchestrator.mode=sync", "orchestrator.staleness_k=0"],

@@ -11,13 +11,13 @@ import pytest
 
 from dora_jax import report
 from dora_jax.config.schema import OrchestratorConfig
+from dora_jax.curves import reward_curve_plot
 from dora_jax.metrics import MetricsWriter, progress, read_metrics
 from dora_jax.orchestrator import FakeBackendConfig, GroupTick, Records, run_fake
 from dora_jax.orchestrator.records import StepRecord
 from dora_jax.report import (
     phase_fractions,
     plot_timeline,
-    reward_curve_plot,
     tick_durations,
     write_summary,
 )
@@ -303,7 +303,7 @@ def test_reward_curve_plot(tmp_path):
 
 
 def test_seed_band_matches_numpy_and_plots(tmp_path):
-    from dora_jax.report import seed_band, seed_band_plot
+    from dora_jax.curves import seed_band, seed_band_plot
 
     a = [(0, 0.2), (64, 0.4), (128, 0.5)]
     b = [(0, 0.3), (32, 0.1), (128, 0.9)]  # other x values: read at a's by linear interpolation

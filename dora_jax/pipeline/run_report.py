@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dora_jax.curves import reward_curve_plot
 from dora_jax.orchestrator.runtime import RunResult
 from dora_jax.pipeline.evaluation import binomial_se
 from dora_jax.pipeline.experiment import Experiment
 from dora_jax.pipeline.observers import HeldOutEval, step_reward, step_solved
-from dora_jax.report import head, plot_timeline, reward_curve_plot, write_summary
+from dora_jax.report import head, plot_timeline, write_summary
 
 CLOSE_UP_TICKS = 300  # the close-up timeline's extent (ticks; on the wall clock, a tenth of it)
 
