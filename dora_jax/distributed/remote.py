@@ -47,7 +47,7 @@ class HostLink:
         self._replies: dict[int, Future] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._staged: dict[int, Any] = {}  # version -> the trainer's params in the group layout
+        self._staged: dict[int, Future] = {}  # version -> its params staged for pulls
         self._outbox: dict[int, list[dict]] = {h: [] for h in hosts}  # calls not yet sent
         for h in hosts:
             channel.listen(h, lambda msg, h=h: self._on_message(h, msg))
@@ -82,15 +82,25 @@ class HostLink:
         uid = self.transfers.new_id()
 
         def run() -> None:
-            if self.transfers.via_store:  # host copies: any layout will do
-                self.transfers.serve(uid, jax.tree.leaves(params))
-                return
+            def stage() -> list:
+                """Once per version, shared by every group that loads it: a host copy (CPU; no
+                layout needed), else the params placed in the group layout."""
+                if self.transfers.via_store:
+                    return self.transfers.host_copy(jax.tree.leaves(params))
+                return jax.tree.leaves(jax.device_put(params, self.stage_shardings()))
+
             with self._lock:
-                if version not in self._staged:
-                    self._staged = {v: p for v, p in self._staged.items() if v >= version - 1}
-                    self._staged[version] = jax.device_put(params, self.stage_shardings())
-                staged = self._staged[version]
-            self.transfers.serve(uid, jax.tree.leaves(staged))
+                fut = self._staged.get(version)
+                first = fut is None
+                if first:
+                    self._staged = {v: f for v, f in self._staged.items() if v >= version - 1}
+                    fut = self._staged[version] = Future()
+            if first:
+                try:
+                    fut.set_result(stage())
+                except Exception as e:
+                    fut.set_exception(e)
+            self.transfers.serve(uid, fut.result(WAIT_S))
 
         threading.Thread(target=run, name=f"stage-v{version}", daemon=True).start()
         return Pull(uid)

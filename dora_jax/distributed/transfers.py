@@ -56,6 +56,13 @@ class Transfers:
         with self._lock:
             return (self.proc.index << 40) | next(self._ids)
 
+    def host_copy(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """NumPy copies of ``arrays`` (one host copy at a time in this process)."""
+        import jax
+
+        with _HOST_COPY_LOCK:
+            return [np.asarray(h) for h in jax.device_get(list(arrays))]
+
     def serve(self, uid: int, arrays: Sequence[Any], meta: dict | None = None) -> None:
         """Offer ``arrays`` under ``uid``. If that fails, the receiver gets the error (its
         :meth:`fetch` raises :class:`TransferError` at once instead of waiting out its bound),
@@ -68,7 +75,6 @@ class Transfers:
             raise
 
     def _serve(self, uid: int, arrays: Sequence[Any], meta: dict | None) -> None:
-        import jax
 
         arrays = list(arrays)
         record = {
@@ -78,9 +84,7 @@ class Transfers:
             "chunks": 0,
         }
         if self.via_store and arrays:
-            with _HOST_COPY_LOCK:
-                host = jax.device_get(arrays)
-            data = encode([np.asarray(h) for h in host])
+            data = encode(self.host_copy(arrays))
             pieces = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
             for i, piece in enumerate(pieces):
                 self.proc.client.key_value_set_bytes(f"dora/xc/{uid}/{i}", piece)
