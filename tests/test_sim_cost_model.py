@@ -24,6 +24,23 @@ def test_qwen_parameter_counts_match_the_model_cards():
     assert q32.attn_flops_per_pair == 4 * 64 * 40 * 128
 
 
+def test_qwen3_parameter_counts_match_the_model_cards():
+    dense, a3b, a22b = (get_model(n) for n in ("qwen3-32b", "qwen3-30b-a3b", "qwen3-235b-a22b"))
+    embed = 151936 * 5120
+    assert abs(dense.params_total / 32.8e9 - 1) < 0.005  # model card: 32.8B
+    assert abs((dense.params_total - 2 * embed) / 31.2e9 - 1) < 0.005  # 31.2B non-embedding
+    assert not dense.is_moe and dense.kv_bytes_per_token == 2 * 64 * 8 * 128 * 2
+    assert dense.attn_flops_per_pair == 4 * 64 * 64 * 128
+    # MoE: the model cards' activated counts include the input embedding, ours leave it out
+    for m, total, activated, hidden in ((a3b, 30.5e9, 3.3e9, 2048), (a22b, 235e9, 22e9, 4096)):
+        assert m.is_moe and m.num_experts == 128 and m.active_experts == 8
+        assert abs(m.params_total / total - 1) < 0.005, m.name
+        assert abs((m.params_active + 151936 * hidden) / activated - 1) < 0.03, m.name
+    assert a3b.expert_params == 48 * 128 * 3 * 2048 * 768
+    assert a22b.expert_params == 94 * 128 * 3 * 4096 * 1536
+    assert a3b.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
+
+
 def test_moe_preset_is_consistent():
     m = get_model("longcat-flash-560b")
     assert m.is_moe and m.params_total == 560e9 and m.params_active == 27e9
@@ -38,7 +55,8 @@ def test_presets_are_positive_and_named():
     for name, hw in HARDWARE.items():
         assert hw.peak_flops > 0 and hw.hbm_bw > 0 and hw.inter_bw > 0, name
     assert get_hardware("h800").intra_bw == 200e9 and get_hardware("h100").intra_bw == 450e9
-    assert set(MODELS) >= {"qwen2.5-7b", "qwen2.5-32b", "longcat-flash-560b"}
+    assert set(MODELS) >= {"qwen2.5-7b", "qwen2.5-32b", "longcat-flash-560b", "qwen3-32b",
+                           "qwen3-30b-a3b", "qwen3-235b-a22b"}
     with pytest.raises(KeyError, match="unknown hardware"):
         get_hardware("h9000")
     with pytest.raises(KeyError, match="unknown model"):

@@ -10,8 +10,9 @@
 - MoE only: ``expert_params`` (all routed experts), ``num_experts``, ``active_experts`` (routed
   experts a token uses on average): decode streams only the experts its batch touches.
 
-Dense Qwen2 parameter counts are computed from the architecture (``qwen2_dense``) and checked in
-the tests against the model cards (7.61B and 32.5B, huggingface.co/Qwen/Qwen2.5-{7B,32B}).
+Dense Qwen2 and Qwen3 and the Qwen3 MoE parameter counts are computed from the architecture
+(``qwen2_dense``, ``qwen3``) and checked in the tests against the model cards (Qwen2.5: 7.61B and
+32.5B; Qwen3: 32.8B, 30.5B total / 3.3B activated, 235B / 22B).
 """
 
 from __future__ import annotations
@@ -88,6 +89,55 @@ def qwen2_dense(
     )
 
 
+def qwen3(
+    name: str,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    ffn: int = 0,
+    experts: int = 0,
+    experts_per_token: int = 0,
+    expert_ffn: int = 0,
+    head_dim: int = 128,
+    tied: bool = False,
+) -> ModelSpec:
+    """A Qwen3-family decoder from its ``config.json``: no QKV bias, an RMSNorm on each q and k
+    head, SwiGLU; dense (``ffn``) or a routed MoE in every layer (``experts`` of ``expert_ffn``,
+    ``experts_per_token`` per token, a linear router, no shared expert)."""
+    kv = kv_heads * head_dim
+    q = heads * head_dim
+    attn = hidden * q + 2 * hidden * kv + q * hidden + 2 * head_dim  # q, k, v, o; q/k norms
+    norms = 2 * hidden
+    if experts:
+        one_expert = 3 * hidden * expert_ffn
+        expert_params = float(layers * experts * one_expert)
+        router = hidden * experts
+        per_layer = attn + norms + router + experts * one_expert
+        active_layer = attn + norms + router + experts_per_token * one_expert
+    else:
+        expert_params = 0.0
+        per_layer = active_layer = attn + norms + 3 * hidden * ffn
+    embed = vocab * hidden
+    total = layers * per_layer + embed * (1 if tied else 2) + hidden
+    active = layers * active_layer + (0 if tied else embed) + hidden
+    return ModelSpec(
+        name=name,
+        params_total=float(total),
+        params_active=float(active),
+        num_layers=layers,
+        hidden=hidden,
+        kv_bytes_per_token=2 * layers * kv * BF16,
+        attn_flops_per_pair=4.0 * layers * q,
+        allreduces_per_forward=2 * layers,
+        expert_params=expert_params,
+        num_experts=experts,
+        active_experts=float(experts_per_token),
+    )
+
+
 def _longcat_flash() -> ModelSpec:
     # LongCat-Flash (the base of LongCat-Flash-Thinking, the ~500B MoE the paper trains):
     # - 560B total, 18.6B-31.3B activated per token, 27B on average: LongCat-Flash technical
@@ -131,6 +181,26 @@ MODELS: dict[str, ModelSpec] = {
     # the card rounds differently, the architecture gives 32,763,876,352).
     "qwen2.5-32b": qwen2_dense(
         "qwen2.5-32b", layers=64, hidden=5120, heads=40, kv_heads=8, ffn=27648, vocab=152064
+    ),
+    # Qwen3-32B config.json (huggingface.co/Qwen/Qwen3-32B): 64 layers, hidden 5120, 64 Q / 8 KV
+    # heads of 128, intermediate 25600, vocab 151936, untied -> 32.76B (model card: 32.8B, 31.2B
+    # without the embeddings).
+    "qwen3-32b": qwen3(
+        "qwen3-32b", layers=64, hidden=5120, heads=64, kv_heads=8, vocab=151936, ffn=25600
+    ),
+    # Qwen3-30B-A3B config.json: 48 layers, hidden 2048, 32 Q / 4 KV heads of 128, 128 experts of
+    # moe_intermediate_size 768, 8 per token, vocab 151936, untied -> 30.5B total, 3.0B multiplied
+    # per token (model card: 30.5B, 3.3B activated, which counts the input embedding too).
+    "qwen3-30b-a3b": qwen3(
+        "qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4, vocab=151936,
+        experts=128, experts_per_token=8, expert_ffn=768,
+    ),
+    # Qwen3-235B-A22B config.json: 94 layers, hidden 4096, 64 Q / 4 KV heads of 128, 128 experts
+    # of 1536, 8 per token, vocab 151936, untied -> 235.1B total, 21.6B multiplied per token
+    # (model card: 235B, 22B activated).
+    "qwen3-235b-a22b": qwen3(
+        "qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv_heads=4, vocab=151936,
+        experts=128, experts_per_token=8, expert_ffn=1536,
     ),
     "longcat-flash-560b": _longcat_flash(),
     # the default task's policy (configs/default.yaml): 2 layers, hidden 64, 4 Q / 2 KV heads of
