@@ -127,7 +127,7 @@ def test_index_pointing_to_missing_shard(ckpt):
         ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
          r"architecture Gemma3ForCausalLM is not supported \(supported: Qwen2ForCausalLM"),
         ({"architectures": [], "model_type": "gemma2"},
-         r"architecture model_type 'gemma2' is not supported"),
+         r"model_type 'gemma2' is not supported \(supported: Qwen2ForCausalLM"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
          r"rope type 'yarn' is not supported"),

@@ -230,9 +230,9 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     else:  # no architectures list: the model_type names the family
         family = hf.get("model_type") if hf.get("model_type") in _FAMILIES else None
     if family is None:
-        name = archs[0] if archs else f"model_type {hf.get('model_type')!r}"
+        name = f"architecture {archs[0]}" if archs else f"model_type {hf.get('model_type')!r}"
         raise UnsupportedModelError(
-            f"config.json: architecture {name} is not supported "
+            f"config.json: {name} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     if hf.get("hidden_act", "silu") != "silu":
