@@ -99,7 +99,8 @@ class ModelConfig:
     seq_chunk: int = 0
     # Sliding-window attention: a query at position i sees keys j with i - sliding_window < j <= i.
     # None: full causal attention everywhere. The first ``full_attention_layers`` layers attend
-    # fully and the rest use the window (Mistral: 0; Qwen2/Qwen3: HF's max_window_layers).
+    # fully and the rest use the window (Mistral: 0; Qwen2/Qwen3: HF's max_window_layers); it has
+    # no effect without a window.
     sliding_window: int | None = None
     full_attention_layers: int = 0
 
@@ -158,10 +159,11 @@ class ModelConfig:
         )
         _check(
             self.full_attention_layers == 0
-            or (self.sliding_window is not None and self.family != "mistral"),
+            or self.sliding_window is None
+            or self.family != "mistral",
             "full_attention_layers",
-            "must be 0 without a sliding_window and for family mistral (every Mistral layer has "
-            f"the same window), got {self.full_attention_layers}",
+            "must be 0 for family mistral with a sliding_window (every Mistral layer has the same "
+            f"window), got {self.full_attention_layers}",
         )
         if self.attention == "cudnn":
             _check(
