@@ -171,8 +171,9 @@ def test_live_blocks_skip_key_blocks_behind_the_window():
     one = jnp.ones((1, 64), jnp.int32)  # one long sequence, blocks of 8, a window of 10
     live = np.asarray(live_blocks(one, one, jnp.zeros((1,), jnp.int32), 8, 8, jnp.int32(10)))
     # query block i (first query 8i) sees key blocks whose last key 8j + 7 > 8i - 10
-    np.testing.assert_array_equal(live, np.tril(np.ones((8, 8), bool)) & ~np.tril(
-        np.ones((8, 8), bool), -3))
+    np.testing.assert_array_equal(
+        live, np.tril(np.ones((8, 8), bool)) & ~np.tril(np.ones((8, 8), bool), -3)
+    )
 
 
 def test_blockwise_never_materialises_t_by_s():

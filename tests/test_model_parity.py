@@ -172,7 +172,9 @@ def test_export_round_trip_loads_in_transformers(case, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("case", ["mistral-window5-gqa2-untied", "qwen2-window7-after-1-layer-tied"])
+@pytest.mark.parametrize(
+    "case", ["mistral-window5-gqa2-untied", "qwen2-window7-after-1-layer-tied"]
+)
 def test_sliding_window_matches_transformers_in_every_attention(case, tmp_path):
     """The window is honoured by the dense path and by the blockwise path with blocks smaller
     than the sequence (whole key blocks outside the window are skipped), and it matters: without

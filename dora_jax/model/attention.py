@@ -306,8 +306,8 @@ def blockwise_attention(
 
     ``q [B,T,N,H]``, ``k, v [B,S,K,H]``, segment ids ``int32[B,T]`` and ``int32[B,S]`` (0 is
     padding), ``q_offset int32[B]`` (default 0), sliding ``window`` (int32 scalar; 0 or None: no
-    window; blocks wholly outside every query's window are skipped). Blocks of ``min(block, T)`` queries and
-    ``min(block, S)`` keys; ragged ends are padded. Differentiable in ``q, k, v`` with a
+    window; blocks wholly outside every query's window are skipped). Blocks of ``min(block, T)``
+    queries and ``min(block, S)`` keys; ragged ends are padded. Differentiable in ``q, k, v`` with a
     memory-efficient custom backward. Returns ``[B,T,N,H]`` in ``q``'s dtype.
     """
     B, T, N, H = q.shape

@@ -1,4 +1,5 @@
-"""The Qwen2/Qwen3/Llama/Mistral decoder forward pass: embed, scanned layers (configurable remat), norm, logits.
+"""The Qwen2/Qwen3/Llama/Mistral decoder forward pass: embed, scanned layers (configurable
+remat), norm, logits.
 
 Inputs use one convention everywhere: ``tokens int32[B, T]``, ``positions int32[B, T]`` (RoPE
 positions), ``segment_ids int32[B, T]`` (0 marks padding; tokens attend causally within their own
@@ -94,8 +95,8 @@ def remat_group_size(num_layers: int) -> int:
 
 
 def _full_remat(apply):
-    """``apply(x, lp, positions, segment_ids, window)`` whose backward pass recomputes it from its input
-    ``x``, the only thing kept between the passes (what ``jax.checkpoint`` with
+    """``apply(x, lp, positions, segment_ids, window)`` whose backward pass recomputes it from its
+    input ``x``, the only thing kept between the passes (what ``jax.checkpoint`` with
     ``nothing_saveable`` does, written as a ``custom_vjp``; ``remat: nested`` uses it for layers
     and for groups of layers). A 16-bit ``x`` is kept as its bit pattern (uint16): XLA's CPU
     backend widens a saved bfloat16 stack ``[L, B, T, D]`` to float32 around its dynamic slices
