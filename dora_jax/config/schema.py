@@ -63,9 +63,10 @@ class RopeScalingConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Qwen2- or Llama-family decoder. Defaults: a tiny Qwen2 for the built-in CPU task."""
+    """A Qwen2-, Qwen3-, Llama- or Mistral-family decoder. Defaults: a tiny Qwen2 for the built-in
+    CPU task. ``qwen3`` adds a per-head RMSNorm on q and k (before RoPE)."""
 
-    family: Literal["qwen2", "llama"] = "qwen2"
+    family: Literal["qwen2", "llama", "qwen3", "mistral"] = "qwen2"
     vocab_size: int = 64
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -77,7 +78,7 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
-    attention_bias: bool | None = None  # None: the family's default (qwen2 True, llama False)
+    attention_bias: bool | None = None  # None: the family's default (qwen2 True, others False)
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
     param_dtype: Dtype = "float32"
@@ -96,6 +97,12 @@ class ModelConfig:
     # chunks of this many positions per row, each rematerialised: the backward pass then holds
     # [B, seq_chunk, F] instead of [B, T, F]. 0: whole sequences.
     seq_chunk: int = 0
+    # Sliding-window attention: a query at position i sees keys j with i - sliding_window < j <= i.
+    # None: full causal attention everywhere. The first ``full_attention_layers`` layers attend
+    # fully and the rest use the window (Mistral: 0; Qwen2/Qwen3: HF's max_window_layers); it has
+    # no effect without a window.
+    sliding_window: int | None = None
+    full_attention_layers: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -128,6 +135,36 @@ class ModelConfig:
             "attention_block",
             f"must be > 0, got {self.attention_block}",
         )
+        if self.sliding_window is not None:
+            _check(
+                self.sliding_window > 0,
+                "sliding_window",
+                f"must be > 0 or null (no window), got {self.sliding_window}",
+            )
+            _check(
+                self.family in ("qwen2", "qwen3", "mistral"),
+                "sliding_window",
+                f"is not part of the {self.family} architecture (only qwen2, qwen3, mistral); "
+                "set it to null",
+            )
+            _check(
+                self.attention != "cudnn",
+                "attention",
+                "cudnn does not support sliding_window; use attention: blockwise or dense",
+            )
+        _check(
+            0 <= self.full_attention_layers <= self.num_layers,
+            "full_attention_layers",
+            f"must be in [0, num_layers={self.num_layers}], got {self.full_attention_layers}",
+        )
+        _check(
+            self.full_attention_layers == 0
+            or self.sliding_window is None
+            or self.family != "mistral",
+            "full_attention_layers",
+            "must be 0 for family mistral with a sliding_window (every Mistral layer has the same "
+            f"window), got {self.full_attention_layers}",
+        )
         if self.attention == "cudnn":
             _check(
                 self.compute_dtype == "bfloat16",
@@ -150,6 +187,16 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on q and k after their projections, before RoPE (Qwen3)."""
+        return self.family == "qwen3"
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full causal attention)."""
+        w = self.sliding_window or 0
+        return tuple(0 if i < self.full_attention_layers else w for i in range(self.num_layers))
 
     @property
     def qkv_bias(self) -> bool:

@@ -15,7 +15,14 @@ import numpy as np
 
 from dora_jax.config import ModelConfig, RopeScalingConfig
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+# HF architecture -> our ModelConfig.family (one entry per family; add a family here, in
+# WEIGHT_RULES and in the config translation below).
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
 
 # HF tensors that carry no parameters of ours and are skipped on load.
 IGNORED_HF_TENSORS = (r".*rotary_emb\.inv_freq$",)
@@ -100,6 +107,10 @@ def _qkv_bias(c):
     return c.qkv_bias
 
 
+def _qk_norm(c):
+    return c.qk_norm
+
+
 _P = "model.layers.{i}."
 
 WEIGHT_RULES: tuple[WeightRule, ...] = (
@@ -119,6 +130,10 @@ WEIGHT_RULES: tuple[WeightRule, ...] = (
                lambda c: (c.num_kv_heads * c.resolved_head_dim,), *_bias(_kv), when=_qkv_bias),
     WeightRule("layers/bv", _P + "self_attn.v_proj.bias",
                lambda c: (c.num_kv_heads * c.resolved_head_dim,), *_bias(_kv), when=_qkv_bias),
+    WeightRule("layers/q_norm", _P + "self_attn.q_norm.weight", lambda c: (c.resolved_head_dim,),
+               _same, _same, when=_qk_norm),
+    WeightRule("layers/k_norm", _P + "self_attn.k_norm.weight", lambda c: (c.resolved_head_dim,),
+               _same, _same, when=_qk_norm),
     WeightRule("layers/wo", _P + "self_attn.o_proj.weight",
                lambda c: (c.hidden_size, c.num_heads * c.resolved_head_dim), _o_to_ours, _o_to_hf),
     WeightRule("layers/mlp_norm", _P + "post_attention_layernorm.weight",
@@ -170,25 +185,63 @@ def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+_FAMILIES = frozenset(SUPPORTED_ARCHITECTURES.values())
+
+
+def _sliding_window(hf: dict[str, Any], family: str) -> tuple[int | None, int]:
+    """(window or None, leading full-attention layers) of a HF config. Mistral: ``sliding_window``
+    for every layer. Qwen2/Qwen3: only with ``use_sliding_window``, for the layers that
+    ``layer_types`` (or else ``max_window_layers``) marks sliding, which must come after the full
+    ones. Llama has no window."""
+    if family == "llama":
+        return None, 0
+    if family == "mistral":
+        if "layer_types" in hf and any(t != "sliding_attention" for t in hf["layer_types"]):
+            raise UnsupportedModelError("config.json: Mistral with per-layer layer_types is not "
+                                        "supported")  # fmt: skip
+        window = hf.get("sliding_window", 4096)  # HF MistralConfig's default
+        return (int(window) if window else None), 0
+    window = hf.get("sliding_window")
+    if not hf.get("use_sliding_window") or not window:
+        return None, 0
+    L = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(L)
+    ]
+    full = sum(t == "full_attention" for t in types)
+    if set(types) - {"full_attention", "sliding_attention"} or types != [
+        "full_attention"
+    ] * full + ["sliding_attention"] * (L - full):
+        raise UnsupportedModelError(
+            f"config.json: layer_types {types} is not supported (full-attention layers must "
+            "all come before the sliding-window ones)"
+        )
+    if full == L:
+        return None, 0
+    return int(window), full
+
+
 def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     """Translate a HF ``config.json`` dict; unsupported options raise naming the option."""
     archs = hf.get("architectures") or []
-    family = SUPPORTED_ARCHITECTURES.get(archs[0]) if archs else None
+    if archs:
+        family = SUPPORTED_ARCHITECTURES.get(archs[0])
+    else:  # no architectures list: the model_type names the family
+        family = hf.get("model_type") if hf.get("model_type") in _FAMILIES else None
     if family is None:
-        family = {"qwen2": "qwen2", "llama": "llama"}.get(hf.get("model_type", ""))
-    if family is None:
+        name = f"architecture {archs[0]}" if archs else f"model_type {hf.get('model_type')!r}"
         raise UnsupportedModelError(
-            f"config.json: architecture {archs or hf.get('model_type')!r} is not supported "
+            f"config.json: {name} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"config.json: hidden_act {hf['hidden_act']!r} is not "
                                     "supported (only silu)")  # fmt: skip
-    if hf.get("use_sliding_window"):
-        raise UnsupportedModelError("config.json: use_sliding_window=true is not supported")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("config.json: mlp_bias=true is not supported")
     theta, scaling = _rope_params(hf)
+    window, full_layers = _sliding_window(hf, family)
     heads = hf["num_attention_heads"]
     kw: dict[str, Any] = dict(
         family=family,
@@ -198,7 +251,8 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         num_layers=hf["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim"),
+        # HF Qwen3 defaults head_dim to 128 rather than hidden_size // heads
+        head_dim=hf.get("head_dim") or (128 if family == "qwen3" else None),
         rope_theta=theta,
         rope_scaling=None
         if scaling is None
@@ -210,8 +264,12 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         ),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", family == "qwen2")),
-        attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),
+        attention_bias={"qwen2": True, "mistral": False}.get(
+            family, bool(hf.get("attention_bias", False))
+        ),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        sliding_window=window,
+        full_attention_layers=full_layers,
     )
     kw.update(overrides)
     return ModelConfig(**kw)
@@ -253,6 +311,14 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     if cfg.family == "llama":
         out["attention_bias"] = cfg.qkv_bias
         out["mlp_bias"] = False
-    else:
-        out["use_sliding_window"] = False
+    elif cfg.family == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    else:  # qwen2, qwen3
+        windows = cfg.layer_windows()
+        out["use_sliding_window"] = cfg.sliding_window is not None
+        out["sliding_window"] = cfg.sliding_window
+        out["max_window_layers"] = cfg.full_attention_layers
+        out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+        if cfg.family == "qwen3":
+            out["attention_bias"] = cfg.qkv_bias
     return out

@@ -70,12 +70,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def qkv_projection(
     lp: dict[str, jax.Array], x: jax.Array, positions: jax.Array, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Project normed ``x [B, T, D]`` to ``q [B,T,N,H]``, ``k, v [B,T,K,H]``, RoPE applied."""
+    """Project normed ``x [B, T, D]`` to ``q [B,T,N,H]``, ``k, v [B,T,K,H]``, RoPE applied.
+    With ``q_norm``/``k_norm`` (Qwen3), q and k are RMS-normed per head before RoPE."""
     q = jnp.einsum("BTD,DNH->BTNH", x, lp["wq"])
     k = jnp.einsum("BTD,DKH->BTKH", x, lp["wk"])
     v = jnp.einsum("BTD,DKH->BTKH", x, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if "q_norm" in lp:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, cfg)
     q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "q_heads", "head_dim"))
     k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))

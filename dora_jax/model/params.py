@@ -8,6 +8,7 @@ Layout (axis letters: V vocab, D model, N q heads, K kv heads, H head dim, F ffn
     layers/wk        [L, D, K, H]  layers/bk [L, K, H]
     layers/wv        [L, D, K, H]  layers/bv [L, K, H]
     layers/wo        [L, N, H, D]
+    layers/q_norm    [L, H]        layers/k_norm [L, H]  (per-head q/k RMSNorm, when cfg.qk_norm)
     layers/w_gate    [L, D, F]     layers/w_up [L, D, F]   layers/w_down [L, F, D]
     final_norm       [D]
     lm_head          [D, V]        (absent when cfg.tie_word_embeddings)
@@ -62,6 +63,9 @@ def param_specs(cfg: ModelConfig) -> Params:
         layers["bq"] = ParamSpec((L, N, H), ("layers", "q_heads", "head_dim"), "zeros")
         layers["bk"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
         layers["bv"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.qk_norm:
+        layers["q_norm"] = ParamSpec((L, H), ("layers", "head_dim"), "ones")
+        layers["k_norm"] = ParamSpec((L, H), ("layers", "head_dim"), "ones")
     if cfg.mlp_bias:
         raise NotImplementedError("model.mlp_bias=true is not supported yet")
     specs: Params = {

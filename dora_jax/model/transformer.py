@@ -1,4 +1,5 @@
-"""The Qwen2/Llama decoder forward pass: embed, scanned layers (configurable remat), norm, logits.
+"""The Qwen2/Qwen3/Llama/Mistral decoder forward pass: embed, scanned layers (configurable
+remat), norm, logits.
 
 Inputs use one convention everywhere: ``tokens int32[B, T]``, ``positions int32[B, T]`` (RoPE
 positions), ``segment_ids int32[B, T]`` (0 marks padding; tokens attend causally within their own
@@ -52,9 +53,11 @@ def hidden_states(
     """Final-normed hidden states ``[B, T, D]`` in the compute dtype."""
     p = cast_params(params, cfg)
     x = embed_tokens(p, tokens, cfg)
+    # Each layer's sliding window (0: none) is scanned with its params.
+    windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
 
-    def apply(x, lp, positions, segment_ids):
-        x, _ = decoder_layer(lp, x, positions, cfg, make_attend(cfg, segment_ids))
+    def apply(x, lp, positions, segment_ids, window):
+        x, _ = decoder_layer(lp, x, positions, cfg, make_attend(cfg, segment_ids, window))
         return x
 
     if cfg.remat == "nested":
@@ -62,23 +65,25 @@ def hidden_states(
     elif cfg.remat != "none":
         apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
 
-    def layers(x, lps, positions, segment_ids):
-        def layer(x, lp):
-            return apply(x, lp, positions, segment_ids), None
+    def layers(x, lps, positions, segment_ids, windows):
+        def layer(x, lp_w):
+            lp, window = lp_w
+            return apply(x, lp, positions, segment_ids, window), None
 
-        return jax.lax.scan(layer, x, lps)[0]
+        return jax.lax.scan(layer, x, (lps, windows))[0]
 
     if cfg.remat == "nested":
         g = remat_group_size(cfg.num_layers)
         grouped = jax.tree.map(lambda w: w.reshape(-1, g, *w.shape[1:]), p["layers"])
         group = _full_remat(layers)
 
-        def one_group(x, lps):
-            return group(x, lps, positions, segment_ids), None
+        def one_group(x, lps_w):
+            lps, ws = lps_w
+            return group(x, lps, positions, segment_ids, ws), None
 
-        x, _ = jax.lax.scan(one_group, x, grouped)
+        x, _ = jax.lax.scan(one_group, x, (grouped, windows.reshape(-1, g)))
     else:
-        x = layers(x, p["layers"], positions, segment_ids)
+        x = layers(x, p["layers"], positions, segment_ids, windows)
     return rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
 
 
@@ -90,8 +95,8 @@ def remat_group_size(num_layers: int) -> int:
 
 
 def _full_remat(apply):
-    """``apply(x, lp, positions, segment_ids)`` whose backward pass recomputes it from its input
-    ``x``, the only thing kept between the passes (what ``jax.checkpoint`` with
+    """``apply(x, lp, positions, segment_ids, window)`` whose backward pass recomputes it from its
+    input ``x``, the only thing kept between the passes (what ``jax.checkpoint`` with
     ``nothing_saveable`` does, written as a ``custom_vjp``; ``remat: nested`` uses it for layers
     and for groups of layers). A 16-bit ``x`` is kept as its bit pattern (uint16): XLA's CPU
     backend widens a saved bfloat16 stack ``[L, B, T, D]`` to float32 around its dynamic slices
@@ -102,19 +107,19 @@ def _full_remat(apply):
         return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
 
     @jax.custom_vjp
-    def f(x, lp, positions, segment_ids):
-        return apply(x, lp, positions, segment_ids)
+    def f(x, lp, positions, segment_ids, window):
+        return apply(x, lp, positions, segment_ids, window)
 
-    def fwd(x, lp, positions, segment_ids):
-        y = apply(x, lp, positions, segment_ids)
-        return y, (bits(x), jnp.zeros((0,), x.dtype), lp, positions, segment_ids)
+    def fwd(x, lp, positions, segment_ids, window):
+        y = apply(x, lp, positions, segment_ids, window)
+        return y, (bits(x), jnp.zeros((0,), x.dtype), lp, positions, segment_ids, window)
 
     def bwd(res, g):
-        xb, like, lp, positions, segment_ids = res
+        xb, like, lp, positions, segment_ids, window = res
         x = jax.lax.bitcast_convert_type(xb, like.dtype) if xb.dtype != like.dtype else xb
-        _, vjp = jax.vjp(lambda x, lp: apply(x, lp, positions, segment_ids), x, lp)
+        _, vjp = jax.vjp(lambda x, lp: apply(x, lp, positions, segment_ids, window), x, lp)
         dx, dlp = vjp(g)
-        return dx, dlp, None, None
+        return dx, dlp, None, None, None
 
     f.defvjp(fwd, bwd)
     return f

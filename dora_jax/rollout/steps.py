@@ -79,8 +79,9 @@ class StepStatic:
 def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStatic, attend_layer):
     """Scan the decoder layers carrying the whole cache (updated in place).
 
-    ``attend_layer(q, k, v, scale, k_cache, v_cache, layer_tables) -> (o, k_cache, v_cache)`` where
-    ``layer_tables`` are the block tables offset to this layer's pages.
+    ``attend_layer(q, k, v, scale, k_cache, v_cache, layer_tables, window) -> (o, k_cache,
+    v_cache)`` where ``layer_tables`` are the block tables offset to this layer's pages and
+    ``window`` is the layer's sliding window (int32 scalar, 0: none; None for a model without one).
     """
     P = cache.pages_per_layer
     # The stacked 16-bit weights enter the scan as bit patterns (no gradients here): XLA's CPU
@@ -89,14 +90,17 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
     dtypes = jax.tree.map(lambda w: w.dtype, params["layers"])
     bits = jax.tree.map(_to_bits, params["layers"])
 
+    windows = jnp.asarray(st.cfg.layer_windows(), jnp.int32)
+
     def layer(carry, xs):
         x, kc, vc = carry
         lb, l = xs
         lp = jax.tree.map(_from_bits, lb, dtypes)
         tables = block_tables + l * P
+        window = None if st.cfg.sliding_window is None else windows[l]
 
         def attend(q, k, v, scale):
-            o, kc2, vc2 = attend_layer(q, k, v, scale, kc, vc, tables)
+            o, kc2, vc2 = attend_layer(q, k, v, scale, kc, vc, tables, window)
             return o, (kc2, vc2)
 
         x, (kc, vc) = decoder_layer(lp, x, positions, st.cfg, attend)
@@ -118,7 +122,7 @@ def _from_bits(b: jax.Array, dtype) -> jax.Array:
 def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: StepStatic):
     x = embed_tokens(p, tokens[:, None], st.cfg)
 
-    def attend_layer(q, k, v, scale, kc, vc, tables):
+    def attend_layer(q, k, v, scale, kc, vc, tables, window):
         return decode_attend(
             q,
             k,
@@ -132,6 +136,7 @@ def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: St
             mesh=st.mesh,
             impl=st.impl,
             interpret=st.interpret,
+            window=window,
         )
 
     x, cache = _run_layers(p, cache, x, positions[:, None], block_tables, st, attend_layer)
@@ -230,7 +235,7 @@ def prefill_step(
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     x = embed_tokens(p, tokens, st.cfg)
 
-    def attend_layer(q, k, v, scale, kc, vc, tables):
+    def attend_layer(q, k, v, scale, kc, vc, tables, window):
         return prefill_attend(
             q,
             k,
@@ -248,6 +253,7 @@ def prefill_step(
             # chunks of a "cudnn" model use the blockwise path (docs in model/attention.py)
             chunk_attention="dense" if st.cfg.attention == "dense" else "blockwise",
             block=st.cfg.attention_block,
+            window=window,
         )
 
     x, cache = _run_layers(p, cache, x, positions, block_tables, st, attend_layer)
