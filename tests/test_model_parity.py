@@ -32,7 +32,23 @@ CASES = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
     "llama-gqa1-headdim-tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4,
                                               head_dim=16, tie_word_embeddings=True)),
+    # mixture of experts: 8 experts, top-2 (Qwen3-MoE: q/k norms, renormalised top-k; Qwen2-MoE:
+    # q/k/v biases, raw top-k probabilities, the sigmoid-gated shared expert)
+    "qwen3_moe-e8-top2-untied": ("qwen3_moe", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2_moe-e8-top2-shared-tied": ("qwen2_moe", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+        shared_expert_intermediate_size=56)),
 }  # fmt: skip
+
+HF_CLASSES = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+}
 
 
 def make_hf_model(family: str, kwargs: dict, seed: int = 0):
@@ -50,6 +66,9 @@ def make_hf_model(family: str, kwargs: dict, seed: int = 0):
     if family == "qwen2":
         config = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(config)
+    elif family in ("qwen3_moe", "qwen2_moe"):
+        config_cls, model_cls = HF_CLASSES[family]
+        model = model_cls(config_cls(**common))
     else:
         config = transformers.LlamaConfig(**common)
         model = transformers.LlamaForCausalLM(config)
@@ -117,7 +136,15 @@ def test_logits_match_transformers(case, tmp_path):
     assert max_real_diff(ref, ours, mask) <= TOL
 
 
-@pytest.mark.parametrize("case", ["qwen2-gqa4-tied", "llama-gqa4-rope-llama3-untied"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "qwen2-gqa4-tied",
+        "llama-gqa4-rope-llama3-untied",
+        "qwen3_moe-e8-top2-untied",
+        "qwen2_moe-e8-top2-shared-tied",
+    ],
+)
 def test_export_round_trip_loads_in_transformers(case, tmp_path):
     family, kwargs = CASES[case]
     model = make_hf_model(family, kwargs, seed=3)
@@ -128,7 +155,7 @@ def test_export_round_trip_loads_in_transformers(case, tmp_path):
     # Ours -> HF directory (sharded into several files with an index) -> transformers.
     out_dir = save_hf_checkpoint(params, cfg, tmp_path / "export", max_shard_bytes=64 << 10)
     assert (out_dir / "model.safetensors.index.json").is_file()
-    cls = transformers.Qwen2ForCausalLM if family == "qwen2" else transformers.LlamaForCausalLM
+    cls = HF_CLASSES[family][1]
     reloaded = cls.from_pretrained(out_dir, attn_implementation="eager").eval()
     tokens, mask, positions = padded_batch(cfg.vocab_size, seed=5)
     ref = hf_logits(model, tokens, mask, positions)

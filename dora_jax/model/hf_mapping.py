@@ -15,7 +15,12 @@ import numpy as np
 
 from dora_jax.config import ModelConfig, RopeScalingConfig
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+}
 
 # HF tensors that carry no parameters of ours and are skipped on load.
 IGNORED_HF_TENSORS = (r".*rotary_emb\.inv_freq$",)
@@ -31,7 +36,9 @@ Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 @dataclass(frozen=True)
 class WeightRule:
     ours: str  # path in our params tree, "/"-separated; "layers/..." leaves are stacked on L
-    hf: str  # HF tensor name; "{i}" is the layer index
+    # HF tensor name; "{i}" is the layer index, "{e}" the expert index (one HF tensor per layer
+    # and expert; our leaf is stacked [L, E, ...])
+    hf: str
     hf_shape: Callable[[ModelConfig], tuple[int, ...]]
     to_ours: Transform
     to_hf: Transform
@@ -40,6 +47,10 @@ class WeightRule:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
 
 
 def _dims(c: ModelConfig) -> tuple[int, int, int, int, int, int]:
@@ -100,6 +111,30 @@ def _qkv_bias(c):
     return c.qkv_bias
 
 
+def _dense(c):
+    return not c.is_moe
+
+
+def _moe(c):
+    return c.is_moe
+
+
+def _shared(c):
+    return c.is_moe and c.shared_expert_intermediate_size > 0
+
+
+def _qk_norm(c):
+    return c.qk_norm
+
+
+def _flat(w, c):  # HF [1, D] <-> ours [D]
+    return w.reshape(-1)
+
+
+def _row(w, c):
+    return w.reshape(1, -1)
+
+
 _P = "model.layers.{i}."
 
 WEIGHT_RULES: tuple[WeightRule, ...] = (
@@ -123,12 +158,36 @@ WEIGHT_RULES: tuple[WeightRule, ...] = (
                lambda c: (c.hidden_size, c.num_heads * c.resolved_head_dim), _o_to_ours, _o_to_hf),
     WeightRule("layers/mlp_norm", _P + "post_attention_layernorm.weight",
                lambda c: (c.hidden_size,), _same, _same),
+    WeightRule("layers/q_norm", _P + "self_attn.q_norm.weight", lambda c: (c.resolved_head_dim,),
+               _same, _same, when=_qk_norm),
+    WeightRule("layers/k_norm", _P + "self_attn.k_norm.weight", lambda c: (c.resolved_head_dim,),
+               _same, _same, when=_qk_norm),
     WeightRule("layers/w_gate", _P + "mlp.gate_proj.weight",
-               lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+               lambda c: (c.intermediate_size, c.hidden_size), _t, _t, when=_dense),
     WeightRule("layers/w_up", _P + "mlp.up_proj.weight",
-               lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+               lambda c: (c.intermediate_size, c.hidden_size), _t, _t, when=_dense),
     WeightRule("layers/w_down", _P + "mlp.down_proj.weight",
-               lambda c: (c.hidden_size, c.intermediate_size), _t, _t),
+               lambda c: (c.hidden_size, c.intermediate_size), _t, _t, when=_dense),
+    # mixture of experts: transformers saves (and loads) one tensor per expert
+    WeightRule("layers/router", _P + "mlp.gate.weight",
+               lambda c: (c.num_experts, c.hidden_size), _t, _t, when=_moe),
+    WeightRule("layers/moe_gate", _P + "mlp.experts.{e}.gate_proj.weight",
+               lambda c: (c.moe_intermediate_size, c.hidden_size), _t, _t, when=_moe),
+    WeightRule("layers/moe_up", _P + "mlp.experts.{e}.up_proj.weight",
+               lambda c: (c.moe_intermediate_size, c.hidden_size), _t, _t, when=_moe),
+    WeightRule("layers/moe_down", _P + "mlp.experts.{e}.down_proj.weight",
+               lambda c: (c.hidden_size, c.moe_intermediate_size), _t, _t, when=_moe),
+    WeightRule("layers/shared_gate", _P + "mlp.shared_expert.gate_proj.weight",
+               lambda c: (c.shared_expert_intermediate_size, c.hidden_size), _t, _t,
+               when=_shared),
+    WeightRule("layers/shared_up", _P + "mlp.shared_expert.up_proj.weight",
+               lambda c: (c.shared_expert_intermediate_size, c.hidden_size), _t, _t,
+               when=_shared),
+    WeightRule("layers/shared_down", _P + "mlp.shared_expert.down_proj.weight",
+               lambda c: (c.hidden_size, c.shared_expert_intermediate_size), _t, _t,
+               when=_shared),
+    WeightRule("layers/shared_expert_gate", _P + "mlp.shared_expert_gate.weight",
+               lambda c: (1, c.hidden_size), _flat, _row, when=_shared),
     WeightRule("final_norm", "model.norm.weight", lambda c: (c.hidden_size,), _same, _same),
     WeightRule("lm_head", "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _t, _t,
                when=lambda c: not c.tie_word_embeddings),
@@ -143,7 +202,11 @@ def expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[WeightRule, int | N
     """Every HF tensor name the checkpoint must hold -> (rule, layer index or None)."""
     out: dict[str, tuple[WeightRule, int | None]] = {}
     for rule in active_rules(cfg):
-        if rule.per_layer:
+        if rule.per_expert:
+            for i in range(cfg.num_layers):
+                for e in range(cfg.num_experts):
+                    out[rule.hf.format(i=i, e=e)] = (rule, i)
+        elif rule.per_layer:
             for i in range(cfg.num_layers):
                 out[rule.hf.format(i=i)] = (rule, i)
         else:
@@ -175,7 +238,7 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     archs = hf.get("architectures") or []
     family = SUPPORTED_ARCHITECTURES.get(archs[0]) if archs else None
     if family is None:
-        family = {"qwen2": "qwen2", "llama": "llama"}.get(hf.get("model_type", ""))
+        family = {f: f for f in SUPPORTED_ARCHITECTURES.values()}.get(hf.get("model_type", ""))
     if family is None:
         raise UnsupportedModelError(
             f"config.json: architecture {archs or hf.get('model_type')!r} is not supported "
@@ -190,6 +253,7 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         raise UnsupportedModelError("config.json: mlp_bias=true is not supported")
     theta, scaling = _rope_params(hf)
     heads = hf["num_attention_heads"]
+    moe = _moe_fields(hf, family) if family in ("qwen3_moe", "qwen2_moe") else {}
     kw: dict[str, Any] = dict(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -213,8 +277,37 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
     )
+    kw.update(moe)
     kw.update(overrides)
     return ModelConfig(**kw)
+
+
+def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE / Qwen2-MoE ``config.json``. Only
+    all-MoE layer stacks are supported; ``router_aux_loss_coef`` (a load-balancing loss for
+    pretraining) is ignored: RL fine-tuning here adds no auxiliary loss."""
+    step = int(hf.get("decoder_sparse_step", 1))
+    if step != 1:
+        raise UnsupportedModelError(f"config.json: decoder_sparse_step={step} is not supported "
+                                    "(only 1: every layer is a MoE layer)")  # fmt: skip
+    dense = list(hf.get("mlp_only_layers") or [])
+    if dense:
+        raise UnsupportedModelError(f"config.json: mlp_only_layers={dense} is not supported "
+                                    "(only []: every layer is a MoE layer)")  # fmt: skip
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not experts:
+        raise UnsupportedModelError("config.json: num_experts is missing or 0")
+    out: dict[str, Any] = dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        qk_norm=family == "qwen3_moe",
+    )
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size", 0))
+        out["attention_bias"] = bool(hf.get("qkv_bias", True))
+    return out
 
 
 def model_config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -255,4 +348,19 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out["mlp_bias"] = False
     else:
         out["use_sliding_window"] = False
+    if cfg.is_moe:
+        out.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.resolved_norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+        )
+        if cfg.family == "qwen2_moe":
+            out["qkv_bias"] = cfg.qkv_bias
+            out["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+        else:
+            out["attention_bias"] = cfg.qkv_bias
     return out

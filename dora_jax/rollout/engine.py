@@ -540,7 +540,7 @@ class Engine:
                 piece = s[start : start + C]
                 chunk[i, : len(piece)] = piece
                 valid[i] = len(piece)
-            self.cache, tok, lp, _ = _prefill_jit(
+            self.cache, tok, lp, _, _routes = _prefill_jit(
                 self.params,
                 self.cache,
                 *self._put(chunk, starts, valid),
@@ -585,7 +585,7 @@ class Engine:
             tokens[i], positions[i] = r.tokens[-1], r.total_tokens - 1
             active[i], keys[i] = True, r.key
             remaining[i] = r.max_new_tokens - len(r.tokens)
-        self.cache, tok, lp, logits = _decode_jit(
+        self.cache, tok, lp, logits, _routes = _decode_jit(
             self.params,
             self.cache,
             *self._put(tokens, positions, tables, active, keys, remaining),
