@@ -13,6 +13,7 @@ from dora_jax.config import ConfigError, ModelConfig, TrainConfig
 from dora_jax.mesh import make_mesh
 from dora_jax.model import forward, init_params
 from dora_jax.model.hf_mapping import UnsupportedModelError, model_config_from_hf
+from dora_jax.model import moe
 from dora_jax.model.moe import moe_mlp
 from dora_jax.model.transformer import default_positions, hidden_states, logits_from_hidden
 from dora_jax.train import Trainer, Trajectory, pack_batch
@@ -61,8 +62,10 @@ def loop_moe(lp, x, cfg):
     return y, idx
 
 
+@pytest.mark.parametrize("impl", ["blocked", "ragged"])
 @pytest.mark.parametrize("cfg", [QWEN3, QWEN2], ids=["qwen3_moe", "qwen2_moe"])
-def test_grouped_block_equals_per_expert_loop(cfg):
+def test_grouped_block_equals_per_expert_loop(cfg, impl, monkeypatch):
+    monkeypatch.setattr(moe, "default_impl", lambda: impl)
     p = init_params(cfg, jax.random.key(1))
     lp = jax.tree.map(lambda w: w[0] * 10, p["layers"])  # larger weights: decisive routing
     x = jax.random.normal(jax.random.key(2), (3, 7, cfg.hidden_size))
@@ -71,6 +74,32 @@ def test_grouped_block_equals_per_expert_loop(cfg):
     assert chosen.shape == (3, 7, 2) and chosen.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(chosen), np.asarray(idx))
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("N, E, k", [(1, 8, 2), (40, 8, 2), (300, 64, 4), (2048, 8, 1)])
+def test_blocked_path_handles_any_load(N, E, k):
+    """Empty experts, one expert taking every token, blocks of 8 to 128 rows: the blocked path
+    equals ragged_dot (its dense CPU lowering is the reference here), gradients too."""
+    cfg = dataclasses.replace(QWEN3, num_experts=E, num_experts_per_tok=k)
+    p = init_params(cfg, jax.random.key(3))
+    lp = jax.tree.map(lambda w: w[0], p["layers"])
+    x = jax.random.normal(jax.random.key(4), (N, cfg.hidden_size))
+    rng = np.random.default_rng(N)
+    chosen = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
+    if N == 2048:
+        chosen[:] = 3  # every token on one expert (k = 1)
+    w = jnp.asarray(rng.random((N, k)), jnp.float32)
+
+    def run_impl(impl):
+        def f(lp, x):
+            return moe.grouped_experts(lp, x, jnp.asarray(chosen), w, E, impl=impl)
+
+        return f(lp, x), jax.grad(lambda lp, x: jnp.sum(f(lp, x) ** 2), argnums=(0, 1))(lp, x)
+
+    (y1, g1), (y2, g2) = run_impl("blocked"), run_impl("ragged")
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=1e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("cfg", [QWEN3, QWEN2], ids=["qwen3_moe", "qwen2_moe"])

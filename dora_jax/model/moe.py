@@ -10,12 +10,14 @@ expert is a SwiGLU MLP; the block's output is the weighted sum. Qwen2-MoE adds a
 (a SwiGLU of width ``S``) scaled by ``sigmoid(x @ shared_expert_gate)``.
 
 Experts are applied as a grouped matmul: the ``M`` token-expert pairs are sorted by expert and
-multiplied with ``jax.lax.ragged_dot`` (one contiguous group of rows per expert). This is
-*dropless*: every token reaches every expert it was routed to, whatever the load, so there is no
-capacity factor and no token is ever dropped, in training or in rollout, and the cached decode
-path computes exactly what the full forward pass computes. The price: the sort and the
-data-dependent group sizes. Padding positions are routed like any token (their outputs are
-discarded by the callers).
+multiplied with ``jax.lax.ragged_dot`` (one contiguous group of rows per expert) on GPUs and
+TPUs; on CPUs, where XLA lowers ``ragged_dot`` densely (every group times every row), each group
+is padded to whole blocks and a scan applies one expert per block. Both are *dropless*: every
+token reaches every expert it was routed to, whatever the load, so there is no capacity factor
+and no token is ever dropped, in training or in rollout, and the cached decode path computes
+exactly what the full forward pass computes. The price: the sort and the data-dependent group
+sizes. Padding positions are routed like any token (their outputs are discarded by the
+callers).
 
 Routing replay: ``moe_mlp`` returns the experts it used (``chosen``, in the router's order:
 descending probability) and accepts ``routes`` of the same shape to force them. A token whose
@@ -82,21 +84,77 @@ def route(
 
 
 def grouped_experts(
-    lp: dict[str, jax.Array], x: jax.Array, chosen: jax.Array, weights: jax.Array, num_experts: int
+    lp: dict[str, jax.Array],
+    x: jax.Array,
+    chosen: jax.Array,
+    weights: jax.Array,
+    num_experts: int,
+    impl: str | None = None,
 ) -> jax.Array:
     """``sum_j weights[n, j] * expert[chosen[n, j]](x[n])`` for ``x [N, D]``, ``chosen [N, k]``:
-    pairs sorted by expert, three ``ragged_dot`` s (dropless), unsorted, combined."""
+    the ``M = N k`` pairs sorted by expert, the experts applied group by group (dropless),
+    unsorted, combined. ``impl`` (default :func:`default_impl`): ``"ragged"``, three
+    ``jax.lax.ragged_dot`` s over the sorted rows; ``"blocked"``, each expert's rows padded to
+    whole blocks and a scan over the blocks (:func:`_blocked_swiglu`)."""
     N, k = chosen.shape
     flat = chosen.reshape(-1)  # [M]
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)  # [M, D], grouped by expert
-    gate = jax.lax.ragged_dot(xs, lp["moe_gate"], sizes)
-    up = jax.lax.ragged_dot(xs, lp["moe_up"], sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, lp["moe_down"], sizes)  # [M, D]
+    if (impl or default_impl()) == "ragged":
+        gate = jax.lax.ragged_dot(xs, lp["moe_gate"], sizes)
+        up = jax.lax.ragged_dot(xs, lp["moe_up"], sizes)
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, lp["moe_down"], sizes)  # [M, D]
+    else:
+        ys = _blocked_swiglu(lp, xs, sizes, num_experts)
     unsorted = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
     ys = unsorted.reshape(N, k, -1)
     return jnp.einsum("NkD,Nk->ND", ys, weights.astype(ys.dtype))
+
+
+def default_impl() -> str:
+    """``"ragged"`` on GPUs and TPUs (JAX lowers ``ragged_dot`` to XLA's ragged-dot instruction
+    there); ``"blocked"`` on CPUs, where ``ragged_dot`` is lowered to a dense product with every
+    group, masked (``E`` times the FLOPs and an ``[E, M, ...]`` temporary: see
+    benchmarks/bench_moe.py)."""
+    return "blocked" if jax.default_backend() == "cpu" else "ragged"
+
+
+def block_rows(M: int, E: int) -> int:
+    """Rows per block of the blocked path: about the mean group size ``M / E`` (a power of two
+    in [8, 128]), so the padding (< one block per expert) stays near ``M`` rows."""
+    b = 8
+    while b < 128 and 2 * b <= M // max(E, 1):
+        b *= 2
+    return b
+
+
+def _blocked_swiglu(lp: dict[str, jax.Array], xs: jax.Array, sizes: jax.Array, E: int) -> jax.Array:
+    """The experts' SwiGLU on rows ``xs [M, D]`` sorted by expert (group sizes ``sizes [E]``):
+    every group is padded to whole blocks of ``b`` rows, each block is one expert's, and a scan
+    over the (at most ``ceil(M / b) + E``) blocks applies its expert. Dropless and exact; the
+    FLOPs are those of ``M + E b`` rows."""
+    M, D = xs.shape
+    b = block_rows(M, E)
+    nb = -(-M // b) + E  # static bound on the blocks
+    padded = -(-sizes // b) * b
+    starts = jnp.cumsum(sizes) - sizes  # group offsets in xs
+    pstarts = jnp.cumsum(padded) - padded  # group offsets in the padded rows
+    expert = jnp.repeat(jnp.arange(E, dtype=jnp.int32), sizes, total_repeat_length=M)
+    dest = pstarts[expert] + jnp.arange(M, dtype=jnp.int32) - starts[expert]  # [M]
+    rows = jnp.zeros((nb * b, D), xs.dtype).at[dest].set(xs, unique_indices=True)
+    # the expert of each block (blocks past the last group: any expert; their rows are zero)
+    block_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(nb) * b, side="right")
+    block_expert = jnp.minimum(block_expert, E - 1).astype(jnp.int32)
+
+    def one(_, blk):
+        xb, e = blk
+        gate = xb @ lp["moe_gate"][e]
+        up = xb @ lp["moe_up"][e]
+        return None, (jax.nn.silu(gate) * up) @ lp["moe_down"][e]
+
+    _, ys = jax.lax.scan(one, None, (rows.reshape(nb, b, D), block_expert))
+    return ys.reshape(nb * b, D)[dest]
 
 
 def shared_expert(lp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
