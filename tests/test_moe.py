@@ -298,3 +298,58 @@ def test_dense_rollout_steps_return_no_routes():
                        jnp.full(1, 8, jnp.int32), jnp.asarray([[1]], jnp.int32),
                        jnp.zeros((1, 2), jnp.uint32), st)  # fmt: skip
     assert len(out) == 5 and out[4] is None
+
+
+@pytest.mark.parametrize("decode_steps, num_pages", [(1, 40), (3, 12)])
+def test_engine_records_every_tokens_routes(decode_steps, num_pages):
+    """Finished requests carry ``[len(prompt) + len(tokens), L, k]`` routes equal to the full
+    forward pass's (the last row, never fed, is -1), through multi-step decode, and through
+    parking to host under tight pages (12 pages: requests are parked and resumed)."""
+    from dora_jax.config import RolloutConfig
+    from dora_jax.rollout import Engine, Request, request_key
+
+    cfg = QWEN3
+    params = init_params(cfg, jax.random.key(0))
+    params["layers"]["router"] = params["layers"]["router"] * 30  # decisive routing
+    rcfg = RolloutConfig(page_size=8, num_pages=num_pages, max_slots=4, max_prompt_len=16,
+                         max_new_tokens=24, prefill_chunk=8, temperature=1.0,
+                         decode_steps=decode_steps)  # fmt: skip
+    engine = Engine(cfg, rcfg, make_mesh(jax.devices()[:1], 1, 1), eos_id=2)
+    engine.load_params(params, 0)
+    rng = np.random.default_rng(7)
+    reqs = [Request(i, [int(t) for t in rng.integers(3, 64, int(rng.integers(2, 17)))], 0,
+                    request_key(7, i), int(rng.integers(1, 25))) for i in range(8)]  # fmt: skip
+    engine.submit(reqs)
+    finished, parked = [], 0
+    for _ in range(500):
+        if not engine.num_requests:
+            break
+        finished += engine.step().finished
+        parked = max(parked, engine.load().parked)
+    assert len(finished) == 8
+    if num_pages == 12:
+        assert parked > 0
+    for f in finished:
+        seq = list(f.prompt) + list(f.tokens)
+        assert f.routes.shape == (len(seq), cfg.num_layers, 2) and f.routes.dtype == np.int16
+        assert np.all(f.routes[-1] == -1)
+        T = len(seq)
+        _, want = run(params, jnp.asarray([seq], jnp.int32), jnp.arange(T)[None],
+                      jnp.ones((1, T), jnp.int32), None, cfg)  # fmt: skip
+        np.testing.assert_array_equal(f.routes[:-1], np.asarray(want)[0, :-1])
+
+
+def test_dense_engines_record_no_routes():
+    from dora_jax.config import RolloutConfig
+    from dora_jax.rollout import Engine, Request, request_key
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1)
+    rcfg = RolloutConfig(page_size=8, num_pages=8, max_slots=2, max_prompt_len=8,
+                         max_new_tokens=4, prefill_chunk=8)  # fmt: skip
+    engine = Engine(cfg, rcfg, make_mesh(jax.devices()[:1], 1, 1), eos_id=-1)
+    engine.load_params(init_params(cfg, jax.random.key(0)), 0)
+    engine.submit([Request(0, [5, 6, 7], 0, request_key(0, 0), 4)])
+    finished = []
+    while engine.num_requests:
+        finished += engine.step().finished
+    assert finished[0].routes is None
