@@ -9,10 +9,11 @@ grouped block with ``E / k`` times its expert FLOPs, and one expert's ``[N, f]``
 time. All run the same router (float32 softmax, top-k). JAX lowers ``ragged_dot`` to XLA's
 ragged-dot instruction on GPUs and TPUs (not measured here) but, on CPUs, to a dense product of
 every row with every group, masked; the blocked path pads each expert's rows to whole blocks and
-scans over the blocks. For 8 and 64 experts (top-2) it reports, for the forward pass (rollout) and the forward + backward pass (train): tokens per second (median
-of ``repeats`` timed calls after one warm-up call) and the temporary bytes of the compiled
-program (XLA's ``memory_analysis().temp_size_in_bytes``), and the grouped / loop ratios. Results go
-to ``benchmarks/results/bench_moe.json``.
+scans over the blocks. For 8 and 64 experts (top-2) it reports, for the forward pass (rollout)
+and the forward + backward pass (train): tokens per second (median of ``repeats`` timed calls
+after one warm-up call), the temporary bytes of the compiled program (XLA's
+``memory_analysis().temp_size_in_bytes``) and the grouped / loop ratios. Results go to
+``benchmarks/results/bench_moe.json``.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ import pytest
 
 from dora_jax.config import ConfigError, ModelConfig, TrainConfig
 from dora_jax.mesh import make_mesh
-from dora_jax.model import forward, init_params
+from dora_jax.model import forward, init_params, moe
 from dora_jax.model.hf_mapping import UnsupportedModelError, model_config_from_hf
-from dora_jax.model import moe
 from dora_jax.model.moe import moe_mlp
 from dora_jax.model.transformer import default_positions, hidden_states, logits_from_hidden
 from dora_jax.train import Trainer, Trajectory, pack_batch
