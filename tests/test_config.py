@@ -64,7 +64,8 @@ def test_every_preset_loads(preset):
         ("logging.progress=yes please", r"^logging\.progress: expected a boolean"),
         (
             "model.family=gpt2",
-            r"^model\.family: expected one of 'qwen2', 'llama', 'qwen3', 'mistral', got 'gpt2'",
+            r"^model\.family: expected one of 'qwen2', 'llama', 'qwen3', 'mistral', 'qwen3_moe', "
+            r"'qwen2_moe', got 'gpt2'",
         ),
         ("model.sliding_window=0", r"^model\.sliding_window: must be > 0 or null \(no window\)"),
         (

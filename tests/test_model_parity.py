@@ -48,6 +48,15 @@ CASES = {
     "qwen2-window7-after-1-layer-tied": ("qwen2", dict(
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
         use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    # mixture of experts: 8 experts, top-2 (Qwen3-MoE: q/k norms, renormalised top-k; Qwen2-MoE:
+    # q/k/v biases, raw top-k probabilities, the sigmoid-gated shared expert)
+    "qwen3_moe-e8-top2-untied": ("qwen3_moe", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2_moe-e8-top2-shared-tied": ("qwen2_moe", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+        shared_expert_intermediate_size=56)),
 }  # fmt: skip
 
 HF_CLASSES = {
@@ -55,6 +64,8 @@ HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
 }
 
 
@@ -146,6 +157,8 @@ def test_logits_match_transformers(case, tmp_path):
         "qwen3-gqa2-headdim-untied",
         "mistral-window5-gqa2-untied",
         "qwen2-window7-after-1-layer-tied",
+        "qwen3_moe-e8-top2-untied",
+        "qwen2_moe-e8-top2-shared-tied",
     ],
 )
 def test_export_round_trip_loads_in_transformers(case, tmp_path):

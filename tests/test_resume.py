@@ -86,6 +86,8 @@ OTHER = {
     "rollout.extra_eos_ids": [3],
     "train.adam_moment_dtype": "bfloat16",
     "rollout.num_pages": 300,
+    "model.norm_topk_prob": True,
+    "model.mlp_only_layers": [1],
 }
 
 

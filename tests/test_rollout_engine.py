@@ -18,6 +18,9 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layer
 RCFG = RolloutConfig(page_size=8, num_pages=40, max_slots=4, max_prompt_len=24,
                      max_new_tokens=72, prefill_chunk=8, temperature=1.0)  # fmt: skip
 EOS = 2
+# a mixture of experts (Qwen3-MoE: q/k norms, 8 experts, top-2) for the cached-decode parity
+MOE_CFG = dataclasses.replace(CFG, family="qwen3_moe", num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +65,19 @@ def full_logits(params, seq, width=128, cfg=CFG):
     return np.asarray(out[0, T - 1])
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
-def test_cached_decode_matches_full_forward(params, impl):
+@pytest.mark.parametrize("impl, model", [("reference", "dense"), ("pallas", "dense"),
+                                         ("reference", "moe")])  # fmt: skip
+def test_cached_decode_matches_full_forward(params, impl, model):
     """64 decode steps; sequences join at different steps and cross page boundaries (pages of 8
     tokens); every step's logits within 1e-4. Pallas runs in interpret mode on the CPU (its
-    compile is most of this test's time, so it runs the full length too)."""
+    compile is most of this test's time, so it runs the full length too). The mixture of
+    experts (dropless routing) must match as well."""
+    cfg = MOE_CFG if model == "moe" else CFG
+    if model == "moe":
+        params = init_params(cfg, jax.random.key(0))
     rcfg = dataclasses.replace(RCFG, temperature=0.0, attention_impl=impl, max_new_tokens=80)
     interpret = True if impl == "pallas" else None  # Pallas on a CPU: interpret, explicitly
-    engine = Engine(CFG, rcfg, mesh_on(4), eos_id=-1, return_logits=True, interpret=interpret)
+    engine = Engine(cfg, rcfg, mesh_on(4), eos_id=-1, return_logits=True, interpret=interpret)
     assert engine.impl == impl
     engine.load_params(params, 0)
     reqs = make_requests(3, seed=1, max_new=(80, 80))
@@ -82,7 +90,7 @@ def test_cached_decode_matches_full_forward(params, impl):
         for r in reqs:
             if r.id in engine.last_logits and len(r.tokens) >= 2:
                 # The step decoded tokens[-2] and produced the logits that chose tokens[-1].
-                ref = full_logits(params, r.prompt + r.tokens[:-1])
+                ref = full_logits(params, r.prompt + r.tokens[:-1], cfg=cfg)
                 worst = max(worst, float(np.abs(engine.last_logits[r.id] - ref).max()))
                 checked += 1
         engine.last_logits = {}

@@ -22,6 +22,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 
 # HF tensors that carry no parameters of ours and are skipped on load.
@@ -38,7 +40,9 @@ Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 @dataclass(frozen=True)
 class WeightRule:
     ours: str  # path in our params tree, "/"-separated; "layers/..." leaves are stacked on L
-    hf: str  # HF tensor name; "{i}" is the layer index
+    # HF tensor name; "{i}" is the layer index, "{e}" the expert index (one HF tensor per layer
+    # and expert; our leaf is stacked [L, E, ...])
+    hf: str
     hf_shape: Callable[[ModelConfig], tuple[int, ...]]
     to_ours: Transform
     to_hf: Transform
@@ -47,6 +51,10 @@ class WeightRule:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
 
 
 def _dims(c: ModelConfig) -> tuple[int, int, int, int, int, int]:
@@ -107,8 +115,28 @@ def _qkv_bias(c):
     return c.qkv_bias
 
 
+def _dense(c):
+    return not c.is_moe
+
+
+def _moe(c):
+    return c.is_moe
+
+
+def _shared(c):
+    return c.is_moe and c.shared_expert_intermediate_size > 0
+
+
 def _qk_norm(c):
     return c.qk_norm
+
+
+def _flat(w, c):  # HF [1, D] <-> ours [D]
+    return w.reshape(-1)
+
+
+def _row(w, c):
+    return w.reshape(1, -1)
 
 
 _P = "model.layers.{i}."
@@ -139,11 +167,31 @@ WEIGHT_RULES: tuple[WeightRule, ...] = (
     WeightRule("layers/mlp_norm", _P + "post_attention_layernorm.weight",
                lambda c: (c.hidden_size,), _same, _same),
     WeightRule("layers/w_gate", _P + "mlp.gate_proj.weight",
-               lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+               lambda c: (c.intermediate_size, c.hidden_size), _t, _t, when=_dense),
     WeightRule("layers/w_up", _P + "mlp.up_proj.weight",
-               lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+               lambda c: (c.intermediate_size, c.hidden_size), _t, _t, when=_dense),
     WeightRule("layers/w_down", _P + "mlp.down_proj.weight",
-               lambda c: (c.hidden_size, c.intermediate_size), _t, _t),
+               lambda c: (c.hidden_size, c.intermediate_size), _t, _t, when=_dense),
+    # mixture of experts: transformers saves (and loads) one tensor per expert
+    WeightRule("layers/router", _P + "mlp.gate.weight",
+               lambda c: (c.num_experts, c.hidden_size), _t, _t, when=_moe),
+    WeightRule("layers/moe_gate", _P + "mlp.experts.{e}.gate_proj.weight",
+               lambda c: (c.moe_intermediate_size, c.hidden_size), _t, _t, when=_moe),
+    WeightRule("layers/moe_up", _P + "mlp.experts.{e}.up_proj.weight",
+               lambda c: (c.moe_intermediate_size, c.hidden_size), _t, _t, when=_moe),
+    WeightRule("layers/moe_down", _P + "mlp.experts.{e}.down_proj.weight",
+               lambda c: (c.hidden_size, c.moe_intermediate_size), _t, _t, when=_moe),
+    WeightRule("layers/shared_gate", _P + "mlp.shared_expert.gate_proj.weight",
+               lambda c: (c.shared_expert_intermediate_size, c.hidden_size), _t, _t,
+               when=_shared),
+    WeightRule("layers/shared_up", _P + "mlp.shared_expert.up_proj.weight",
+               lambda c: (c.shared_expert_intermediate_size, c.hidden_size), _t, _t,
+               when=_shared),
+    WeightRule("layers/shared_down", _P + "mlp.shared_expert.down_proj.weight",
+               lambda c: (c.hidden_size, c.shared_expert_intermediate_size), _t, _t,
+               when=_shared),
+    WeightRule("layers/shared_expert_gate", _P + "mlp.shared_expert_gate.weight",
+               lambda c: (1, c.hidden_size), _flat, _row, when=_shared),
     WeightRule("final_norm", "model.norm.weight", lambda c: (c.hidden_size,), _same, _same),
     WeightRule("lm_head", "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _t, _t,
                when=lambda c: not c.tie_word_embeddings),
@@ -158,7 +206,11 @@ def expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[WeightRule, int | N
     """Every HF tensor name the checkpoint must hold -> (rule, layer index or None)."""
     out: dict[str, tuple[WeightRule, int | None]] = {}
     for rule in active_rules(cfg):
-        if rule.per_layer:
+        if rule.per_expert:
+            for i in range(cfg.num_layers):
+                for e in range(cfg.num_experts):
+                    out[rule.hf.format(i=i, e=e)] = (rule, i)
+        elif rule.per_layer:
             for i in range(cfg.num_layers):
                 out[rule.hf.format(i=i)] = (rule, i)
         else:
@@ -243,6 +295,7 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     theta, scaling = _rope_params(hf)
     window, full_layers = _sliding_window(hf, family)
     heads = hf["num_attention_heads"]
+    moe = _moe_fields(hf, family) if family in ("qwen3_moe", "qwen2_moe") else {}
     kw: dict[str, Any] = dict(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -271,8 +324,36 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         sliding_window=window,
         full_attention_layers=full_layers,
     )
+    kw.update(moe)
     kw.update(overrides)
     return ModelConfig(**kw)
+
+
+def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE / Qwen2-MoE ``config.json``. Only
+    all-MoE layer stacks are supported; ``router_aux_loss_coef`` (a load-balancing loss for
+    pretraining) is ignored: RL fine-tuning here adds no auxiliary loss."""
+    step = int(hf.get("decoder_sparse_step", 1))
+    if step != 1:
+        raise UnsupportedModelError(f"config.json: decoder_sparse_step={step} is not supported "
+                                    "(only 1: every layer is a MoE layer)")  # fmt: skip
+    dense = list(hf.get("mlp_only_layers") or [])
+    if dense:
+        raise UnsupportedModelError(f"config.json: mlp_only_layers={dense} is not supported "
+                                    "(only []: every layer is a MoE layer)")  # fmt: skip
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not experts:
+        raise UnsupportedModelError("config.json: num_experts is missing or 0")
+    out: dict[str, Any] = dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size", 0))
+        out["attention_bias"] = bool(hf.get("qkv_bias", True))
+    return out
 
 
 def model_config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -313,12 +394,26 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out["mlp_bias"] = False
     elif cfg.family == "mistral":
         out["sliding_window"] = cfg.sliding_window
-    else:  # qwen2, qwen3
+    else:  # the Qwen families
         windows = cfg.layer_windows()
         out["use_sliding_window"] = cfg.sliding_window is not None
         out["sliding_window"] = cfg.sliding_window
         out["max_window_layers"] = cfg.full_attention_layers
         out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
-        if cfg.family == "qwen3":
+        if cfg.family in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = cfg.qkv_bias
+        elif cfg.family == "qwen2_moe":
+            out["qkv_bias"] = cfg.qkv_bias
+    if cfg.is_moe:
+        out.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.resolved_norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+        )
+        if cfg.family == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     return out

@@ -33,6 +33,10 @@ class Request:
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     migrations: int = 0
+    # Mixture of experts only: the experts each fed token (prompt, then every generated token
+    # but the last) used in each layer, as chunks int16[n, L, k] in token order (routing
+    # replay); empty for dense models.
+    routes: list[np.ndarray] = field(default_factory=list)
 
     @property
     def cached_tokens(self) -> int:
@@ -57,6 +61,10 @@ class FinishedRequest:
     prefill_tokens: int
     migrations: int
     latency_s: float
+    # Mixture of experts: int16[len(prompt) + len(tokens), L, k], the experts each token used
+    # in each layer when it was fed to the model; the last token was never fed: its row is -1
+    # (the router's own choice, if replayed). None for dense models.
+    routes: np.ndarray | None = None
 
 
 @dataclass
