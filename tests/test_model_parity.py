@@ -139,7 +139,7 @@ def test_logits_match_transformers(case, tmp_path):
     assert cfg.tie_word_embeddings == kwargs["tie_word_embeddings"]
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in kwargs)
     assert cfg.sliding_window == kwargs.get("sliding_window")
-    assert cfg.qk_norm == (family == "qwen3")
+    assert cfg.qk_norm == (family in ("qwen3", "qwen3_moe"))
     params = load_hf_params(tmp_path / "hf", cfg)
 
     tokens, mask, positions = padded_batch(cfg.vocab_size)
