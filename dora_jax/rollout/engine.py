@@ -510,6 +510,7 @@ class Engine:
                     prefill_tokens=r.prefill_tokens,
                     migrations=r.migrations,
                     latency_s=time.perf_counter() - r.submitted_at,
+                    routes=np.concatenate(r.routes) if r.routes else None,
                 )
             )
             self.free_resource(self.slots.index(r))
@@ -523,6 +524,7 @@ class Engine:
                 raise EngineError("no free slot to prefill into")
             self.alloc.ensure(r.id, r.cached_tokens + 1)
             self.slots[slot] = r
+            r.routes = []  # recorded anew (a re-prefill routes with this engine's version)
         seqs = [list(r.prompt) + list(r.tokens[:-1]) for r in reqs]
         C = self.rcfg.prefill_chunk
         B = _bucket(len(reqs), self.buckets)
@@ -540,7 +542,7 @@ class Engine:
                 piece = s[start : start + C]
                 chunk[i, : len(piece)] = piece
                 valid[i] = len(piece)
-            self.cache, tok, lp, _ = _prefill_jit(
+            self.cache, tok, lp, _, *routes = _prefill_jit(
                 self.params,
                 self.cache,
                 *self._put(chunk, starts, valid),
@@ -548,6 +550,11 @@ class Engine:
                 keys_d,
                 st=self._st,
             )
+            if routes and routes[0] is not None:
+                chunk_routes = np.asarray(routes[0]).astype(np.int16)  # [B, C, L, k]
+                for i, r in enumerate(reqs):
+                    if valid[i]:
+                        r.routes.append(chunk_routes[i, : valid[i]].copy())
             ends = [i for i, s in enumerate(seqs) if start < len(s) <= start + C]
             if ends:
                 tok, lp = np.asarray(tok), np.asarray(lp)
@@ -585,18 +592,23 @@ class Engine:
             tokens[i], positions[i] = r.tokens[-1], r.total_tokens - 1
             active[i], keys[i] = True, r.key
             remaining[i] = r.max_new_tokens - len(r.tokens)
-        self.cache, tok, lp, logits = _decode_jit(
+        self.cache, tok, lp, logits, *routes = _decode_jit(
             self.params,
             self.cache,
             *self._put(tokens, positions, tables, active, keys, remaining),
             st=self._st,
         )
         tok, lp = np.asarray(tok), np.asarray(lp)
+        # MoE: the experts of each token fed in, int16[S, B, L, k] (step j feeds the token
+        # sampled by step j - 1)
+        fed = np.asarray(routes[0]).astype(np.int16) if routes and routes[0] is not None else None
         if logits is not None:
             self.last_logits = {r.id: np.asarray(logits[i]) for i, r in enumerate(rows)}
         sampled = 0
         for i, r in enumerate(rows):
             for j in range(min(self.decode_steps, int(remaining[i]))):
+                if fed is not None:
+                    r.routes.append(fed[j, i][None])
                 r.tokens.append(int(tok[j, i]))
                 r.logprobs.append(float(lp[j, i]))
                 sampled += 1

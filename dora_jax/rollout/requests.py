@@ -33,6 +33,11 @@ class Request:
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     migrations: int = 0
+    # Mixture-of-experts models: the experts each cached token was routed to, in chunks
+    # ``int16[n, L, k]`` (prompt tokens from prefill, then each fed response token), so that
+    # ``sum(n) == cached_tokens``; empty for dense models. Travels with the request (migration,
+    # parking, checkpoints) like its KV pages.
+    routes: list[np.ndarray] = field(default_factory=list)
 
     @property
     def cached_tokens(self) -> int:
@@ -57,6 +62,9 @@ class FinishedRequest:
     prefill_tokens: int
     migrations: int
     latency_s: float
+    # MoE: ``int16[P + R - 1, L, k]``, the experts of every token the engine fed through the
+    # model (all but the last response token); None for dense models
+    routes: np.ndarray | None = None
 
 
 @dataclass
