@@ -238,6 +238,9 @@ def train_step_with_grads(
         skipped=state.skipped + (~ok).astype(jnp.int32),
     )
     metrics = _metrics(state, batch, adv, loss, sums, grad_norm, ok)
+    if batch.routes is not None:  # mixture of experts
+        metrics["routing_diff_share"] = sums["routing_diff"] / jnp.maximum(sums["routed_tokens"], 1)
+        metrics["routed_tokens"] = sums["routed_tokens"]
     metrics["version"] = new_state.version
     metrics["skipped_total"] = new_state.skipped
     return new_state, metrics, grads
@@ -270,8 +273,6 @@ def _metrics(
         "approx_kl": sums["kl_behavior"] / n_tok,
         "mismatch_kl": sums["mismatch_kl"] / jnp.maximum(sums["mismatch_tokens"], 1.0),
         "mismatch_tokens": sums["mismatch_tokens"],
-        "routing_diff_share": sums["routing_diff"] / jnp.maximum(sums["routed_tokens"], 1.0),
-        "routed_tokens": sums["routed_tokens"],
         "entropy": sums["entropy"] / n_tok,
         "grad_norm": grad_norm,
         "lr": lr_schedule(tcfg)(state.version),
@@ -295,7 +296,7 @@ def default_rules(mesh: Mesh) -> Rules:
 def routes_shape(cfg: ModelConfig) -> tuple[int, int] | None:
     """``(layers, experts per token)`` of a mixture-of-experts model's recorded routes (the
     ``routes`` of its train batches), None for a dense model."""
-    return (cfg.num_layers, cfg.num_experts_per_tok) if cfg.num_experts else None
+    return (cfg.num_layers, cfg.num_experts_per_tok) if cfg.is_moe else None
 
 
 def batch_shardings(mesh: Mesh, rules: Rules, with_routes: bool = False) -> TrainBatch:
