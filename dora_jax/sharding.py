@@ -24,11 +24,14 @@ Rules = Mapping[str, str | tuple[str, ...] | None]
 LogicalAxes = tuple[str | None, ...]
 
 
-def trainer_rules(cfg: TrainerMeshConfig) -> dict[str, str | None]:
-    """Trainer mesh ``("data", "model")``: batch over data, heads/ffn/vocab over model (TP);
-    with ``fsdp`` the params' embed dimension is also sharded over data."""
+def trainer_rules(cfg: TrainerMeshConfig) -> dict[str, str | tuple[str, ...] | None]:
+    """Trainer mesh ``("data", "expert", "model")``: batch over data (and expert), heads/ffn/vocab
+    over model (TP), MoE experts over expert; with ``fsdp`` the params' embed dimension is also
+    sharded over data. The expert axis carries the batch too, so outside the MoE blocks its
+    devices are data parallel."""
     return {
-        "batch": "data",
+        "batch": ("data", "expert"),
+        "experts": "expert",
         "seq": None,
         "embed": "data" if cfg.fsdp else None,
         "vocab": "model",
@@ -42,10 +45,12 @@ def trainer_rules(cfg: TrainerMeshConfig) -> dict[str, str | None]:
 
 
 def rollout_rules() -> dict[str, str | None]:
-    """Rollout group mesh ``("data", "model")`` with data = 1: tensor parallel over ``model``.
-    KV pages shard over kv heads, so every group must use the same layout for peer moves."""
+    """Rollout group mesh ``("data", "expert", "model")`` with data = 1: tensor parallel over
+    ``model``, MoE experts over ``expert`` (the rest is replicated over it). KV pages shard over kv
+    heads, so every group must use the same layout for peer moves."""
     return {
         "batch": None,
+        "experts": "expert",
         "seq": None,
         "embed": None,
         "vocab": "model",
@@ -79,7 +84,7 @@ def spec_for(
             raise KeyError(f"logical axis {name!r} has no sharding rule (rules: {sorted(rules)})")
         target = rules[name]
         mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
-        mesh_axes = tuple(a for a in mesh_axes if a not in used)
+        mesh_axes = tuple(a for a in mesh_axes if a not in used and mesh.shape.get(a, 2) != 1)
         size = 1
         for a in mesh_axes:
             size *= mesh.shape[a]

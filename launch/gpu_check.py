@@ -648,6 +648,31 @@ def kernels_section(rec: Recorder, plan: Plan) -> None:
         labels.update(shape=shape_label(c.shape), tuning=tuning_label(c.tuning))
         rec.run_case("kernels", "correctness", c.name, lambda c=c: check_attention(c), **labels)
 
+    # Sliding-window decode (Mistral, windowed Qwen layers): the Pallas kernel starts at the
+    # first block inside each row's window; checked once per dtype on the first Pallas shape.
+    def check_window(c: AttentionCase) -> dict:
+        args = attention_inputs(0, c.shape, jnp.dtype(c.dtype))
+        window = jnp.maximum(jnp.asarray(args[-1]) // 3, 1).astype(jnp.int32)
+        ref = paged_decode_attention(*args, impl="reference", window=window)
+        out = paged_decode_attention(
+            *args, impl=c.impl, interpret=plan.interpret, tuning=c.tuning, window=window
+        )
+        err, tol = max_err(out, ref), tolerance(c.impl, c.dtype)
+        ok = bool(err <= tol and jnp.all(jnp.isfinite(out)))
+        return dict(
+            max_abs_err=err, tol=tol, ok=ok, **tuning_fields(variants[c.name], plan.interpret)
+        )
+
+    windowed: dict[str, AttentionCase] = {}
+    for c in cases:
+        if c.kind == "check" and c.impl == "pallas":
+            windowed.setdefault(c.dtype, c)
+    for c in windowed.values():
+        labels = dict(op="paged_decode_attention window", impl=c.impl, dtype=c.dtype)
+        labels.update(shape=shape_label(c.shape), tuning=tuning_label(c.tuning))
+        name = c.name.replace("/paged_decode_attention/", "/paged_decode_attention_window/")
+        rec.run_case("kernels", "correctness", name, lambda c=c: check_window(c), **labels)
+
     kv_shape = plan.kv_check
 
     def check_kv(op: str, dtype: str) -> dict:

@@ -16,6 +16,7 @@ from dora_jax.model.attention import (
     dense_attention,
     live_blocks,
     segment_causal_mask,
+    window_band,
 )
 
 B, T, N, K, H = 3, 37, 4, 2, 8
@@ -129,6 +130,50 @@ def test_live_blocks_skip_other_segments_causal_upper_half_and_padding():
     one = jnp.ones((1, 64), jnp.int32)  # one long sequence: the causal lower triangle
     live = np.asarray(live_blocks(one, one, jnp.zeros((1,), jnp.int32), 16, 16))
     np.testing.assert_array_equal(live, np.tril(np.ones((4, 4), bool)))
+
+
+def _numpy_window_mask(seg, window):
+    """Causal, same segment, no padding, and i - window < j (NumPy loops; window 0: none)."""
+    mask = np.zeros((B, T, T), bool)
+    for b in range(B):
+        for i in range(T):
+            for j in range(i + 1):
+                mask[b, i, j] = seg[b, i] == seg[b, j] != 0 and (window == 0 or j > i - window)
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("window", [1, 4, 9, 0])
+@pytest.mark.parametrize("block", [4, 16, 64])
+def test_sliding_window_blockwise_equals_dense_and_a_numpy_mask(window, block):
+    """Forward and gradients with packed segments: the window counts within each segment."""
+    q, k, v, w = _inputs(4)
+    seg = _packed_segments()
+    valid = seg != 0
+    mask = _numpy_window_mask(np.asarray(seg), window)
+    np.testing.assert_array_equal(segment_causal_mask(seg) & window_band(T, T, window)[None], mask)
+    od, gd = _loss_and_grads(lambda q, k, v: dense_attention(q, k, v, mask, SCALE), q, k, v, w,
+                             valid)  # fmt: skip
+    win = jnp.int32(window)
+    fn = jax.jit(
+        lambda q, k, v, win: _loss_and_grads(
+            lambda q, k, v: blockwise_attention(q, k, v, seg, seg, SCALE, block=block, window=win),
+            q, k, v, w, valid,
+        )
+    )  # fmt: skip
+    ob, gb = fn(q, k, v, win)
+    rows = valid[..., None, None]
+    np.testing.assert_allclose(np.where(rows, ob, 0), np.where(rows, od, 0), atol=1e-5)
+    for a, b in zip(gb, gd, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_live_blocks_skip_key_blocks_behind_the_window():
+    one = jnp.ones((1, 64), jnp.int32)  # one long sequence, blocks of 8, a window of 10
+    live = np.asarray(live_blocks(one, one, jnp.zeros((1,), jnp.int32), 8, 8, jnp.int32(10)))
+    # query block i (first query 8i) sees key blocks whose last key 8j + 7 > 8i - 10
+    np.testing.assert_array_equal(
+        live, np.tril(np.ones((8, 8), bool)) & ~np.tril(np.ones((8, 8), bool), -3)
+    )
 
 
 def test_blockwise_never_materialises_t_by_s():

@@ -62,7 +62,16 @@ def test_every_preset_loads(preset):
         ("train.lr=abc", r"^train\.lr: expected a float, got 'abc'"),
         ("train.microbatches=1.5", r"^train\.microbatches: expected an integer, got 1\.5"),
         ("logging.progress=yes please", r"^logging\.progress: expected a boolean"),
-        ("model.family=gpt2", r"^model\.family: expected one of 'qwen2', 'llama', got 'gpt2'"),
+        (
+            "model.family=gpt2",
+            r"^model\.family: expected one of 'qwen2', 'llama', 'qwen3', 'mistral', 'qwen3_moe', "
+            r"'qwen2_moe', got 'gpt2'",
+        ),
+        ("model.sliding_window=0", r"^model\.sliding_window: must be > 0 or null \(no window\)"),
+        (
+            "model.full_attention_layers=3",
+            r"^model\.full_attention_layers: must be in \[0, num_layers=2\], got 3",
+        ),
         ("model.num_kv_heads=3", r"^model\.num_kv_heads: must divide num_heads \(4\), got 3"),
         ("train.lr=-1", r"^train\.lr: must be > 0, got -1\.0"),
         ("data.median_steps=0", r"^data\.median_steps: must be in \[1, 40\], got 0"),
@@ -85,6 +94,30 @@ def test_every_preset_loads(preset):
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.family=llama", "model.sliding_window=8"],
+         r"^model\.sliding_window: is not part of the llama architecture"),
+        (["model.sliding_window=8", "model.attention=cudnn", "model.compute_dtype=bfloat16"],
+         r"^model\.attention: cudnn does not support sliding_window"),
+        (["model.family=mistral", "model.sliding_window=8", "model.full_attention_layers=1"],
+         r"^model\.full_attention_layers: must be 0 for family mistral"),
+    ],
+)  # fmt: skip
+def test_sliding_window_rules_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_qwen3_and_mistral_configs_load():
+    cfg = load_config(None, ["model.family=qwen3", "model.head_dim=32"]).model
+    assert cfg.qk_norm and not cfg.qkv_bias and cfg.layer_windows() == (0, 0)
+    cfg = load_config(None, ["model.family=qwen2", "model.sliding_window=8",
+                             "model.full_attention_layers=1"]).model  # fmt: skip
+    assert cfg.layer_windows() == (0, 8) and not cfg.qk_norm
 
 
 def test_bad_yaml_file_names_the_file_and_field(tmp_path):

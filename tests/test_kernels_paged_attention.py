@@ -70,8 +70,9 @@ def make_case(
     )
 
 
-def numpy_oracle(q, k_pages, v_pages, block_tables, lengths, scale=None) -> np.ndarray:
-    """Dense float64 attention over each sequence's K/V gathered token by token."""
+def numpy_oracle(q, k_pages, v_pages, block_tables, lengths, scale=None, window=None) -> np.ndarray:
+    """Dense float64 attention over each sequence's K/V gathered token by token; with a sliding
+    ``window`` (per row, 0: none) only the last ``window`` tokens of each sequence."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     block_tables, lengths = np.asarray(block_tables), np.asarray(lengths)
     batch, num_heads, head_dim = q.shape
@@ -83,8 +84,10 @@ def numpy_oracle(q, k_pages, v_pages, block_tables, lengths, scale=None) -> np.n
         length = int(lengths[b])
         if length == 0:
             continue
-        pages = [block_tables[b, s // page_size] for s in range(length)]
-        offsets = [s % page_size for s in range(length)]
+        w = 0 if window is None else int(np.broadcast_to(window, lengths.shape)[b])
+        first = max(length - w, 0) if w > 0 else 0
+        pages = [block_tables[b, s // page_size] for s in range(first, length)]
+        offsets = [s % page_size for s in range(first, length)]
         for n in range(num_heads):
             kv = n // group
             keys = k_pages[kv, pages, offsets]  # [length, H]
@@ -296,3 +299,56 @@ def test_compiled_kernel_shape_rules_checked_before_lowering():
     # The reference accepts any head dim.
     out = paged_decode_attention_reference(*args)
     np.testing.assert_allclose(np.asarray(out), numpy_oracle(*args), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding window
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize(
+    "window,tuning",
+    [
+        (1, PagedAttentionTuning(pages_per_compute_block=1, block_h=4)),
+        (5, PagedAttentionTuning(pages_per_compute_block=1, block_h=4, k_splits=2)),
+        (12, PagedAttentionTuning(pages_per_compute_block=2, block_h=4)),
+        ((3, 0, 9, 40), PagedAttentionTuning(pages_per_compute_block=1, block_h=4, k_splits=4)),
+        (64, PagedAttentionTuning(block_h=4)),
+    ],
+)
+def test_windowed_decode_matches_numpy_oracle(impl, window, tuning):
+    """Only the last ``window`` tokens count; windows shorter than a page, across pages, per row
+    (0: none) and longer than the sequence; compute blocks and splits before the window are
+    skipped by the kernel."""
+    args = make_case(11, batch=4, lengths=(29, 17, 8, 30), pages_per_seq=4, page_size=8)
+    w = jnp.asarray(np.array(window, np.int32))
+    out = paged_decode_attention(*args, impl=impl, interpret=True, tuning=tuning, window=w)
+    assert_close(out, numpy_oracle(*args, window=np.array(window)), jnp.float32)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_tokens_before_the_window_are_ignored_even_if_nan(impl):
+    q, k, v, tables, lengths = make_case(12, lengths=(21, 9, 32), pages_per_seq=4, page_size=8)
+    window = 6
+    k_np, v_np = np.array(k), np.array(v)
+    for b, length in enumerate(np.asarray(lengths)):
+        for s in range(0, length - window):
+            k_np[:, int(tables[b, s // 8]), s % 8] = np.nan
+            v_np[:, int(tables[b, s // 8]), s % 8] = np.nan
+    clean = numpy_oracle(q, k, v, tables, lengths, window=window)
+    tuning = PagedAttentionTuning(pages_per_compute_block=1, block_h=4)
+    out = paged_decode_attention(
+        q, jnp.asarray(k_np), jnp.asarray(v_np), tables, lengths,
+        impl=impl, interpret=True, tuning=tuning, window=jnp.int32(window),
+    )  # fmt: skip
+    assert np.isfinite(np.asarray(out)).all()
+    assert_close(out, clean, jnp.float32)
+
+
+def test_window_input_rules():
+    args = make_case(13)
+    with pytest.raises(ValueError, match="window must be int32"):
+        paged_decode_attention(*args, impl="reference", window=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match='"jax_gpu" does not support a sliding window'):
+        paged_decode_attention(*args, impl="jax_gpu", interpret=True, window=jnp.int32(4))

@@ -60,3 +60,23 @@ def test_bad_input_is_a_clear_error(tmp_path):
               cwd=tmp_path)  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "bad.jsonl:2: missing field 'answer'" in out.stderr
+
+
+def test_unsupported_architecture_is_one_error_line(tmp_path):
+    """A Gemma 2 checkpoint directory (its config.json as transformers writes it): exit status 2
+    and one ``error:`` line naming the architecture and the supported ones, no traceback."""
+    import transformers
+
+    ckpt = tmp_path / "gemma2"
+    transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        architectures=["Gemma2ForCausalLM"],
+    ).save_pretrained(ckpt)  # fmt: skip
+    out = run(f"model.hf_path={ckpt}", f"run_dir={tmp_path / 'r'}", *TINY, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert "architecture Gemma2ForCausalLM is not supported" in lines[0]
+    for arch in ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        assert arch in lines[0]

@@ -18,11 +18,41 @@ def test_eight_fake_devices():
 
 def test_default_meshes_are_disjoint():
     ms = build_meshes(load_config().mesh)
-    assert dict(ms.trainer.shape) == {"data": 2, "model": 2}
+    assert dict(ms.trainer.shape) == {"data": 2, "expert": 1, "model": 2}
     assert len(ms.groups) == 4 and not ms.colocated
     ids = [d.id for m in ms.groups for d in m.devices.flat]
     assert sorted(ids) == [4, 5, 6, 7]
-    assert all(dict(m.shape) == {"data": 1, "model": 1} for m in ms.groups)
+    assert all(dict(m.shape) == {"data": 1, "expert": 1, "model": 1} for m in ms.groups)
+
+
+def test_expert_axes_widen_the_trainer_and_each_rollout_group():
+    cfg = load_config(None, ["mesh.trainer.devices=0:8", "mesh.trainer.expert=2",
+                             "mesh.rollout.devices=0:8", "mesh.rollout.groups=2",
+                             "mesh.rollout.expert=2", "mesh.rollout.tp=2"])  # fmt: skip
+    ms = build_meshes(cfg.mesh)
+    assert dict(ms.trainer.shape) == {"data": 2, "expert": 2, "model": 2}
+    assert [dict(m.shape) for m in ms.groups] == [{"data": 1, "expert": 2, "model": 2}] * 2
+    assert [d.id for d in ms.groups[1].devices.flat] == [4, 5, 6, 7]
+    rules = sh.trainer_rules(cfg.mesh.trainer)
+    # the batch splits over data and expert; experts over expert; a size-1 axis is left out
+    assert sh.spec_for(("batch", "seq"), rules, ms.trainer, (8, 4)) == PartitionSpec(
+        ("data", "expert"), None
+    )
+    spec = sh.spec_for(("layers", "experts", "embed", "mlp"), sh.rollout_rules(), ms.groups[0],
+                       (2, 8, 16, 32))  # fmt: skip
+    assert spec == PartitionSpec(None, "expert", None, "model")
+    with pytest.raises(ConfigError, match=r"needs groups x expert x tp = 2 x 2 x 2 = 8"):
+        build_meshes(
+            load_config(
+                None,
+                [
+                    "mesh.rollout.devices=2:8",
+                    "mesh.rollout.groups=2",
+                    "mesh.rollout.expert=2",
+                    "mesh.rollout.tp=2",
+                ],
+            ).mesh
+        )
 
 
 def test_colocated_groups_share_devices():

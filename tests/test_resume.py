@@ -81,9 +81,13 @@ OTHER = {
     "model.attention": "dense",
     "model.attention_block": 256,
     "model.seq_chunk": 512,
+    "model.sliding_window": 8,
+    "model.full_attention_layers": 1,
     "rollout.extra_eos_ids": [3],
     "train.adam_moment_dtype": "bfloat16",
     "rollout.num_pages": 300,
+    "model.norm_topk_prob": True,
+    "model.mlp_only_layers": [1],
 }
 
 

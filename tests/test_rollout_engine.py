@@ -18,6 +18,9 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layer
 RCFG = RolloutConfig(page_size=8, num_pages=40, max_slots=4, max_prompt_len=24,
                      max_new_tokens=72, prefill_chunk=8, temperature=1.0)  # fmt: skip
 EOS = 2
+# a mixture of experts (Qwen3-MoE: q/k norms, 8 experts, top-2) for the cached-decode parity
+MOE_CFG = dataclasses.replace(CFG, family="qwen3_moe", num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +55,29 @@ def run_to_end(engine, limit=2000):
     raise AssertionError("engine did not drain")
 
 
-def full_logits(params, seq, width=128):
+def full_logits(params, seq, width=128, cfg=CFG):
     """Last-position logits of the full forward pass (padded to one width: one compile)."""
     T = len(seq)
     tokens = np.zeros((1, width), np.int32)
     tokens[0, :T] = seq
     seg = (np.arange(width) < T).astype(np.int32)[None]
-    out = forward(params, jnp.asarray(tokens), jnp.arange(width)[None], jnp.asarray(seg), CFG)
+    out = forward(params, jnp.asarray(tokens), jnp.arange(width)[None], jnp.asarray(seg), cfg)
     return np.asarray(out[0, T - 1])
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
-def test_cached_decode_matches_full_forward(params, impl):
+@pytest.mark.parametrize("impl, model", [("reference", "dense"), ("pallas", "dense"),
+                                         ("reference", "moe")])  # fmt: skip
+def test_cached_decode_matches_full_forward(params, impl, model):
     """64 decode steps; sequences join at different steps and cross page boundaries (pages of 8
     tokens); every step's logits within 1e-4. Pallas runs in interpret mode on the CPU (its
-    compile is most of this test's time, so it runs the full length too)."""
+    compile is most of this test's time, so it runs the full length too). The mixture of
+    experts (dropless routing) must match as well."""
+    cfg = MOE_CFG if model == "moe" else CFG
+    if model == "moe":
+        params = init_params(cfg, jax.random.key(0))
     rcfg = dataclasses.replace(RCFG, temperature=0.0, attention_impl=impl, max_new_tokens=80)
     interpret = True if impl == "pallas" else None  # Pallas on a CPU: interpret, explicitly
-    engine = Engine(CFG, rcfg, mesh_on(4), eos_id=-1, return_logits=True, interpret=interpret)
+    engine = Engine(cfg, rcfg, mesh_on(4), eos_id=-1, return_logits=True, interpret=interpret)
     assert engine.impl == impl
     engine.load_params(params, 0)
     reqs = make_requests(3, seed=1, max_new=(80, 80))
@@ -82,11 +90,66 @@ def test_cached_decode_matches_full_forward(params, impl):
         for r in reqs:
             if r.id in engine.last_logits and len(r.tokens) >= 2:
                 # The step decoded tokens[-2] and produced the logits that chose tokens[-1].
-                ref = full_logits(params, r.prompt + r.tokens[:-1])
+                ref = full_logits(params, r.prompt + r.tokens[:-1], cfg=cfg)
                 worst = max(worst, float(np.abs(engine.last_logits[r.id] - ref).max()))
                 checked += 1
         engine.last_logits = {}
     assert checked >= 3 * 60  # every request was compared over >= 60 of its decode steps
+    assert worst <= 1e-4
+
+
+FAMILY_CFGS = {
+    # per-head q/k norms, head_dim 16 != 32 / 4
+    "qwen3": dataclasses.replace(CFG, family="qwen3", head_dim=16, tie_word_embeddings=False),
+    # a window of 5 (shorter than prompts and responses, pages of 8); blockwise prefill chunks
+    # with blocks of 4, so whole key blocks fall outside the window
+    "mistral-window5": dataclasses.replace(CFG, family="mistral", sliding_window=5,
+                                           attention_block=4),
+    # layer 0 full, layer 1 windowed (Qwen2's max_window_layers); dense prefill chunks
+    "qwen2-window11-after-1": dataclasses.replace(CFG, sliding_window=11,
+                                                  full_attention_layers=1, attention="dense"),
+}  # fmt: skip
+
+
+def randomised_params(cfg, seed=0):
+    """Every leaf random, norms (q_norm and k_norm included) around 1."""
+    params = init_params(cfg, jax.random.key(seed))
+    leaves, treedef = jax.tree.flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    out = []
+    for (path, w), k in zip(leaves, keys, strict=True):
+        noise = jax.random.normal(k, w.shape, w.dtype)
+        out.append(1.0 + 0.3 * noise if "norm" in jax.tree_util.keystr(path) else w + 0.02 * noise)
+    return jax.tree.unflatten(treedef, out)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("family", sorted(FAMILY_CFGS))
+def test_cached_decode_matches_full_forward_per_family(family, impl):
+    """As above for Qwen3 and for sliding windows: 36 decode steps after prompts of up to 24
+    tokens (prefilled in chunks of 8), so the window slides over page boundaries in both the
+    prefill chunks and the decode kernel."""
+    cfg = FAMILY_CFGS[family]
+    params = randomised_params(cfg)
+    rcfg = dataclasses.replace(RCFG, temperature=0.0, attention_impl=impl, max_new_tokens=40)
+    interpret = True if impl == "pallas" else None
+    engine = Engine(cfg, rcfg, mesh_on(4), eos_id=-1, return_logits=True, interpret=interpret)
+    assert engine.impl == impl
+    engine.load_params(params, 0)
+    reqs = make_requests(3, seed=2, max_new=(40, 40), prompt=(9, 24))
+    joins = {0: reqs[0], 3: reqs[1], 7: reqs[2]}
+    worst, checked = 0.0, 0
+    for step in range(36):
+        if step in joins:
+            engine.submit([joins[step]])
+        engine.step()
+        for r in reqs:
+            if r.id in engine.last_logits and len(r.tokens) >= 2:
+                ref = full_logits(params, r.prompt + r.tokens[:-1], width=72, cfg=cfg)
+                worst = max(worst, float(np.abs(engine.last_logits[r.id] - ref).max()))
+                checked += 1
+        engine.last_logits = {}
+    assert checked >= 3 * 25
     assert worst <= 1e-4
 
 

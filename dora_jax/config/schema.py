@@ -63,9 +63,11 @@ class RopeScalingConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Qwen2- or Llama-family decoder. Defaults: a tiny Qwen2 for the built-in CPU task."""
+    """A Qwen2-, Qwen3-, Llama- or Mistral-family decoder, or a Qwen3-MoE / Qwen2-MoE mixture of
+    experts. Defaults: a tiny Qwen2 for the built-in CPU task. ``qwen3`` and ``qwen3_moe`` add a
+    per-head RMSNorm on q and k (before RoPE)."""
 
-    family: Literal["qwen2", "llama"] = "qwen2"
+    family: Literal["qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"] = "qwen2"
     vocab_size: int = 64
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -77,7 +79,7 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
-    attention_bias: bool | None = None  # None: the family's default (qwen2 True, llama False)
+    attention_bias: bool | None = None  # None: the family's default (qwen2 True, others False)
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
     param_dtype: Dtype = "float32"
@@ -96,6 +98,23 @@ class ModelConfig:
     # chunks of this many positions per row, each rematerialised: the backward pass then holds
     # [B, seq_chunk, F] instead of [B, T, F]. 0: whole sequences.
     seq_chunk: int = 0
+    # Sliding-window attention: a query at position i sees keys j with i - sliding_window < j <= i.
+    # None: full causal attention everywhere. The first ``full_attention_layers`` layers attend
+    # fully and the rest use the window (Mistral: 0; Qwen2/Qwen3: HF's max_window_layers); it has
+    # no effect without a window.
+    sliding_window: int | None = None
+    full_attention_layers: int = 0
+    # Mixture of experts: used by the families in MOE_FAMILIES, ignored by dense ones. Every
+    # layer's MLP is a routed MoE block (see model/moe.py); ``intermediate_size`` is then unused.
+    # The router's load-balancing loss coefficient of HF configs is not a field: RL fine-tuning
+    # here adds no auxiliary loss, so checkpoints' router_aux_loss_coef is ignored.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2  # top-k experts per token
+    moe_intermediate_size: int = 64  # each expert's ffn width
+    norm_topk_prob: bool | None = None  # renormalise top-k probs; None: qwen3_moe yes, qwen2_moe no
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's sigmoid-gated shared expert; 0: none
+    decoder_sparse_step: int = 1  # only 1 (every layer MoE) is supported
+    mlp_only_layers: tuple[int, ...] = ()  # only () (no dense layers) is supported
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -128,6 +147,35 @@ class ModelConfig:
             "attention_block",
             f"must be > 0, got {self.attention_block}",
         )
+        if self.sliding_window is not None:
+            _check(
+                self.sliding_window > 0,
+                "sliding_window",
+                f"must be > 0 or null (no window), got {self.sliding_window}",
+            )
+            _check(
+                self.family != "llama",
+                "sliding_window",
+                f"is not part of the {self.family} architecture (llama has none); set it to null",
+            )
+            _check(
+                self.attention != "cudnn",
+                "attention",
+                "cudnn does not support sliding_window; use attention: blockwise or dense",
+            )
+        _check(
+            0 <= self.full_attention_layers <= self.num_layers,
+            "full_attention_layers",
+            f"must be in [0, num_layers={self.num_layers}], got {self.full_attention_layers}",
+        )
+        _check(
+            self.full_attention_layers == 0
+            or self.sliding_window is None
+            or self.family != "mistral",
+            "full_attention_layers",
+            "must be 0 for family mistral with a sliding_window (every Mistral layer has the same "
+            f"window), got {self.full_attention_layers}",
+        )
         if self.attention == "cudnn":
             _check(
                 self.compute_dtype == "bfloat16",
@@ -141,6 +189,50 @@ class ModelConfig:
                 f"cudnn needs a head_dim that is a multiple of 8 and <= 128, got {hd}; "
                 "use attention: blockwise",
             )
+        if self.is_moe:
+            self._check_moe()
+
+    def _check_moe(self):
+        E, k = self.num_experts, self.num_experts_per_tok
+        _check(E > 0, "num_experts", f"must be > 0 for family {self.family}, got {E}")
+        _check(1 <= k <= E, "num_experts_per_tok", f"must be in [1, num_experts={E}], got {k}")
+        _check(
+            self.moe_intermediate_size > 0,
+            "moe_intermediate_size",
+            f"must be > 0, got {self.moe_intermediate_size}",
+        )
+        _check(
+            self.shared_expert_intermediate_size >= 0,
+            "shared_expert_intermediate_size",
+            f"must be >= 0, got {self.shared_expert_intermediate_size}",
+        )
+        _check(
+            self.family == "qwen2_moe" or self.shared_expert_intermediate_size == 0,
+            "shared_expert_intermediate_size",
+            f"a shared expert is a qwen2_moe feature; family {self.family} needs 0, got "
+            f"{self.shared_expert_intermediate_size}",
+        )
+        _check(
+            self.decoder_sparse_step == 1,
+            "decoder_sparse_step",
+            f"only 1 (every layer is a MoE layer) is supported, got {self.decoder_sparse_step}",
+        )
+        _check(
+            not self.mlp_only_layers,
+            "mlp_only_layers",
+            f"only [] (every layer is a MoE layer) is supported, got {list(self.mlp_only_layers)}",
+        )
+        _check(not self.mlp_bias, "mlp_bias", "MoE families have no MLP biases")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family in MOE_FAMILIES
+
+    @property
+    def resolved_norm_topk_prob(self) -> bool:
+        if self.norm_topk_prob is not None:
+            return self.norm_topk_prob
+        return self.family == "qwen3_moe"
 
     @property
     def attention_scale(self) -> float:
@@ -152,10 +244,23 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
     @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on q and k after their projections, before RoPE (Qwen3, Qwen3-MoE)."""
+        return self.family in ("qwen3", "qwen3_moe")
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full causal attention)."""
+        w = self.sliding_window or 0
+        return tuple(0 if i < self.full_attention_layers else w for i in range(self.num_layers))
+
+    @property
     def qkv_bias(self) -> bool:
         if self.attention_bias is not None:
             return self.attention_bias
-        return self.family == "qwen2"
+        return self.family in ("qwen2", "qwen2_moe")
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -166,10 +271,13 @@ class TrainerMeshConfig:
     data: int = 2  # data-parallel axis size
     model: int = 2  # tensor-parallel axis size
     fsdp: bool = False  # also shard the embed dimension of params over the data axis
+    # expert-parallel axis size (MoE experts split over it; the batch too, like data)
+    expert: int = 1
 
     def __post_init__(self):
         _check(self.data > 0, "data", f"must be > 0, got {self.data}")
         _check(self.model > 0, "model", f"must be > 0, got {self.model}")
+        _check(self.expert > 0, "expert", f"must be > 0, got {self.expert}")
 
 
 @dataclass(frozen=True)
@@ -183,10 +291,19 @@ class RolloutMeshConfig:
     devices: str = "4:8"
     groups: int = 4
     tp: int = 1
+    # expert-parallel axis of each group (MoE experts split over it): a group is expert x tp
+    # devices wide; KV pages stay sharded over kv heads on the tp axis only
+    expert: int = 1
 
     def __post_init__(self):
         _check(self.groups > 0, "groups", f"must be > 0, got {self.groups}")
         _check(self.tp > 0, "tp", f"must be > 0, got {self.tp}")
+        _check(self.expert > 0, "expert", f"must be > 0, got {self.expert}")
+
+    @property
+    def group_size(self) -> int:
+        """Devices per rollout group."""
+        return self.expert * self.tp
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ Layout (the one JAX's own paged kernels use):
   k_pages       [K, P, Z, H]    (v_pages identical)
   block_tables  int32[B, pages_per_seq]   page ids of each sequence, in token order
   lengths       int32[B]        valid kv tokens per sequence (0 gives an all-zero output)
+  window        int32[B]        optional sliding window: only the last `window` of the `lengths`
+                                tokens are attended to (0: all of them)
 
 Page 0 is reserved by the allocators as a padding page, so padded block-table entries may be 0.
 Entries past a sequence's last page are never attended to; the Pallas wrapper clips every entry to
@@ -150,6 +152,7 @@ def fit_attention_tuning(
 
 def _paged_decode_kernel(
     lengths_ref,  # [1] int32: kv length of this program's sequence
+    windows_ref,  # [1] int32: its sliding window (0: none)
     block_table_ref,  # [pages_per_split] int32: page ids of this program's split
     q_ref,  # [block_h, H]: one block of the q heads that share this kv head
     k_pages_ref,  # [P, Z, H]: all pages of this kv head
@@ -168,9 +171,13 @@ def _paged_decode_kernel(
     block_s = pages_per_compute_block * page_size  # kv tokens per inner step
 
     length = lengths_ref[0]
+    window = windows_ref[0]
+    first = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)  # first visible token
     split_start = split * (pages_per_split * page_size)  # first token of this split
     tokens_here = jnp.clip(length - split_start, 0, pages_per_split * page_size)
     num_blocks = pl.cdiv(tokens_here, block_s)  # 0 for an empty split: the loop is skipped
+    # Blocks wholly before the window are skipped (a start past num_blocks runs no step).
+    first_block = jnp.maximum(first - split_start, 0) // block_s
 
     q = q_ref[...]  # [block_h, H]
 
@@ -180,7 +187,7 @@ def _paged_decode_kernel(
         k = k_pages_ref[pages].reshape(block_s, head_dim)  # [block_s, H]
         v = v_pages_ref[pages].reshape(block_s, head_dim)  # [block_s, H]
         pos = split_start + i * block_s + jnp.arange(block_s, dtype=jnp.int32)
-        valid = pos < length  # [block_s]
+        valid = (pos < length) & (pos >= first)  # [block_s]
         # Slots past the length may hold anything (stale tokens, NaN): zero them out of V too.
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
         s = lax.dot_general(
@@ -203,7 +210,7 @@ def _paged_decode_kernel(
     o0 = jnp.zeros((block_h, head_dim), jnp.float32)
     m0 = jnp.full((block_h,), _MASK_VALUE, jnp.float32)
     l0 = jnp.zeros((block_h,), jnp.float32)
-    o, m, l = lax.fori_loop(0, num_blocks, body, (o0, m0, l0))
+    o, m, l = lax.fori_loop(first_block, num_blocks, body, (o0, m0, l0))
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
@@ -216,6 +223,7 @@ def _paged_decode_pallas(
     v_pages: jax.Array,
     block_tables: jax.Array,
     lengths: jax.Array,
+    windows: jax.Array,
     *,
     scale: float,
     tuning: PagedAttentionTuning,
@@ -247,6 +255,7 @@ def _paged_decode_pallas(
         grid=grid,
         in_specs=[
             pl.BlockSpec((1,), lambda b, k, h, s: (b,)),  # lengths
+            pl.BlockSpec((1,), lambda b, k, h, s: (b,)),  # windows
             pl.BlockSpec((None, None, per_split), lambda b, k, h, s: (b, s, 0)),  # tables
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, k, h, s: (b, k, h, 0)),
             pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, k, h, s: (k, 0, 0, 0)),
@@ -267,7 +276,7 @@ def _paged_decode_pallas(
             num_warps=tuning.num_warps, num_stages=tuning.num_stages
         ),
         name=f"dora_paged_decode_ppcb{ppcb}_bh{block_h}_ks{k_splits}",
-    )(lengths, tables, qg, k_pages, v_pages)
+    )(lengths, windows, tables, qg, k_pages, v_pages)
 
     # Merge the splits: [k_splits, B, K, G_pad, ...] -> [B, K, G_pad, ...].
     m_all = m.max(axis=0)
@@ -291,8 +300,10 @@ def paged_decode_attention_reference(
     lengths: jax.Array,
     *,
     scale: float | None = None,
+    window: jax.Array | None = None,
 ) -> jax.Array:
-    """Pure-jnp paged decode attention: gather each sequence's pages, dense masked softmax (f32)."""
+    """Pure-jnp paged decode attention: gather each sequence's pages, dense masked softmax (f32).
+    ``window int32[B]`` (optional, 0: none): only the last ``window`` tokens are visible."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -302,6 +313,9 @@ def paged_decode_attention_reference(
     k = k_pages[:, block_tables].reshape(num_kv_heads, batch, seq, head_dim).astype(jnp.float32)
     v = v_pages[:, block_tables].reshape(num_kv_heads, batch, seq, head_dim).astype(jnp.float32)
     valid = jnp.arange(seq)[None, :] < lengths[:, None]  # [B, S]
+    if window is not None:
+        first = jnp.where(window > 0, lengths - window, 0)
+        valid = valid & (jnp.arange(seq)[None, :] >= first[:, None])
     v = jnp.where(valid[None, :, :, None], v, 0.0)  # slots past the length may hold anything
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
     s = jnp.einsum("bkgh,kbsh->bkgs", qg, k, precision=_HIGHEST) * scale
@@ -421,6 +435,7 @@ def paged_decode_attention(
     scale: float | None = None,
     interpret: bool = False,
     tuning: PagedAttentionTuning | None = None,
+    window: jax.Array | int | None = None,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over its paged K/V.
 
@@ -435,6 +450,9 @@ def paged_decode_attention(
       tuning: block sizes of the Pallas kernels (default PagedAttentionTuning()). Compiled
         (not interpret), a tuning whose tiles exceed the GPU's shared memory is shrunk first
         (see fit_attention_tuning).
+      window: sliding window, int32 scalar or [B] (0: none; default None: none). The query (the
+        token at ``lengths - 1``) attends to tokens ``lengths - window .. lengths - 1`` only.
+        Not supported by "jax_gpu".
 
     Returns:
       [B, N, H] in q's dtype.
@@ -447,9 +465,19 @@ def paged_decode_attention(
     if not isinstance(tuning, PagedAttentionTuning):
         raise ValueError(f"tuning must be a PagedAttentionTuning, got {type(tuning).__name__}")
     scale = _default_scale(q.shape[-1]) if scale is None else float(scale)
+    if window is not None:
+        window = jnp.asarray(window)
+        if window.dtype != jnp.int32 or window.shape not in ((), lengths.shape):
+            raise ValueError(
+                f"window must be int32 of shape () or {lengths.shape}, got {window.dtype} "
+                f"{window.shape}"
+            )
+        window = jnp.broadcast_to(window, lengths.shape)
+        if impl == "jax_gpu":
+            raise ValueError('impl="jax_gpu" does not support a sliding window; use "pallas"')
     if impl == "reference":
         return paged_decode_attention_reference(
-            q, k_pages, v_pages, block_tables, lengths, scale=scale
+            q, k_pages, v_pages, block_tables, lengths, scale=scale, window=window
         )
     if not interpret:
         # The shape rules of the Triton lowering, then the tiles shrunk to the device's shared
@@ -457,7 +485,12 @@ def paged_decode_attention(
         head_dim, page_size, pages_per_seq = q.shape[-1], k_pages.shape[2], block_tables.shape[1]
         _validate_for_gpu(head_dim, page_size, pages_per_seq, tuning)
         tuning = fit_attention_tuning(head_dim, page_size, pages_per_seq, q.dtype, tuning)
-    fn = _paged_decode_pallas if impl == "pallas" else _paged_decode_jax_gpu
-    return fn(
+    if impl == "pallas":
+        windows = jnp.zeros_like(lengths) if window is None else window
+        return _paged_decode_pallas(
+            q, k_pages, v_pages, block_tables, lengths, windows,
+            scale=scale, tuning=tuning, interpret=interpret,
+        )  # fmt: skip
+    return _paged_decode_jax_gpu(
         q, k_pages, v_pages, block_tables, lengths, scale=scale, tuning=tuning, interpret=interpret
     )

@@ -22,8 +22,11 @@ Three implementations sit behind the decoder layer's one ``attend`` seam, chosen
 
 Masking convention (all three): query ``t`` attends to key ``s`` iff both share a non-zero
 segment id and ``s <= t + q_offset`` (causal by array index; ``q_offset`` shifts a chunk of
-queries that starts later in the sequence, as the engine's prefill chunks do). Outputs of query
-rows that attend to nothing (padding) are unspecified but finite.
+queries that starts later in the sequence, as the engine's prefill chunks do). With a sliding
+``window`` w > 0 (dense and blockwise; an int32 scalar, data scanned with the layers) the key must
+also satisfy ``s > t + q_offset - w``: the w most recent positions, the query's own included.
+Segments are contiguous, so index distance is position distance. ``window`` 0 means no window.
+Outputs of query rows that attend to nothing (padding) are unspecified but finite.
 
 Axis letters: B batch, T queries, S keys, N q heads, K kv heads, G = N // K, H head dim.
 """
@@ -64,6 +67,24 @@ def dense_attention(
     return out.reshape(B, T, N, H)
 
 
+_NO_WINDOW = 1 << 30  # a window no sequence reaches (window 0 is mapped to it)
+
+
+def effective_window(window: jax.Array | int | None) -> jax.Array:
+    """int32 window with 0 (or None) replaced by one longer than any sequence."""
+    if window is None:
+        return jnp.int32(_NO_WINDOW)
+    window = jnp.asarray(window, jnp.int32)
+    return jnp.where(window > 0, window, _NO_WINDOW)
+
+
+def window_band(T: int, S: int, window: jax.Array | int | None, q_offset: int = 0) -> jax.Array:
+    """``bool[T, S]``: key ``s`` is within the sliding window of query ``t`` (``s > t + q_offset
+    - window``; all true for window 0). Combine with a causal mask."""
+    q_idx = jnp.arange(T, dtype=jnp.int32)[:, None] + q_offset
+    return jnp.arange(S, dtype=jnp.int32)[None, :] > q_idx - effective_window(window)
+
+
 def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
     """``bool[B, T, T]``: causal, within the same segment, never onto padding (segment 0)."""
     T = segment_ids.shape[1]
@@ -88,12 +109,18 @@ def _segment_ranges(seg: jax.Array, n: int, b: int) -> tuple[jax.Array, jax.Arra
 
 
 def live_blocks(
-    q_seg: jax.Array, kv_seg: jax.Array, q_offset: jax.Array, bq: int, bk: int
+    q_seg: jax.Array,
+    kv_seg: jax.Array,
+    q_offset: jax.Array,
+    bq: int,
+    bk: int,
+    window: jax.Array | None = None,
 ) -> jax.Array:
     """``bool[nq, nk]``: a conservative "some query of block ``i`` may attend to some key of block
     ``j``" for any row. Two blocks whose non-zero segment-id ranges do not overlap share no id
-    (so the test holds for any segment numbering), and a key block that starts after a query
-    block's last causal index is invisible to it."""
+    (so the test holds for any segment numbering), a key block that starts after a query
+    block's last causal index is invisible to it, and so is one that ends before the sliding
+    window of the block's first query (``window``, 0 or None: no window)."""
     nq, nk = q_seg.shape[1] // bq, kv_seg.shape[1] // bk
     qlo, qhi = _segment_ranges(q_seg, nq, bq)
     klo, khi = _segment_ranges(kv_seg, nk, bk)
@@ -101,7 +128,12 @@ def live_blocks(
     last_q = (jnp.arange(nq, dtype=jnp.int32) + 1) * bq - 1
     first_k = jnp.arange(nk, dtype=jnp.int32) * bk
     causal = first_k[None, None, :] <= last_q[None, :, None] + q_offset[:, None, None]
-    return jnp.any(overlap & causal, axis=0)
+    first_q = jnp.arange(nq, dtype=jnp.int32) * bq
+    last_k = first_k + bk - 1
+    in_window = last_k[None, None, :] > (
+        first_q[None, :, None] + q_offset[:, None, None] - effective_window(window)
+    )
+    return jnp.any(overlap & causal & in_window, axis=0)
 
 
 def _hull(live: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -114,11 +146,12 @@ def _hull(live: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(some, lo, 0), jnp.where(some, hi, 0)
 
 
-def _block_mask(qs, ks, q_idx, k_idx):
+def _block_mask(qs, ks, q_idx, k_idx, w):
     """``bool[B, bq, bk]`` from query/key segment ids ``[B, bq]``, ``[B, bk]``, causal query
-    indices ``[B, bq]`` (offset applied) and key indices ``[bk]``."""
+    indices ``[B, bq]`` (offset applied), key indices ``[bk]`` and the effective window ``w``."""
     same = (qs[:, :, None] == ks[:, None, :]) & (ks[:, None, :] != 0)
-    return same & (k_idx[None, None, :] <= q_idx[:, :, None])
+    causal = k_idx[None, None, :] <= q_idx[:, :, None]
+    return same & causal & (k_idx[None, None, :] > q_idx[:, :, None] - w)
 
 
 def _scores(qi, kj, scale):
@@ -135,12 +168,13 @@ def _put_block(x: jax.Array, update: jax.Array, i: jax.Array, b: int) -> jax.Arr
     return jax.lax.dynamic_update_slice_in_dim(x, update, i * b, axis=1)
 
 
-def _flash_forward(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk):
+def _flash_forward(q, k, v, q_seg, kv_seg, q_offset, window, scale, bq, bk):
     """``(out [B,Tp,K,G,H], lse float32[B,K,G,Tp], live)`` for inputs padded to whole blocks."""
     B, Tp, K, G, H = q.shape
     nq = Tp // bq
-    live = live_blocks(q_seg, kv_seg, q_offset, bq, bk)
+    live = live_blocks(q_seg, kv_seg, q_offset, bq, bk, window)
     lo, hi = _hull(live)
+    w = effective_window(window)
 
     def q_block(i, acc):
         out_all, lse_all = acc
@@ -150,7 +184,7 @@ def _flash_forward(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk):
         def kv_step(j, carry):
             o, m, l = carry
             kj, vj, ksj = _block(k, j, bk), _block(v, j, bk), _block(kv_seg, j, bk)
-            mask = _block_mask(qsi, ksj, q_idx, j * bk + jnp.arange(bk, dtype=jnp.int32))
+            mask = _block_mask(qsi, ksj, q_idx, j * bk + jnp.arange(bk, dtype=jnp.int32), w)
             mask = mask[:, None, None]  # [B,1,1,bq,bk]
             s = jnp.where(mask, _scores(qi, kj, scale), NEG_INF)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -180,8 +214,9 @@ def _flash_forward(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk):
     return out, lse, live
 
 
-def _flash_backward(q, k, v, q_seg, kv_seg, q_offset, out, lse, live, do, scale, bq, bk):
+def _flash_backward(q, k, v, q_seg, kv_seg, q_offset, window, out, lse, live, do, scale, bq, bk):
     B, Tp, K, G, H = q.shape
+    w = effective_window(window)
     Sp = k.shape[1]
     nk = Sp // bk
     lo, hi = _hull(live.T)
@@ -199,7 +234,7 @@ def _flash_backward(q, k, v, q_seg, kv_seg, q_offset, out, lse, live, do, scale,
             lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
             delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
             q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[None, :] + q_offset[:, None]
-            mask = _block_mask(qsi, ksj, q_idx, k_idx)[:, None, None]
+            mask = _block_mask(qsi, ksj, q_idx, k_idx, w)[:, None, None]
             s = _scores(qi, kj, scale)
             p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)  # [B,K,G,bq,bk]
             dv = dv + jnp.einsum("BKGqk,BqKGH->BkKH", p.astype(doi.dtype), doi,
@@ -225,23 +260,23 @@ def _flash_backward(q, k, v, q_seg, kv_seg, q_offset, out, lse, live, do, scale,
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk):
-    out, _, _ = _flash_forward(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk)
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, q_seg, kv_seg, q_offset, window, scale, bq, bk):
+    out, _, _ = _flash_forward(q, k, v, q_seg, kv_seg, q_offset, window, scale, bq, bk)
     return out
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk):
-    out, lse, live = _flash_forward(q, k, v, q_seg, kv_seg, q_offset, scale, bq, bk)
-    return out, (q, k, v, q_seg, kv_seg, q_offset, out, lse, live)
+def _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, window, scale, bq, bk):
+    out, lse, live = _flash_forward(q, k, v, q_seg, kv_seg, q_offset, window, scale, bq, bk)
+    return out, (q, k, v, q_seg, kv_seg, q_offset, window, out, lse, live)
 
 
 def _flash_bwd(scale, bq, bk, res, do):
-    q, k, v, q_seg, kv_seg, q_offset, out, lse, live = res
+    q, k, v, q_seg, kv_seg, q_offset, window, out, lse, live = res
     dq, dk, dv = _flash_backward(
-        q, k, v, q_seg, kv_seg, q_offset, out, lse, live, do, scale, bq, bk
+        q, k, v, q_seg, kv_seg, q_offset, window, out, lse, live, do, scale, bq, bk
     )
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -265,12 +300,14 @@ def blockwise_attention(
     *,
     q_offset: jax.Array | None = None,
     block: int = 512,
+    window: jax.Array | int | None = None,
 ) -> jax.Array:
     """Flash-style GQA attention (see the module docstring for the masking convention).
 
     ``q [B,T,N,H]``, ``k, v [B,S,K,H]``, segment ids ``int32[B,T]`` and ``int32[B,S]`` (0 is
-    padding), ``q_offset int32[B]`` (default 0). Blocks of ``min(block, T)`` queries and
-    ``min(block, S)`` keys; ragged ends are padded. Differentiable in ``q, k, v`` with a
+    padding), ``q_offset int32[B]`` (default 0), sliding ``window`` (int32 scalar; 0 or None: no
+    window; blocks wholly outside every query's window are skipped). Blocks of ``min(block, T)``
+    queries and ``min(block, S)`` keys; ragged ends are padded. Differentiable in ``q, k, v`` with a
     memory-efficient custom backward. Returns ``[B,T,N,H]`` in ``q``'s dtype.
     """
     B, T, N, H = q.shape
@@ -287,6 +324,7 @@ def blockwise_attention(
         _pad_axis1(q_segment_ids.astype(jnp.int32), Tp),
         _pad_axis1(kv_segment_ids.astype(jnp.int32), Sp),
         q_offset.astype(jnp.int32),
+        jnp.asarray(0 if window is None else window, jnp.int32),
         float(scale),
         bq,
         bk,
@@ -337,20 +375,31 @@ def cudnn_attention(
 Attend = Callable[[jax.Array, jax.Array, jax.Array, float], tuple[jax.Array, Any]]
 
 
-def make_attend(cfg: ModelConfig, segment_ids: jax.Array) -> Attend:
+def make_attend(
+    cfg: ModelConfig, segment_ids: jax.Array, window: jax.Array | None = None
+) -> Attend:
     """The decoder layer's ``attend(q, k, v, scale) -> (out, None)`` for self-attention over
-    ``segment_ids [B, T]`` with ``model.attention``'s implementation. Anything shared by all
-    layers (the dense mask) is built once here, outside the layer scan."""
+    ``segment_ids [B, T]`` with ``model.attention``'s implementation. ``window``: this layer's
+    sliding window (int32 scalar, 0: none), read only when ``cfg.sliding_window`` is set."""
     impl = cfg.attention
+    if cfg.sliding_window is None:
+        window = None
     if impl == "dense":
         mask = segment_causal_mask(segment_ids)
+        if window is not None:
+            T = segment_ids.shape[1]
+            mask = mask & window_band(T, T, window)[None]
         return lambda q, k, v, scale: (dense_attention(q, k, v, mask, scale), None)
     if impl == "blockwise":
         block = cfg.attention_block
         return lambda q, k, v, scale: (
-            blockwise_attention(q, k, v, segment_ids, segment_ids, scale, block=block),
+            blockwise_attention(
+                q, k, v, segment_ids, segment_ids, scale, block=block, window=window
+            ),
             None,
         )
     if impl == "cudnn":
+        if window is not None:
+            raise ValueError("model.attention=cudnn does not support sliding_window")
         return lambda q, k, v, scale: (cudnn_attention(q, k, v, segment_ids, scale), None)
     raise ValueError(f"model.attention: unknown implementation {impl!r} ({ATTENTION_IMPLS})")

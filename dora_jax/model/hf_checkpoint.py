@@ -175,6 +175,16 @@ def _build(
         if not rule.per_layer:
             return rule.to_ours(reader.read(rule.hf), cfg)[index].astype(dtype)
         layers = range(*index[0].indices(shape[0]))
+        if rule.per_expert:  # [L, E, ...]: one HF tensor per layer and expert
+            experts = range(*index[1].indices(shape[1]))
+            return np.stack([
+                np.stack([
+                    rule.to_ours(reader.read(rule.hf.format(i=i, e=e)), cfg)[index[2:]]
+                    .astype(dtype)
+                    for e in experts
+                ])
+                for i in layers
+            ])  # fmt: skip
         parts = [
             rule.to_ours(reader.read(rule.hf.format(i=i)), cfg)[index[1:]].astype(dtype)
             for i in layers
@@ -188,7 +198,12 @@ def _hf_tensors(params: Params, cfg: ModelConfig, dtype: np.dtype) -> Iterator[t
     for rule in active_rules(cfg):
         group, _, leaf = rule.ours.rpartition("/")
         arr = params[group][leaf] if group else params[leaf]
-        if rule.per_layer:
+        if rule.per_expert:
+            for i in range(cfg.num_layers):
+                layer = np.asarray(arr[i])
+                for e in range(cfg.num_experts):
+                    yield rule.hf.format(i=i, e=e), rule.to_hf(layer[e], cfg).astype(dtype)
+        elif rule.per_layer:
             for i in range(cfg.num_layers):
                 yield rule.hf.format(i=i), rule.to_hf(np.asarray(arr[i]), cfg).astype(dtype)
         else:

@@ -22,6 +22,7 @@ from dora_jax.model.attention import (  # noqa: F401  (re-exported: the dense re
     dense_attention,
     segment_causal_mask,
 )
+from dora_jax.model.moe import moe_mlp
 from dora_jax.sharding import constrain
 
 
@@ -70,12 +71,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def qkv_projection(
     lp: dict[str, jax.Array], x: jax.Array, positions: jax.Array, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Project normed ``x [B, T, D]`` to ``q [B,T,N,H]``, ``k, v [B,T,K,H]``, RoPE applied."""
+    """Project normed ``x [B, T, D]`` to ``q [B,T,N,H]``, ``k, v [B,T,K,H]``, RoPE applied.
+    With ``q_norm``/``k_norm`` (Qwen3), q and k are RMS-normed per head before RoPE."""
     q = jnp.einsum("BTD,DNH->BTNH", x, lp["wq"])
     k = jnp.einsum("BTD,DKH->BTKH", x, lp["wk"])
     v = jnp.einsum("BTD,DKH->BTKH", x, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if "q_norm" in lp:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, cfg)
     q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "q_heads", "head_dim"))
     k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
@@ -119,10 +124,15 @@ def decoder_layer(
     positions: jax.Array,
     cfg: ModelConfig,
     attend: Attend,
-) -> tuple[jax.Array, Any]:
+    routes: jax.Array | None = None,
+) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, jax.Array]:
     """One pre-norm decoder layer. ``attend(q, k, v, scale) -> (out [B,T,N,H], aux)``; returns
     ``(x [B,T,D], aux)`` so a caller can thread a KV cache through ``aux``. The softmax scale is
     decided here, once for every implementation (``cfg.attention_scale``).
+
+    A mixture of experts (``cfg.is_moe``, static) returns a third value, ``chosen int32[B,T,k]``,
+    the experts each token used, and takes this layer's ``routes int32[B,T,k]`` to force them
+    (:func:`dora_jax.model.moe.moe_mlp`); dense configs ignore ``routes`` and keep two values.
 
     Everything but ``attend`` is position-wise, so with ``cfg.seq_chunk`` it runs in chunks of
     positions (:func:`map_seq_chunks`): only ``x`` and ``q, k, v, o`` are whole-sequence arrays."""
@@ -132,11 +142,18 @@ def decoder_layer(
         return qkv_projection(lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, cfg)
 
     def out_and_mlp(xo):
-        x, o = xo
+        x, o = xo[:2]
         x = constrain(x + jnp.einsum("BTNH,NHD->BTD", o, lp["wo"]), ("batch", "seq", "embed"))
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        if cfg.is_moe:
+            y, chosen = moe_mlp(lp, h, cfg, xo[2] if len(xo) > 2 else None)
+            return constrain(x + y, ("batch", "seq", "embed")), chosen
         return constrain(x + mlp(lp, h), ("batch", "seq", "embed"))
 
     q, k, v = map_seq_chunks(project, (x, positions), cfg.seq_chunk)
     o, aux = attend(q, k, v, cfg.attention_scale)
-    return map_seq_chunks(out_and_mlp, (x, o), cfg.seq_chunk), aux
+    if not cfg.is_moe:
+        return map_seq_chunks(out_and_mlp, (x, o), cfg.seq_chunk), aux
+    xs = (x, o) if routes is None else (x, o, routes)
+    x, chosen = map_seq_chunks(out_and_mlp, xs, cfg.seq_chunk)
+    return x, aux, chosen

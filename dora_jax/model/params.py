@@ -8,9 +8,19 @@ Layout (axis letters: V vocab, D model, N q heads, K kv heads, H head dim, F ffn
     layers/wk        [L, D, K, H]  layers/bk [L, K, H]
     layers/wv        [L, D, K, H]  layers/bv [L, K, H]
     layers/wo        [L, N, H, D]
+    layers/q_norm    [L, H]        layers/k_norm [L, H]  (per-head q/k RMSNorm, when cfg.qk_norm)
     layers/w_gate    [L, D, F]     layers/w_up [L, D, F]   layers/w_down [L, F, D]
     final_norm       [D]
     lm_head          [D, V]        (absent when cfg.tie_word_embeddings)
+
+A mixture of experts
+(``cfg.is_moe``; E experts, f each expert's ffn, S the shared expert's) has, instead of
+``w_gate / w_up / w_down`` (see :mod:`dora_jax.model.moe`)::
+
+    layers/router      [L, D, E]
+    layers/moe_gate    [L, E, D, f]  layers/moe_up [L, E, D, f]  layers/moe_down [L, E, f, D]
+    layers/shared_gate [L, D, S]     layers/shared_up [L, D, S]  layers/shared_down [L, S, D]
+    layers/shared_expert_gate [L, D]   (the shared expert's four: only when S > 0)
 
 Layer parameters are stacked on a leading ``L`` axis and scanned over (compile time stays flat
 with depth). Every leaf has a tuple of logical axis names; :mod:`dora_jax.sharding` maps those to
@@ -62,8 +72,17 @@ def param_specs(cfg: ModelConfig) -> Params:
         layers["bq"] = ParamSpec((L, N, H), ("layers", "q_heads", "head_dim"), "zeros")
         layers["bk"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
         layers["bv"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.qk_norm:
+        layers["q_norm"] = ParamSpec((L, H), ("layers", "head_dim"), "ones")
+        layers["k_norm"] = ParamSpec((L, H), ("layers", "head_dim"), "ones")
     if cfg.mlp_bias:
         raise NotImplementedError("model.mlp_bias=true is not supported yet")
+    if cfg.is_moe:
+        from dora_jax.model.moe import moe_param_specs
+
+        for name in ("w_gate", "w_up", "w_down"):
+            del layers[name]
+        layers.update(moe_param_specs(cfg))
     specs: Params = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), "normal"),
         "layers": layers,

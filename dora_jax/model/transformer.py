@@ -1,4 +1,5 @@
-"""The Qwen2/Llama decoder forward pass: embed, scanned layers (configurable remat), norm, logits.
+"""The Qwen2/Qwen3/Llama/Mistral decoder forward pass: embed, scanned layers (configurable
+remat), norm, logits.
 
 Inputs use one convention everywhere: ``tokens int32[B, T]``, ``positions int32[B, T]`` (RoPE
 positions), ``segment_ids int32[B, T]`` (0 marks padding; tokens attend causally within their own
@@ -48,38 +49,60 @@ def hidden_states(
     positions: jax.Array,
     segment_ids: jax.Array,
     cfg: ModelConfig,
-) -> jax.Array:
-    """Final-normed hidden states ``[B, T, D]`` in the compute dtype."""
+    routes: jax.Array | None = None,
+    return_routes: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Final-normed hidden states ``[B, T, D]`` in the compute dtype.
+
+    Mixture of experts only: ``routes int32[B, T, L, k]`` forces each token's experts per layer
+    (rows with a ``-1``: the router's choice), and ``return_routes=True`` returns
+    ``(hidden, chosen int32[B, T, L, k])``, the experts used (see :mod:`dora_jax.model.moe`)."""
+    if (routes is not None or return_routes) and not cfg.is_moe:
+        raise ValueError(f"routes are for mixture-of-experts models; family {cfg.family} is dense")
     p = cast_params(params, cfg)
     x = embed_tokens(p, tokens, cfg)
+    # Each layer's sliding window (0: none) and, with forced MoE routes, its routes [L, B, T, k]
+    # are scanned with its params.
+    windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
+    r_layers = None if routes is None else jnp.moveaxis(routes.astype(jnp.int32), 2, 0)
 
-    def apply(x, lp, positions, segment_ids):
-        x, _ = decoder_layer(lp, x, positions, cfg, make_attend(cfg, segment_ids))
-        return x
+    def apply(x, lp, r, positions, segment_ids, window):
+        out = decoder_layer(lp, x, positions, cfg, make_attend(cfg, segment_ids, window), r)
+        return (out[0], out[2]) if cfg.is_moe else (out[0], None)
 
     if cfg.remat == "nested":
         apply = _full_remat(apply)
     elif cfg.remat != "none":
         apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
 
-    def layers(x, lps, positions, segment_ids):
-        def layer(x, lp):
-            return apply(x, lp, positions, segment_ids), None
+    def layers(x, lps, rs, positions, segment_ids, windows):
+        def layer(x, lp_r_w):
+            lp, r, window = lp_r_w
+            return apply(x, lp, r, positions, segment_ids, window)
 
-        return jax.lax.scan(layer, x, lps)[0]
+        return jax.lax.scan(layer, x, (lps, rs, windows))
 
     if cfg.remat == "nested":
         g = remat_group_size(cfg.num_layers)
-        grouped = jax.tree.map(lambda w: w.reshape(-1, g, *w.shape[1:]), p["layers"])
+
+        def grouped(w):
+            return w.reshape(-1, g, *w.shape[1:])
+
         group = _full_remat(layers)
 
-        def one_group(x, lps):
-            return group(x, lps, positions, segment_ids), None
+        def one_group(x, lps_rs_ws):
+            lps, rs, ws = lps_rs_ws
+            return group(x, lps, rs, positions, segment_ids, ws)
 
-        x, _ = jax.lax.scan(one_group, x, grouped)
+        xs = jax.tree.map(grouped, (p["layers"], r_layers, windows))
+        x, chosen = jax.lax.scan(one_group, x, xs)
+        chosen = None if chosen is None else chosen.reshape(-1, *chosen.shape[2:])
     else:
-        x = layers(x, p["layers"], positions, segment_ids)
-    return rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+        x, chosen = layers(x, p["layers"], r_layers, positions, segment_ids, windows)
+    h = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+    if return_routes:
+        return h, jnp.moveaxis(chosen, 0, 2)  # [L, B, T, k] -> [B, T, L, k]
+    return h
 
 
 def remat_group_size(num_layers: int) -> int:
@@ -90,11 +113,12 @@ def remat_group_size(num_layers: int) -> int:
 
 
 def _full_remat(apply):
-    """``apply(x, lp, positions, segment_ids)`` whose backward pass recomputes it from its input
-    ``x``, the only thing kept between the passes (what ``jax.checkpoint`` with
-    ``nothing_saveable`` does, written as a ``custom_vjp``; ``remat: nested`` uses it for layers
-    and for groups of layers). A 16-bit ``x`` is kept as its bit pattern (uint16): XLA's CPU
-    backend widens a saved bfloat16 stack ``[L, B, T, D]`` to float32 around its dynamic slices
+    """``apply(x, lp, routes, positions, segment_ids, window) -> (y, aux)`` whose backward pass
+    recomputes it from its input ``x``, the only thing kept between the passes (what
+    ``jax.checkpoint`` with ``nothing_saveable`` does, written as a ``custom_vjp``; ``remat:
+    nested`` uses it for layers and for groups of layers). ``aux`` (the experts a MoE layer used,
+    or None) is integer and has no gradient. A 16-bit ``x`` is kept as its bit pattern (uint16):
+    XLA's CPU backend widens a saved bfloat16 stack ``[L, B, T, D]`` to float32 around its dynamic slices
     and hoists that conversion out of the backward loop (measured: the saved activations
     materialised again at twice their size); integers are left alone."""
 
@@ -102,19 +126,22 @@ def _full_remat(apply):
         return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
 
     @jax.custom_vjp
-    def f(x, lp, positions, segment_ids):
-        return apply(x, lp, positions, segment_ids)
+    def f(x, lp, routes, positions, segment_ids, window):
+        return apply(x, lp, routes, positions, segment_ids, window)
 
-    def fwd(x, lp, positions, segment_ids):
-        y = apply(x, lp, positions, segment_ids)
-        return y, (bits(x), jnp.zeros((0,), x.dtype), lp, positions, segment_ids)
+    def fwd(x, lp, routes, positions, segment_ids, window):
+        y = apply(x, lp, routes, positions, segment_ids, window)
+        res = (bits(x), jnp.zeros((0,), x.dtype), lp, routes, positions, segment_ids, window)
+        return y, res
 
     def bwd(res, g):
-        xb, like, lp, positions, segment_ids = res
+        xb, like, lp, routes, positions, segment_ids, window = res
         x = jax.lax.bitcast_convert_type(xb, like.dtype) if xb.dtype != like.dtype else xb
-        _, vjp = jax.vjp(lambda x, lp: apply(x, lp, positions, segment_ids), x, lp)
-        dx, dlp = vjp(g)
-        return dx, dlp, None, None
+        _, vjp = jax.vjp(
+            lambda x, lp: apply(x, lp, routes, positions, segment_ids, window)[0], x, lp
+        )
+        dx, dlp = vjp(g[0])
+        return dx, dlp, None, None, None, None
 
     f.defvjp(fwd, bwd)
     return f

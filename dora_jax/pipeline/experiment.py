@@ -374,12 +374,12 @@ def _cluster(
     if cluster.owner(meshes.trainer, "the trainer mesh") != process.index:
         raise ProcessError("the trainer mesh must be on process 0's devices (a trainer spanning "
                            "hosts is not supported yet): check mesh.trainer.devices")  # fmt: skip
-    tp = cfg.mesh.rollout.tp
+    r = cfg.mesh.rollout
     staging: list = []
 
     def stage_shardings():  # the group layout on process 0's devices, for weights going out
         if not staging:
-            mesh = make_mesh(jax.local_devices()[:tp], 1, tp)
+            mesh = make_mesh(jax.local_devices()[: r.group_size], 1, r.tp, r.expert)
             staging.append(tree_shardings(param_axes(cfg.model), abstract_params(cfg.model),
                                           rollout_rules(), mesh))  # fmt: skip
         return staging[0]

@@ -315,8 +315,8 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     if exports_in_group_layout():
         # version 0 in the trainer's layout, every later one in the groups' layout on process
         # 0's first tp devices (counted as if all K + 1 live versions were there at once)
-        tp = cfg.mesh.rollout.tp
-        e_mesh = make_mesh(jax.local_devices()[:tp], 1, tp)
+        r_mesh = cfg.mesh.rollout
+        e_mesh = make_mesh(jax.local_devices()[: r_mesh.group_size], 1, r_mesh.tp, r_mesh.expert)
         e_sh = tree_shardings(param_axes(m), p_abs, rollout_rules(), e_mesh)
         for d, n in export.items():
             items.append(Item(d, f"exports (version 0, {n / GiB:.2f} GiB)", n))
@@ -329,7 +329,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
 
     # engines
     trainer_ids = set(_mesh_ids(tmesh))
-    t_layout = (cfg.mesh.trainer.data, cfg.mesh.trainer.model)
+    t_layout = (cfg.mesh.trainer.data, cfg.mesh.trainer.expert, cfg.mesh.trainer.model)
     per_device_groups: dict[int, int] = defaultdict(int)
     g_sh = [tree_shardings(param_axes(m), p_abs, rollout_rules(), g) for g in meshes.groups]
     for g in meshes.groups:
@@ -340,7 +340,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
         g_index = next(i for i, g in enumerate(meshes.groups) if d in _mesh_ids(g))
         per = _per_device(p_abs, g_sh[g_index])[d]
         same = d in trainer_ids and set(_mesh_ids(meshes.groups[g_index])) == trainer_ids
-        if same and t_layout == (1, cfg.mesh.rollout.tp):
+        if same and t_layout == (1, cfg.mesh.rollout.expert, cfg.mesh.rollout.tp):
             aliased.append(d)
             continue
         copies = min(n_groups, live)
@@ -380,7 +380,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     if _evaluates(cfg):
         slots = min(64, cfg.eval.num_prompts * cfg.eval.samples_per_prompt)  # as Evaluator's
         eval_pages = slots * -(-(r.max_prompt_len + r.max_new_tokens) // r.page_size) + 1
-        if t_layout != (1, 1):
+        if t_layout != (1, 1, 1):
             per = sum(math.prod(a.shape) for a in jax.tree.leaves(p_abs)) * model_bytes
             items.append(Item(ev, "evaluator params (one full copy)", per))
         items.append(Item(ev, f"evaluator KV ({eval_pages} pages)",

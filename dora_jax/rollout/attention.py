@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from dora_jax.kernels.kv_cache_ops import append_kv, append_kv_chunk
 from dora_jax.kernels.paged_attention import paged_decode_attention
-from dora_jax.model.attention import NEG_INF, blockwise_attention
+from dora_jax.model.attention import NEG_INF, blockwise_attention, effective_window
 
 HEADS = P(None, "model", None)  # [B, N|K, H]
 CHUNK_HEADS = P(None, None, "model", None)  # [B, C, N|K, H]
@@ -56,27 +56,35 @@ def decode_attend(
     mesh: Mesh,
     impl: str,
     interpret: bool,
+    window: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write this step's K/V at position ``lengths - 1`` and attend over ``lengths`` tokens.
 
     ``q [B,1,N,H]``, ``k, v [B,1,K,H]``; ``lengths`` counts the new token. Inactive rows write
-    nothing and attend over nothing. Returns ``(out [B,1,N,H], k_pages, v_pages)``.
+    nothing and attend over nothing. ``window`` (int32 scalar, 0: none; None: none): the layer's
+    sliding window, only the last ``window`` tokens are attended to. Returns
+    ``(out [B,1,N,H], k_pages, v_pages)``.
     """
+    windowed = window is not None
+    window = jnp.asarray(0 if window is None else window, jnp.int32)
     Z = k_pages.shape[2]
     pos = jnp.maximum(lengths - 1, 0)
     slot_page = jnp.take_along_axis(block_tables, (pos // Z)[:, None], axis=1)[:, 0]
     slot_offset = (pos % Z).astype(jnp.int32)
     lengths = jnp.where(active, lengths, 0).astype(jnp.int32)
 
-    def local(q, k, v, kp, vp, bt, ln, sp, so, act):
+    def local(q, k, v, kp, vp, bt, ln, sp, so, act, w):
         kp, vp = append_kv(kp, vp, k, v, sp, so, act, impl=impl, interpret=interpret)
-        out = paged_decode_attention(q, kp, vp, bt, ln, scale=scale, impl=impl, interpret=interpret)
+        out = paged_decode_attention(
+            q, kp, vp, bt, ln, scale=scale, impl=impl, interpret=interpret,
+            window=w if windowed else None,
+        )  # fmt: skip
         return out, kp, vp
 
     fn = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(HEADS, HEADS, HEADS, PAGES, PAGES) + (REPLICATED,) * 5,
+        in_specs=(HEADS, HEADS, HEADS, PAGES, PAGES) + (REPLICATED,) * 6,
         out_specs=(HEADS, PAGES, PAGES),
         check_vma=False,
     )
@@ -91,6 +99,7 @@ def decode_attend(
         slot_page,
         slot_offset,
         active,
+        window,
     )
     return out[:, None], k_pages, v_pages
 
@@ -111,6 +120,7 @@ def prefill_attend(
     interpret: bool,
     chunk_attention: str = "dense",
     block: int = 512,
+    window: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write a prompt chunk's K/V (positions ``start .. start+num_valid-1``) and attend each chunk
     token causally over everything the sequence has in the cache so far.
@@ -118,27 +128,30 @@ def prefill_attend(
     ``q [B,C,N,H]``, ``k, v [B,C,K,H]``. Rows with ``num_valid = 0`` write nothing. Query rows past
     ``num_valid`` produce finite values that callers ignore. ``chunk_attention`` is ``"dense"``
     (``[B, K, G, C, S]`` scores) or ``"blockwise"`` (:func:`blockwise_attention` over the gathered
-    pages, blocks of ``block``). Returns ``(out, k_pages, v_pages)``.
+    pages, blocks of ``block``). ``window`` (int32 scalar, 0 or None: none): the layer's sliding
+    window, key ``s`` is visible to position ``p`` only if ``s > p - window``. Returns
+    ``(out, k_pages, v_pages)``.
     """
+    window = jnp.asarray(0 if window is None else window, jnp.int32)
     if chunk_attention not in ("dense", "blockwise"):
         raise ValueError(f"chunk_attention must be 'dense' or 'blockwise', got {chunk_attention!r}")
 
-    def local(q, k, v, kp, vp, bt, st, nv):
+    def local(q, k, v, kp, vp, bt, st, nv, w):
         kp, vp = append_kv_chunk(kp, vp, k, v, bt, st, nv, impl=impl, interpret=interpret)
         if chunk_attention == "blockwise":
-            out = _paged_chunk_blockwise(q, kp, vp, bt, st, nv, scale, block)
+            out = _paged_chunk_blockwise(q, kp, vp, bt, st, nv, scale, block, w)
         else:
-            out = _paged_chunk_attention(q, kp, vp, bt, st, nv, scale)
+            out = _paged_chunk_attention(q, kp, vp, bt, st, nv, scale, w)
         return out, kp, vp
 
     fn = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(CHUNK_HEADS, CHUNK_HEADS, CHUNK_HEADS, PAGES, PAGES) + (REPLICATED,) * 3,
+        in_specs=(CHUNK_HEADS, CHUNK_HEADS, CHUNK_HEADS, PAGES, PAGES) + (REPLICATED,) * 4,
         out_specs=(CHUNK_HEADS, PAGES, PAGES),
         check_vma=False,
     )
-    return fn(q, k, v, k_pages, v_pages, block_tables, start, num_valid)
+    return fn(q, k, v, k_pages, v_pages, block_tables, start, num_valid, window)
 
 
 def _gather_pages(k_pages, v_pages, block_tables):
@@ -151,20 +164,26 @@ def _gather_pages(k_pages, v_pages, block_tables):
 
 
 @partial(jax.named_call, name="paged_chunk_blockwise")
-def _paged_chunk_blockwise(q, k_pages, v_pages, block_tables, start, num_valid, scale, block):
+def _paged_chunk_blockwise(
+    q, k_pages, v_pages, block_tables, start, num_valid, scale, block, window=None
+):
     """Blockwise attention of a chunk over its gathered pages: key ``s`` is visible to chunk
-    token ``c`` iff ``s <= start + c`` and ``s < start + num_valid`` (pure jnp, one device)."""
+    token ``c`` iff ``s <= start + c``, ``s < start + num_valid`` and ``s > start + c - window``
+    (for a window > 0; pure jnp, one device)."""
     B, C = q.shape[:2]
     ks, vs = _gather_pages(k_pages, v_pages, block_tables)
     S = ks.shape[1]
     kv_seg = (jnp.arange(S)[None, :] < (start + num_valid)[:, None]).astype(jnp.int32)
     q_seg = jnp.ones((B, C), jnp.int32)
-    return blockwise_attention(q, ks, vs, q_seg, kv_seg, scale, q_offset=start, block=block)
+    return blockwise_attention(
+        q, ks, vs, q_seg, kv_seg, scale, q_offset=start, block=block, window=window
+    )
 
 
 @partial(jax.named_call, name="paged_chunk_attention")
-def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid, scale):
-    """Dense attention of a chunk over its sequence's gathered pages (pure jnp, single device)."""
+def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid, scale, window=None):
+    """Dense attention of a chunk over its sequence's gathered pages (pure jnp, single device);
+    a ``window`` > 0 also hides keys ``s <= position - window``."""
     B, C, N, H = q.shape
     K = k_pages.shape[0]
     ks, vs = _gather_pages(k_pages, v_pages, block_tables)
@@ -173,6 +192,7 @@ def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid, 
     kv_pos = jnp.arange(S)
     end = (start + num_valid)[:, None, None]
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < end)
+    mask = mask & (kv_pos[None, None, :] > q_pos[:, :, None] - effective_window(window))
     qg = q.reshape(B, C, K, N // K, H)
     scores = jnp.einsum("BCKGH,BSKH->BKGCS", qg, ks, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, None], scores * scale, NEG_INF)

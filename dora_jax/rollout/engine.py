@@ -118,6 +118,9 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= n)
 
 
+# host dtype of recorded MoE routes (expert ids; checked against num_experts at engine start)
+ROUTE_DTYPE = np.int16
+
 _decode_jit = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,))
 _prefill_jit = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,))
 
@@ -144,7 +147,11 @@ def _compact_routes(reqs: Iterable[Request]) -> None:
 
 
 class Engine:
-    """One rollout group's engine on ``mesh`` (axes ``("data", "model")``, data = 1)."""
+    """One rollout group's engine on ``mesh`` (axes ``("data", "expert", "model")``, data = 1).
+
+    For a mixture of experts every request records the experts each fed token used in each layer
+    (``Request.routes``; a finished one carries them as ``FinishedRequest.routes``), for routing
+    replay in the trainer. A prefill, including a re-prefill, records its fed tokens afresh."""
 
     def __init__(
         self,
@@ -159,6 +166,8 @@ class Engine:
         # eos_id: one id or several (any of them ends a response), plus rollout.extra_eos_ids
         self.eos_ids = stop_ids(eos_id, rcfg.extra_eos_ids)
         self.cfg, self.rcfg, self.mesh, self.eos_id = cfg, rcfg, mesh, self.eos_ids[0]
+        if cfg.is_moe and cfg.num_experts > np.iinfo(ROUTE_DTYPE).max:
+            raise EngineError(f"model.num_experts={cfg.num_experts}: recorded routes are int16")
         if rcfg.num_pages is None:
             raise EngineError("rollout.num_pages is null: the memory plan sizes it "
                               "(pipeline.memory_plan), or set it")  # fmt: skip
@@ -520,10 +529,22 @@ class Engine:
                     prefill_tokens=r.prefill_tokens,
                     migrations=r.migrations,
                     latency_s=time.perf_counter() - r.submitted_at,
-                    routes=np.concatenate(r.routes) if r.routes else None,
+                    routes=self._finished_routes(r),
                 )
             )
             self.free_resource(self.slots.index(r))
+
+    def _finished_routes(self, r: Request) -> np.ndarray | None:
+        """``int16[len(prompt) + len(tokens), L, k]``: the recorded routes of the fed tokens and
+        a row of -1 for the last token (never fed); None for dense models."""
+        if not self.cfg.is_moe:
+            return None
+        L, k = self.cfg.num_layers, self.cfg.num_experts_per_tok
+        fed = np.concatenate(r.routes) if r.routes else np.zeros((0, L, k), ROUTE_DTYPE)
+        if len(fed) != r.cached_tokens:
+            raise EngineError(f"request {r.id!r}: {len(fed)} tokens' routes recorded for "
+                              f"{r.cached_tokens} fed tokens")  # fmt: skip
+        return np.concatenate([fed, np.full((1, L, k), -1, ROUTE_DTYPE)])
 
     def _prefill(self, reqs: list[Request], report: StepReport) -> list[FinishedRequest]:
         t0 = time.perf_counter()
@@ -534,7 +555,6 @@ class Engine:
                 raise EngineError("no free slot to prefill into")
             self.alloc.ensure(r.id, r.cached_tokens + 1)
             self.slots[slot] = r
-            r.routes = []  # recorded anew (a re-prefill routes with this engine's version)
         seqs = [list(r.prompt) + list(r.tokens[:-1]) for r in reqs]
         C = self.rcfg.prefill_chunk
         B = _bucket(len(reqs), self.buckets)
@@ -543,6 +563,9 @@ class Engine:
         for i, r in enumerate(reqs):
             keys[i] = r.key
         tables_d, keys_d = self._put(tables, keys)
+        moe = self.cfg.is_moe
+        for r in reqs:  # a prefill (re)computes the routes of every fed token
+            r.routes = []
         longest = max(len(s) for s in seqs)
         for start in range(0, longest, C):
             chunk = np.zeros((B, C), np.int32)
@@ -552,7 +575,7 @@ class Engine:
                 piece = s[start : start + C]
                 chunk[i, : len(piece)] = piece
                 valid[i] = len(piece)
-            self.cache, tok, lp, _, *routes = _prefill_jit(
+            self.cache, tok, lp, _, routes = _prefill_jit(
                 self.params,
                 self.cache,
                 *self._put(chunk, starts, valid),
@@ -560,11 +583,11 @@ class Engine:
                 keys_d,
                 st=self._st,
             )
-            if routes and routes[0] is not None:
-                chunk_routes = np.asarray(routes[0]).astype(np.int16)  # [B, C, L, k]
+            if moe:
+                routes = np.asarray(routes).astype(ROUTE_DTYPE)
                 for i, r in enumerate(reqs):
                     if valid[i]:
-                        r.routes.append(chunk_routes[i, : valid[i]].copy())
+                        r.routes.append(routes[i, : valid[i]].copy())
             ends = [i for i, s in enumerate(seqs) if start < len(s) <= start + C]
             if ends:
                 tok, lp = np.asarray(tok), np.asarray(lp)
@@ -602,23 +625,21 @@ class Engine:
             tokens[i], positions[i] = r.tokens[-1], r.total_tokens - 1
             active[i], keys[i] = True, r.key
             remaining[i] = r.max_new_tokens - len(r.tokens)
-        self.cache, tok, lp, logits, *routes = _decode_jit(
+        self.cache, tok, lp, logits, routes = _decode_jit(
             self.params,
             self.cache,
             *self._put(tokens, positions, tables, active, keys, remaining),
             st=self._st,
         )
         tok, lp = np.asarray(tok), np.asarray(lp)
-        # MoE: the experts of each token fed in, int16[S, B, L, k] (step j feeds the token
-        # sampled by step j - 1)
-        fed = np.asarray(routes[0]).astype(np.int16) if routes and routes[0] is not None else None
         if logits is not None:
             self.last_logits = {r.id: np.asarray(logits[i]) for i, r in enumerate(rows)}
+        routes = None if routes is None else np.asarray(routes).astype(ROUTE_DTYPE)  # [S,B,L,k]
         sampled = 0
         for i, r in enumerate(rows):
             for j in range(min(self.decode_steps, int(remaining[i]))):
-                if fed is not None:
-                    r.routes.append(fed[j, i][None])
+                if routes is not None:  # step j's fed token: the last token before this append
+                    r.routes.append(routes[j, i][None])
                 r.tokens.append(int(tok[j, i]))
                 r.logprobs.append(float(lp[j, i]))
                 sampled += 1

@@ -33,10 +33,9 @@ class Request:
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     migrations: int = 0
-    # Mixture-of-experts models: the experts each cached token was routed to, in chunks
-    # ``int16[n, L, k]`` (prompt tokens from prefill, then each fed response token), so that
-    # ``sum(n) == cached_tokens``; empty for dense models. Travels with the request (migration,
-    # parking, checkpoints) like its KV pages.
+    # Mixture of experts only: the experts each fed token (prompt, then every generated token
+    # but the last) used in each layer, as chunks int16[n, L, k] in token order (routing
+    # replay); empty for dense models.
     routes: list[np.ndarray] = field(default_factory=list)
 
     @property
@@ -62,8 +61,9 @@ class FinishedRequest:
     prefill_tokens: int
     migrations: int
     latency_s: float
-    # MoE: ``int16[P + R - 1, L, k]``, the experts of every token the engine fed through the
-    # model (all but the last response token); None for dense models
+    # Mixture of experts: int16[len(prompt) + len(tokens), L, k], the experts each token used
+    # in each layer when it was fed to the model; the last token was never fed: its row is -1
+    # (the router's own choice, if replayed). None for dense models.
     routes: np.ndarray | None = None
 
 

@@ -77,10 +77,13 @@ class StepStatic:
 
 
 def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStatic, attend_layer):
-    """Scan the decoder layers carrying the whole cache (updated in place).
+    """Scan the decoder layers carrying the whole cache (updated in place). Returns
+    ``(x, cache, routes)``: ``routes int32[B, T, L, k]``, the experts each token used in each
+    layer, for a mixture of experts; None for dense models.
 
-    ``attend_layer(q, k, v, scale, k_cache, v_cache, layer_tables) -> (o, k_cache, v_cache)`` where
-    ``layer_tables`` are the block tables offset to this layer's pages.
+    ``attend_layer(q, k, v, scale, k_cache, v_cache, layer_tables, window) -> (o, k_cache,
+    v_cache)`` where ``layer_tables`` are the block tables offset to this layer's pages and
+    ``window`` is the layer's sliding window (int32 scalar, 0: none; None for a model without one).
     """
     P = cache.pages_per_layer
     # The stacked 16-bit weights enter the scan as bit patterns (no gradients here): XLA's CPU
@@ -89,22 +92,27 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
     dtypes = jax.tree.map(lambda w: w.dtype, params["layers"])
     bits = jax.tree.map(_to_bits, params["layers"])
 
+    windows = jnp.asarray(st.cfg.layer_windows(), jnp.int32)
+
     def layer(carry, xs):
         x, kc, vc = carry
         lb, l = xs
         lp = jax.tree.map(_from_bits, lb, dtypes)
         tables = block_tables + l * P
+        window = None if st.cfg.sliding_window is None else windows[l]
 
         def attend(q, k, v, scale):
-            o, kc2, vc2 = attend_layer(q, k, v, scale, kc, vc, tables)
+            o, kc2, vc2 = attend_layer(q, k, v, scale, kc, vc, tables, window)
             return o, (kc2, vc2)
 
-        x, (kc, vc) = decoder_layer(lp, x, positions, st.cfg, attend)
-        return (x, kc, vc), None
+        out = decoder_layer(lp, x, positions, st.cfg, attend)
+        x, (kc, vc) = out[:2]
+        return (x, kc, vc), (out[2] if st.cfg.is_moe else None)
 
     layers = jnp.arange(cache.num_layers, dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (bits, layers))
-    return x, cache.replace(k=k, v=v)
+    (x, k, v), chosen = jax.lax.scan(layer, (x, cache.k, cache.v), (bits, layers))
+    routes = None if chosen is None else jnp.moveaxis(chosen, 0, 2)  # [B, T, L, k]
+    return x, cache.replace(k=k, v=v), routes
 
 
 def _to_bits(w: jax.Array) -> jax.Array:
@@ -118,7 +126,7 @@ def _from_bits(b: jax.Array, dtype) -> jax.Array:
 def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: StepStatic):
     x = embed_tokens(p, tokens[:, None], st.cfg)
 
-    def attend_layer(q, k, v, scale, kc, vc, tables):
+    def attend_layer(q, k, v, scale, kc, vc, tables, window):
         return decode_attend(
             q,
             k,
@@ -132,13 +140,14 @@ def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: St
             mesh=st.mesh,
             impl=st.impl,
             interpret=st.interpret,
+            window=window,
         )
 
-    x, cache = _run_layers(p, cache, x, positions[:, None], block_tables, st, attend_layer)
+    x, cache, routes = _run_layers(p, cache, x, positions[:, None], block_tables, st, attend_layer)
     h = rms_norm(x[:, 0], p["final_norm"], st.cfg.rms_norm_eps)
     logits = logits_from_hidden(p, h, st.cfg)
     next_tokens, logprobs = sample(logits, keys, positions + 1, st.sampling)
-    return cache, next_tokens, logprobs, logits
+    return cache, next_tokens, logprobs, logits, (None if routes is None else routes[:, 0])
 
 
 def stop_ids(eos: int | Sequence[int], extra: Sequence[int] = ()) -> tuple[int, ...]:
@@ -182,31 +191,37 @@ def decode_step(
       key_data: uint32[B, 2]; remaining: int32[B], tokens each row may still produce.
 
     Returns:
-      ``(cache, tokens int32[S, B], logprobs f32[S, B], logits f32[B, V] or None)`` with
+      ``(cache, tokens int32[S, B], logprobs f32[S, B], logits f32[B, V] or None, routes)`` with
       ``S = decode_steps``: step ``j``'s token sits at ``positions + 1 + j``. A row stops (writes
       and attends nothing) after ``remaining`` tokens or after sampling ``st.eos_id``; the host
-      ignores its later outputs. ``logits`` are those of the first step.
+      ignores its later outputs. ``logits`` are those of the first step. ``routes``: for a
+      mixture of experts, int32[S, B, L, k], the experts used in each layer by the token *fed*
+      at step ``j`` (step 0: ``tokens``; step ``j``: the token sampled at step ``j - 1``); None
+      for dense models.
     """
     p = cast_params(params, st.cfg)
     keys = jax.random.wrap_key_data(key_data)
     if st.decode_steps == 1:
-        cache, nxt, lp, logits = _decode_once(
+        cache, nxt, lp, logits, routes = _decode_once(
             p, cache, tokens, positions, block_tables, active, keys, st
         )
-        return cache, nxt[None], lp[None], (logits if st.return_logits else None)
+        routes = None if routes is None else routes[None]
+        return cache, nxt[None], lp[None], (logits if st.return_logits else None), routes
 
     def one(carry, j):
         cache, tok, pos, live = carry
         run = live & (j < remaining)
-        cache, nxt, lp, logits = _decode_once(p, cache, tok, pos, block_tables, run, keys, st)
+        cache, nxt, lp, logits, routes = _decode_once(
+            p, cache, tok, pos, block_tables, run, keys, st
+        )
         live = run & ~_is_eos(nxt, st.eos_ids)
-        return (cache, nxt, pos + 1, live), (nxt, lp, logits)
+        return (cache, nxt, pos + 1, live), (nxt, lp, logits, routes)
 
     steps = jnp.arange(st.decode_steps, dtype=jnp.int32)
-    (cache, _, _, _), (toks, lps, logits) = jax.lax.scan(
+    (cache, _, _, _), (toks, lps, logits, routes) = jax.lax.scan(
         one, (cache, tokens, positions, active), steps
     )
-    return cache, toks, lps, (logits[0] if st.return_logits else None)
+    return cache, toks, lps, (logits[0] if st.return_logits else None), routes
 
 
 def prefill_step(
@@ -223,14 +238,16 @@ def prefill_step(
 
     Rows with ``num_valid = 0`` are padding. The token after each row's last valid chunk token
     (position ``start + num_valid``) is sampled; callers use it only for rows whose prompt ends
-    in this chunk. Returns ``(cache, next_tokens, logprobs, logits or None)``.
+    in this chunk. Returns ``(cache, next_tokens, logprobs, logits or None, routes)``:
+    ``routes`` int32[B, C, L, k] (the experts each chunk token used in each layer; entries of
+    positions past ``num_valid`` are meaningless) for a mixture of experts, None for dense models.
     """
     p = cast_params(params, st.cfg)
     B, C = tokens.shape
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     x = embed_tokens(p, tokens, st.cfg)
 
-    def attend_layer(q, k, v, scale, kc, vc, tables):
+    def attend_layer(q, k, v, scale, kc, vc, tables, window):
         return prefill_attend(
             q,
             k,
@@ -248,16 +265,17 @@ def prefill_step(
             # chunks of a "cudnn" model use the blockwise path (docs in model/attention.py)
             chunk_attention="dense" if st.cfg.attention == "dense" else "blockwise",
             block=st.cfg.attention_block,
+            window=window,
         )
 
-    x, cache = _run_layers(p, cache, x, positions, block_tables, st, attend_layer)
+    x, cache, routes = _run_layers(p, cache, x, positions, block_tables, st, attend_layer)
     last = jnp.clip(num_valid - 1, 0, C - 1)
     h = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     h = rms_norm(h, p["final_norm"], st.cfg.rms_norm_eps)
     logits = logits_from_hidden(p, h, st.cfg)
     keys = jax.random.wrap_key_data(key_data)
     next_tokens, logprobs = sample(logits, keys, start + num_valid, st.sampling)
-    return cache, next_tokens, logprobs, (logits if st.return_logits else None)
+    return cache, next_tokens, logprobs, (logits if st.return_logits else None), routes
 
 
 def lower_steps(

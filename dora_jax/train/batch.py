@@ -17,7 +17,8 @@ Layout of a :class:`TrainBatch` (``B`` rows, ``T`` the length bucket, ``S = NG *
   ``sample_index`` names the sample of every slot (``S`` for padding).
 - Mixture-of-experts models also get ``routes int16[B, T, L, k]``: at slot ``j`` the experts the
   engine routed that slot's token to in each layer (recorded while sampling), -1 where nothing
-  was recorded (the last token of a sample, padding, a trajectory without routes): the trainer
+  was recorded (the last token of a sample, never fed; padding; a trajectory without routes):
+  the trainer
   can replay them (``train.routing_replay``) and reports how often its own router disagrees.
 - ``T`` is the smallest of ``TrainConfig.length_buckets`` that fits (for packed batches: that
   lets first-fit-decreasing fit all samples into the rows), so the jitted step compiles once per
@@ -57,7 +58,7 @@ class Trajectory:
     reward: float
     version: int  # the policy version that generated every token
     group_id: Hashable  # prompt group
-    routes: Any = None  # MoE: int[P + R - 1, L, k], the engine's experts of each fed token
+    routes: Any = None  # MoE: int[P + R, L, k], the engine's experts per token (-1: not fed)
 
 
 @flax.struct.dataclass
@@ -239,13 +240,12 @@ def pack_batch(
         sample_index[r, o : o + L] = s
         if routes is not None and getattr(m, "routes", None) is not None:
             rt = np.asarray(m.routes)
-            if rt.shape != (L - 1, *routes_shape):
+            if rt.shape != (L, *routes_shape):
                 raise ValueError(
                     f"sample {s} of group {m.group_id!r}: routes of shape {rt.shape}, expected "
-                    f"{(L - 1, *routes_shape)} (one [layers, experts per token] entry per token "
-                    "but the last)"
+                    f"{(L, *routes_shape)} (one [layers, experts per token] entry per token)"
                 )
-            routes[r, o : o + L - 1] = rt
+            routes[r, o : o + L] = rt
 
     n = len(samples)
     rewards = np.zeros((S,), np.float32)

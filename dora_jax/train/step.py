@@ -290,7 +290,11 @@ def _metrics(
 
 def default_rules(mesh: Mesh) -> Rules:
     """:func:`trainer_rules` for ``mesh``'s ``data`` x ``model`` shape (no FSDP)."""
-    return trainer_rules(TrainerMeshConfig(data=mesh.shape["data"], model=mesh.shape["model"]))
+    return trainer_rules(
+        TrainerMeshConfig(
+            data=mesh.shape["data"], model=mesh.shape["model"], expert=mesh.shape.get("expert", 1)
+        )
+    )
 
 
 def routes_shape(cfg: ModelConfig) -> tuple[int, int] | None:
@@ -487,10 +491,10 @@ class Trainer:
         """``ValueError`` unless the rows split into microbatches spread over ``data``."""
         mult = self.train_cfg.microbatches
         if self.mesh is not None:
-            mult *= self.mesh.shape["data"]
+            mult *= self.mesh.shape["data"] * self.mesh.shape.get("expert", 1)
         if batch.num_rows % mult:
             raise ValueError(
-                f"{batch.num_rows} batch rows must be a multiple of microbatches x data "
+                f"{batch.num_rows} batch rows must be a multiple of microbatches x data (x expert) "
                 f"= {mult}; set train.pack_rows or the number of prompt groups accordingly"
             )
 
