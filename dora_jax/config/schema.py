@@ -402,6 +402,10 @@ class TrainConfig:
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
     tis_cap: float | None = None  # truncated importance weight cap for engine/trainer mismatch
+    # Mixture-of-experts policies: the train forward uses the experts the engine routed each
+    # token to (recorded while sampling) instead of recomputing the routing, so the importance
+    # ratio compares the same experts. Either way the metrics report routing_diff_share.
+    routing_replay: bool = False
     kl_beta: float = 0.0
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     length_buckets: tuple[int, ...] = (64, 128, 256, 512)

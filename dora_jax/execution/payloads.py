@@ -9,6 +9,7 @@ reads them; neither the control plane nor the engine depends on them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -32,3 +33,4 @@ class Completion:
     finish_reason: str
     prefill_tokens: int
     migrations: int
+    routes: Any = None  # MoE: int16[P + R - 1, L, k], each fed token's experts (engine-recorded)

@@ -166,6 +166,7 @@ class GRPOTrainer:
                         reward=reward,
                         version=rg.version,
                         group_id=rg.prompt_group,
+                        routes=comp.routes,
                     )
                 )
         # a broken policy may have sampled non-finite logprobs: the step's guard skips the step

@@ -138,6 +138,14 @@ def _unpack(cache: KVCache, buffer, page_ids, impl, interpret):
     return cache.replace(k=k[0], v=v[0])
 
 
+def _compact_routes(reqs: Iterable[Request]) -> None:
+    """One array of recorded routes per request (they grow a token at a time while decoding)
+    before a request leaves the engine or is saved."""
+    for r in reqs:
+        if len(r.routes) > 1:
+            r.routes = [np.concatenate(r.routes)]
+
+
 class Engine:
     """One rollout group's engine on ``mesh`` (axes ``("data", "expert", "model")``, data = 1).
 
@@ -312,6 +320,7 @@ class Engine:
         """Take running requests out with their KV pages packed into one buffer on this mesh.
         Their slots and pages are freed here; nothing is recomputed at the destination."""
         reqs = [self._running(i) for i in ids]
+        _compact_routes(reqs)
         page_counts, kv = self._pack_requests(reqs)
         for r in reqs:
             self.free_resource(self.slots.index(r))
@@ -321,6 +330,7 @@ class Engine:
         """A host copy of everything in flight (request records and the KV pages of running
         ones), taken without disturbing the engine: what a checkpoint stores."""
         running = [r for r in self.slots if r is not None]
+        _compact_routes(running)
         counts, kv = self._pack_requests(running)
         kv = np.asarray(kv)
         return EngineSnapshot(
@@ -577,7 +587,7 @@ class Engine:
                 routes = np.asarray(routes).astype(ROUTE_DTYPE)
                 for i, r in enumerate(reqs):
                     if valid[i]:
-                        r.routes.append(routes[i, : valid[i]])
+                        r.routes.append(routes[i, : valid[i]].copy())
             ends = [i for i, s in enumerate(seqs) if start < len(s) <= start + C]
             if ends:
                 tok, lp = np.asarray(tok), np.asarray(lp)

@@ -15,6 +15,11 @@ Layout of a :class:`TrainBatch` (``B`` rows, ``T`` the length bucket, ``S = NG *
   a response token (so prompt tokens, the last token and padding never enter the loss), and
   ``behavior_logprobs`` holds the engine's log-probability of that response token there.
   ``sample_index`` names the sample of every slot (``S`` for padding).
+- Mixture-of-experts models also get ``routes int16[B, T, L, k]``: at slot ``j`` the experts the
+  engine routed that slot's token to in each layer (recorded while sampling), -1 where nothing
+  was recorded (the last token of a sample, never fed; padding; a trajectory without routes):
+  the trainer
+  can replay them (``train.routing_replay``) and reports how often its own router disagrees.
 - ``T`` is the smallest of ``TrainConfig.length_buckets`` that fits (for packed batches: that
   lets first-fit-decreasing fit all samples into the rows), so the jitted step compiles once per
   bucket, not once per maximum length.
@@ -53,6 +58,7 @@ class Trajectory:
     reward: float
     version: int  # the policy version that generated every token
     group_id: Hashable  # prompt group
+    routes: Any = None  # MoE: int[P + R, L, k], the engine's experts per token (-1: not fed)
 
 
 @flax.struct.dataclass
@@ -70,6 +76,7 @@ class TrainBatch:
     sample_mask: Any  # bool[S]       false for batch padding
     staleness: Any  # int32[S]      trainer version - trajectory version
     response_lens: Any  # int32[S]
+    routes: Any = None  # int16[B, T, L, k] MoE only: the engine's experts per token, -1 unknown
 
     @property
     def num_rows(self) -> int:
@@ -147,6 +154,7 @@ def pack_batch(
     rows: int | None = None,
     vocab_size: int | None = None,
     allow_nonfinite_logprobs: bool = False,
+    routes_shape: tuple[int, int] | None = None,
 ) -> TrainBatch:
     """Pack complete prompt groups of finished trajectories into a :class:`TrainBatch`.
 
@@ -157,7 +165,9 @@ def pack_batch(
     stays fixed across steps. ``rows``: override ``cfg.pack_rows`` (0: one sample per row).
     ``vocab_size``: if given, token ids are checked against it. ``allow_nonfinite_logprobs``:
     pack non-finite behavior logprobs (a broken policy sampled them) instead of raising; the
-    train step's non-finite guard then skips the step.
+    train step's non-finite guard then skips the step. ``routes_shape``: ``(layers, experts per
+    token)`` of a mixture-of-experts policy: the batch then carries ``routes`` (each
+    trajectory's recorded ones, -1 where it has none).
     """
     G = cfg.group_size
     if len(trajectories) == 0:
@@ -212,6 +222,7 @@ def pack_batch(
     loss_mask = np.zeros((B, T), bool)
     behavior = np.zeros((B, T), np.float32)
     sample_index = np.full((B, T), S, np.int32)
+    routes = None if routes_shape is None else np.full((B, T, *routes_shape), -1, np.int16)
     next_segment = np.ones((B,), np.int32)
     for s, (m, (r, o)) in enumerate(zip(samples, place, strict=True)):
         P, R = len(m.prompt_tokens), len(m.response_tokens)
@@ -227,6 +238,14 @@ def pack_batch(
         loss_mask[r, o + P - 1 : o + L - 1] = True
         behavior[r, o + P - 1 : o + L - 1] = np.asarray(m.behavior_logprobs, np.float32)
         sample_index[r, o : o + L] = s
+        if routes is not None and getattr(m, "routes", None) is not None:
+            rt = np.asarray(m.routes)
+            if rt.shape != (L, *routes_shape):
+                raise ValueError(
+                    f"sample {s} of group {m.group_id!r}: routes of shape {rt.shape}, expected "
+                    f"{(L, *routes_shape)} (one [layers, experts per token] entry per token)"
+                )
+            routes[r, o : o + L] = rt
 
     n = len(samples)
     rewards = np.zeros((S,), np.float32)
@@ -249,4 +268,5 @@ def pack_batch(
         sample_mask=sample_mask,
         staleness=staleness,
         response_lens=response_lens,
+        routes=routes,
     )

@@ -100,10 +100,22 @@ def token_logprobs(
     cfg: ModelConfig,
     *,
     chunk: int,
-) -> tuple[jax.Array, jax.Array]:
+    routes: jax.Array | None = None,
+    return_routes: bool = False,
+) -> tuple[jax.Array, ...]:
     """``(logp, entropy)`` ``float32[B, T]``: the model's log-probability of ``targets[b, t]``
     given the sequence up to position ``t`` (targets are the next tokens), and the entropy of
-    that next-token distribution."""
-    h = hidden_states(params, tokens, positions, segment_ids, cfg)
+    that next-token distribution.
+
+    Mixture-of-experts models: ``routes int[B, T, L, k]`` replays those experts (-1: the
+    router's own choice); ``return_routes`` appends the experts used, ``int32[B, T, L, k]``."""
+    if routes is None and not return_routes:
+        h = hidden_states(params, tokens, positions, segment_ids, cfg)
+        chosen = None
+    else:
+        h, chosen = hidden_states(
+            params, tokens, positions, segment_ids, cfg, routes=routes, return_routes=True
+        )
     w = unembed_matrix(params, cfg)
-    return chunked_logprobs(h, w, targets, chunk=chunk, seq_chunk=cfg.seq_chunk)
+    logp, ent = chunked_logprobs(h, w, targets, chunk=chunk, seq_chunk=cfg.seq_chunk)
+    return (logp, ent, chosen) if return_routes else (logp, ent)

@@ -16,7 +16,11 @@
 
 All metrics are computed from the logprobs of the params *before* the update. ``mismatch_kl``
 restricts the behavior KL to staleness-0 samples: the trainer and the engine then ran the same
-version, so it measures their numeric mismatch alone.
+version, so it measures their numeric mismatch alone. Mixture-of-experts batches carry the
+engine's routes: with ``train.routing_replay`` the forward uses them. ``routing_diff_share`` is
+the share of tokens with recorded routes that the forward sent to another set of experts (in
+any layer) than the engine did: the router's disagreement without replay (numerics, and the
+policy's change for stale samples), 0 with it (the forward reports the experts it used).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ SUM_KEYS = (
     "entropy",
     "mismatch_kl",
     "mismatch_tokens",
+    "routed_tokens",
+    "routing_diff",
 )
 
 
@@ -74,11 +80,22 @@ def _microbatch_loss(
     mcfg, tcfg = state.model_cfg, state.train_cfg
     toks = {k: constrain(mb[k], ("batch", "seq")) for k in TOKEN_FIELDS}
 
-    def logprobs_of(p: Params) -> tuple[jax.Array, jax.Array]:
-        return token_logprobs(p, toks["tokens"], toks["positions"], toks["segment_ids"],
-                              toks["targets"], mcfg, chunk=tcfg.logprob_chunk)  # fmt: skip
+    recorded = mb.get("routes")
+    if recorded is not None:
+        recorded = constrain(recorded, ("batch", "seq", None, None))
+    replay = recorded if recorded is not None and tcfg.routing_replay else None
 
-    logp, ent = logprobs_of(params)
+    def logprobs_of(p: Params, routes=None, return_routes=False) -> tuple[jax.Array, ...]:
+        return token_logprobs(p, toks["tokens"], toks["positions"], toks["segment_ids"],
+                              toks["targets"], mcfg, chunk=tcfg.logprob_chunk, routes=routes,
+                              return_routes=return_routes)  # fmt: skip
+
+    if recorded is None:
+        logp, ent = logprobs_of(params)
+        routed, routing_diff = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    else:
+        logp, ent, used = logprobs_of(params, routes=replay, return_routes=True)
+        routed, routing_diff = _routing_difference(used, recorded)
     mask, w = toks["loss_mask"], mb["weights"]
     sur = clipped_surrogate(
         logp,
@@ -92,7 +109,7 @@ def _microbatch_loss(
     loss = pg_loss
     kl_ref = jnp.zeros_like(logp)
     if tcfg.kl_beta > 0:
-        ref_logp, _ = logprobs_of(jax.lax.stop_gradient(ref_params))
+        ref_logp, _ = logprobs_of(jax.lax.stop_gradient(ref_params), routes=replay)
         kl_ref = kl_k3(logp, jax.lax.stop_gradient(ref_logp))
         loss = loss + tcfg.kl_beta * aggregate(kl_ref, w)
     lp = jax.lax.stop_gradient(logp)
@@ -113,8 +130,23 @@ def _microbatch_loss(
         "entropy": msum(jax.lax.stop_gradient(ent)),
         "mismatch_kl": msum(kl_behavior, mb["stale0"]),
         "mismatch_tokens": msum(1.0, mb["stale0"]),
+        "routed_tokens": routed,
+        "routing_diff": routing_diff,
     }
     return loss, sums
+
+
+def _routing_difference(used: jax.Array, recorded: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(tokens with recorded routes, those the forward routed to another set of experts in
+    some layer)``, comparing the experts ``used [B, T, L, k]`` with the engine's ``recorded``
+    (-1: none recorded) as sets."""
+    have = recorded[..., 0, 0] >= 0  # [B, T]
+    same = jnp.all(
+        jnp.sort(used.astype(jnp.int32), axis=-1) == jnp.sort(recorded.astype(jnp.int32), axis=-1),
+        axis=(-2, -1),
+    )
+    routed = jnp.sum(have.astype(jnp.float32))
+    return routed, jnp.sum((have & ~same).astype(jnp.float32))
 
 
 def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
@@ -160,6 +192,8 @@ def train_step_with_grads(
         "weights": token_weights(mask, idx, S, tcfg.loss_agg, tcfg.resolved_loss_norm_len),
         "stale0": fresh[idx] & mask,
     }
+    if batch.routes is not None:
+        per_token["routes"] = batch.routes
     mbs = {k: _split_microbatches(v, M) for k, v in per_token.items()}
 
     grad_fn = jax.value_and_grad(_microbatch_loss, has_aux=True)
@@ -204,6 +238,9 @@ def train_step_with_grads(
         skipped=state.skipped + (~ok).astype(jnp.int32),
     )
     metrics = _metrics(state, batch, adv, loss, sums, grad_norm, ok)
+    if batch.routes is not None:  # mixture of experts
+        metrics["routing_diff_share"] = sums["routing_diff"] / jnp.maximum(sums["routed_tokens"], 1)
+        metrics["routed_tokens"] = sums["routed_tokens"]
     metrics["version"] = new_state.version
     metrics["skipped_total"] = new_state.skipped
     return new_state, metrics, grads
@@ -260,8 +297,15 @@ def default_rules(mesh: Mesh) -> Rules:
     )
 
 
-def batch_shardings(mesh: Mesh, rules: Rules) -> TrainBatch:
-    """Token arrays ``[B, T]`` split over ``data``, per-sample arrays replicated."""
+def routes_shape(cfg: ModelConfig) -> tuple[int, int] | None:
+    """``(layers, experts per token)`` of a mixture-of-experts model's recorded routes (the
+    ``routes`` of its train batches), None for a dense model."""
+    return (cfg.num_layers, cfg.num_experts_per_tok) if cfg.is_moe else None
+
+
+def batch_shardings(mesh: Mesh, rules: Rules, with_routes: bool = False) -> TrainBatch:
+    """Token arrays ``[B, T]`` (and MoE routes ``[B, T, L, k]``) split over ``data``,
+    per-sample arrays replicated."""
     tok = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
     rep = NamedSharding(mesh, PartitionSpec())
     return TrainBatch(
@@ -276,10 +320,13 @@ def batch_shardings(mesh: Mesh, rules: Rules) -> TrainBatch:
         sample_mask=rep,
         staleness=rep,
         response_lens=rep,
+        routes=tok if with_routes else None,
     )
 
 
-def abstract_batch(num_samples: int, rows: int, seq_len: int) -> TrainBatch:
+def abstract_batch(
+    num_samples: int, rows: int, seq_len: int, routes: tuple[int, int] | None = None
+) -> TrainBatch:
     """A :class:`TrainBatch` of ``jax.ShapeDtypeStruct`` leaves (``rows x seq_len`` tokens,
     ``num_samples`` samples): what :func:`lower_train_step` compiles for."""
     tok = lambda dt: jax.ShapeDtypeStruct((rows, seq_len), dt)  # noqa: E731
@@ -296,6 +343,7 @@ def abstract_batch(num_samples: int, rows: int, seq_len: int) -> TrainBatch:
         sample_mask=smp(jnp.bool_),
         staleness=smp(jnp.int32),
         response_lens=smp(jnp.int32),
+        routes=None if routes is None else jax.ShapeDtypeStruct((rows, seq_len, *routes), jnp.int16),
     )
 
 
@@ -319,7 +367,7 @@ def lower_train_step(
     state = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, st_sh
     )
-    batch = abstract_batch(num_samples, rows, seq_len)
+    batch = abstract_batch(num_samples, rows, seq_len, routes_shape(model_cfg))
 
     def traced(state: TrainState, batch: TrainBatch):
         with use_rules(mesh, rules):
@@ -328,7 +376,7 @@ def lower_train_step(
     rep = NamedSharding(mesh, PartitionSpec())
     step = jax.jit(
         traced,
-        in_shardings=(st_sh, batch_shardings(mesh, rules)),
+        in_shardings=(st_sh, batch_shardings(mesh, rules, routes_shape(model_cfg) is not None)),
         out_shardings=(st_sh, rep),
         donate_argnums=0,
     )
@@ -378,7 +426,7 @@ class Trainer:
         st_sh = state_shardings(model_cfg, train_cfg, mesh, rules)
         self._init = jax.jit(make_state, out_shardings=st_sh)
         self.state = self._init(params)
-        self._batch_sh = batch_shardings(mesh, rules)
+        self._batch_sh = batch_shardings(mesh, rules, routes_shape(model_cfg) is not None)
         rep = NamedSharding(mesh, PartitionSpec())
         self._step = jax.jit(
             self._traced_step,
@@ -434,6 +482,7 @@ class Trainer:
             trainer_version=self.version if version is None else version,
             num_groups=num_groups,
             vocab_size=self.model_cfg.vocab_size,
+            routes_shape=routes_shape(self.model_cfg),
         )
         self.check_batch(batch)
         return batch
