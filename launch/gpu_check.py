@@ -44,6 +44,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,7 @@ class Plan:
     train_model: dict  # ModelConfig fields of the train-step timing (bf16, fp32 master weights)
     train_lengths: tuple[int, ...]  # tokens per row of the timed train steps
     train_rows: int  # rows per train step (one trajectory each)
+    moe_dims: tuple[int, int, int, int] = (256, 128, 2, 2048)  # D, expert ffn, top-k, tokens
 
 
 def _attn(batch, num_heads, num_kv_heads, head_dim, page_size, pages_per_seq) -> dict:
@@ -154,6 +156,7 @@ def gpu_plan(repeats: int | None = None) -> Plan:
         ),
         train_lengths=(4096, 16384),
         train_rows=4,
+        moe_dims=(2048, 768, 8, 8192),  # Qwen3-30B-A3B's hidden, expert width and top-8
     )
 
 
@@ -194,6 +197,7 @@ def smoke_plan(repeats: int | None = None) -> Plan:
         ),
         train_lengths=(32, 64),
         train_rows=2,
+        moe_dims=(64, 32, 2, 256),
     )
 
 
@@ -471,12 +475,14 @@ TABLES = {
     + ["copy_bandwidth_gbs", "ratio_to_copy", "status"],
     "engine": ["impl", "model", "slots", "decode_tokens", "decode_tokens_per_s", "tokens_per_s"]
     + ["status"],
+    "moe": ["impl", "experts", "shape", "max_abs_err", "tol", "tokens_per_s", "status"],
 }
 SHOWN = dict(
     correctness=("max_abs_err", "tuning_used"),
     timing=("time_us", "bandwidth_gbs", "ratio_to_copy", "tuning_used"),
     engine=("decode_tokens_per_s", "tokens_per_s"),
     train=("tokens_per_s", "mfu", "step_s"),
+    moe=("max_abs_err", "tokens_per_s"),
 )
 
 
@@ -960,10 +966,66 @@ def train_section(rec: Recorder, plan: Plan) -> None:
                      seq_len=seq)  # fmt: skip
 
 
+def moe_section(rec: Recorder, plan: Plan) -> None:
+    """The mixture-of-experts block's two dropless grouped paths (``ragged_dot``; the blocked
+    scan CPUs use) on this backend: each against a per-expert loop (float32), and the forward
+    tokens/s of each in bfloat16 at 8 and 64 experts: which one ``moe.default_impl`` should
+    pick here."""
+    for experts in (8, 64):
+        _moe_cases(rec, plan, experts)
+
+
+def _moe_cases(rec: Recorder, plan: Plan, E: int) -> None:
+    from dora_jax.config import ModelConfig
+    from dora_jax.model.moe import grouped_experts, moe_param_specs, route
+
+    D, f, k, N = plan.moe_dims
+    cfg = ModelConfig(family="qwen3_moe", hidden_size=D, num_layers=1, num_heads=4,
+                      num_kv_heads=2, num_experts=E, num_experts_per_tok=k,
+                      moe_intermediate_size=f)  # fmt: skip
+    specs = moe_param_specs(cfg)
+    keys = jax.random.split(jax.random.key(E), len(specs) + 1)
+    lp32 = {n: 0.05 * jax.random.normal(kk, sp.shape[1:], jnp.float32)
+            for (n, sp), kk in zip(specs.items(), keys, strict=False)}  # fmt: skip
+    x32 = jax.random.normal(keys[-1], (N, D), jnp.float32)
+
+    def block(lp, x, impl):
+        chosen, weights = route(lp["router"], x, cfg)
+        return grouped_experts(lp, x, chosen, weights, E, impl=impl)
+
+    def loop(lp, x):
+        chosen, weights = route(lp["router"], x, cfg)
+        out = jnp.zeros_like(x)
+        for e in range(E):
+            h = jax.nn.silu(x @ lp["moe_gate"][e]) * (x @ lp["moe_up"][e])
+            w = jnp.sum(jnp.where(chosen == e, weights, 0.0), axis=-1)
+            out = out + w[:, None] * (h @ lp["moe_down"][e])
+        return out
+
+    ref = jax.jit(loop)(lp32, x32)
+    lp16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), lp32)
+    x16 = x32.astype(jnp.bfloat16)
+    label = f"N{N} D{D} f{f} k{k}"
+
+    def check_and_time(impl: str) -> dict:
+        fn = jax.jit(partial(block, impl=impl))
+        got = fn(lp32, x32)
+        err = max_err(got, ref)
+        tol = TOL_TF32 if jax.default_backend() == "gpu" else TOL["float32"]
+        seconds = median_seconds(lambda: fn(lp16, x16), plan)
+        ok = bool(err <= tol and jnp.all(jnp.isfinite(got)))
+        return dict(max_abs_err=err, tol=tol, ok=ok, tokens_per_s=N / seconds)
+
+    for impl in ("ragged", "blocked"):
+        rec.run_case("moe", "moe", f"moe/{impl}/E{E}/{label}", partial(check_and_time, impl),
+                     impl=impl, experts=E, shape=label)  # fmt: skip
+
+
 SECTIONS: dict[str, Callable[[Recorder, Plan], None]] = {
     "kernels": kernels_section,
     "engine": engine_section,
     "train": train_section,
+    "moe": moe_section,
 }
 
 

@@ -114,8 +114,10 @@ def drain_fresh(params, reqs):
 def test_pack_batch_places_routes_and_checks_their_shape():
     tcfg = TrainConfig(group_size=2, length_buckets=(16,), pack_rows=1)
     r1 = np.arange(7 * L * K, dtype=np.int16).reshape(7, L, K) % 4
-    trajs = [Trajectory([5, 6, 7], [8, 9, 10, 11], [-1.0] * 4, 1.0, 0, "g", routes=r1),
-             Trajectory([5, 6], [12, 13], [-1.0] * 2, 0.0, 0, "g")]  # no routes recorded
+    trajs = [
+        Trajectory([5, 6, 7], [8, 9, 10, 11], [-1.0] * 4, 1.0, 0, "g", routes=r1),
+        Trajectory([5, 6], [12, 13], [-1.0] * 2, 0.0, 0, "g"),
+    ]  # no routes recorded
     b = pack_batch(trajs, tcfg, trainer_version=0, routes_shape=(L, K))
     assert b.routes.shape == (1, 16, L, K)
     # first-fit-decreasing puts the longer sample first: slots 0..6 carry its routes

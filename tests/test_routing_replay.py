@@ -28,7 +28,8 @@ COMMON = [
     "mesh.trainer.data=1", "mesh.trainer.model=2", "mesh.rollout.groups=2",
 ]  # fmt: skip
 MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
-       "model.moe_intermediate_size=32", "mesh.trainer.expert=2", "mesh.rollout.expert=2"]  # fmt: skip
+       "model.moe_intermediate_size=32", "mesh.trainer.expert=2",
+       "mesh.rollout.expert=2"]  # fmt: skip
 DENSE = ["model.family=qwen3", "model.intermediate_size=64", "mesh.trainer.devices=0:2",
          "mesh.rollout.devices=4:6"]  # fmt: skip
 

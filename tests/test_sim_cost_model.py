@@ -55,8 +55,14 @@ def test_presets_are_positive_and_named():
     for name, hw in HARDWARE.items():
         assert hw.peak_flops > 0 and hw.hbm_bw > 0 and hw.inter_bw > 0, name
     assert get_hardware("h800").intra_bw == 200e9 and get_hardware("h100").intra_bw == 450e9
-    assert set(MODELS) >= {"qwen2.5-7b", "qwen2.5-32b", "longcat-flash-560b", "qwen3-32b",
-                           "qwen3-30b-a3b", "qwen3-235b-a22b"}
+    assert set(MODELS) >= {
+        "qwen2.5-7b",
+        "qwen2.5-32b",
+        "longcat-flash-560b",
+        "qwen3-32b",
+        "qwen3-30b-a3b",
+        "qwen3-235b-a22b",
+    }
     with pytest.raises(KeyError, match="unknown hardware"):
         get_hardware("h9000")
     with pytest.raises(KeyError, match="unknown model"):

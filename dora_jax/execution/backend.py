@@ -390,7 +390,12 @@ class EngineBackend:
         pg, prompt, versions = self._meta.pop(f.id)
         self._leave(f.id)
         comp = Completion(
-            prompt, f.tokens, f.logprobs, f.finish_reason, f.prefill_tokens, f.migrations,
+            prompt,
+            f.tokens,
+            f.logprobs,
+            f.finish_reason,
+            f.prefill_tokens,
+            f.migrations,
             f.routes,
         )
         if self.on_finished is not None:

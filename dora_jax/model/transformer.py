@@ -115,12 +115,13 @@ def remat_group_size(num_layers: int) -> int:
 def _full_remat(apply):
     """``apply(x, lp, routes, positions, segment_ids, window) -> (y, aux)`` whose backward pass
     recomputes it from its input ``x``, the only thing kept between the passes (what
-    ``jax.checkpoint`` with ``nothing_saveable`` does, written as a ``custom_vjp``; ``remat:
-    nested`` uses it for layers and for groups of layers). ``aux`` (the experts a MoE layer used,
-    or None) is integer and has no gradient. A 16-bit ``x`` is kept as its bit pattern (uint16):
-    XLA's CPU backend widens a saved bfloat16 stack ``[L, B, T, D]`` to float32 around its dynamic slices
-    and hoists that conversion out of the backward loop (measured: the saved activations
-    materialised again at twice their size); integers are left alone."""
+    ``jax.checkpoint`` with ``nothing_saveable`` does, written as a ``custom_vjp``;
+    ``remat: nested`` uses it for layers and for groups of layers). ``aux`` (the experts a MoE
+    layer used, or None) is integer and has no gradient. A 16-bit ``x`` is kept as its bit
+    pattern (uint16): XLA's CPU backend widens a saved bfloat16 stack ``[L, B, T, D]`` to
+    float32 around its dynamic slices and hoists that conversion out of the backward loop
+    (measured: the saved activations materialised again at twice their size); integers are left
+    alone."""
 
     def bits(x):
         return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x

@@ -192,15 +192,29 @@ MODELS: dict[str, ModelSpec] = {
     # moe_intermediate_size 768, 8 per token, vocab 151936, untied -> 30.5B total, 3.0B multiplied
     # per token (model card: 30.5B, 3.3B activated, which counts the input embedding too).
     "qwen3-30b-a3b": qwen3(
-        "qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4, vocab=151936,
-        experts=128, experts_per_token=8, expert_ffn=768,
+        "qwen3-30b-a3b",
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        vocab=151936,
+        experts=128,
+        experts_per_token=8,
+        expert_ffn=768,
     ),
     # Qwen3-235B-A22B config.json: 94 layers, hidden 4096, 64 Q / 4 KV heads of 128, 128 experts
     # of 1536, 8 per token, vocab 151936, untied -> 235.1B total, 21.6B multiplied per token
     # (model card: 235B, 22B activated).
     "qwen3-235b-a22b": qwen3(
-        "qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv_heads=4, vocab=151936,
-        experts=128, experts_per_token=8, expert_ffn=1536,
+        "qwen3-235b-a22b",
+        layers=94,
+        hidden=4096,
+        heads=64,
+        kv_heads=4,
+        vocab=151936,
+        experts=128,
+        experts_per_token=8,
+        expert_ffn=1536,
     ),
     "longcat-flash-560b": _longcat_flash(),
     # the default task's policy (configs/default.yaml): 2 layers, hidden 64, 4 Q / 2 KV heads of

@@ -343,7 +343,9 @@ def abstract_batch(
         sample_mask=smp(jnp.bool_),
         staleness=smp(jnp.int32),
         response_lens=smp(jnp.int32),
-        routes=None if routes is None else jax.ShapeDtypeStruct((rows, seq_len, *routes), jnp.int16),
+        routes=None
+        if routes is None
+        else jax.ShapeDtypeStruct((rows, seq_len, *routes), jnp.int16),
     )
 
 
