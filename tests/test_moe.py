@@ -327,14 +327,18 @@ def test_engine_records_every_tokens_routes(decode_steps, num_pages):
     assert len(finished) == 8
     if num_pages == 12:
         assert parked > 0
+    W = rcfg.max_prompt_len + rcfg.max_new_tokens  # one padded width: one compile
     for f in finished:
         seq = list(f.prompt) + list(f.tokens)
         assert f.routes.shape == (len(seq), cfg.num_layers, 2) and f.routes.dtype == np.int16
         assert np.all(f.routes[-1] == -1)
         T = len(seq)
-        _, want = run(params, jnp.asarray([seq], jnp.int32), jnp.arange(T)[None],
-                      jnp.ones((1, T), jnp.int32), None, cfg)  # fmt: skip
-        np.testing.assert_array_equal(f.routes[:-1], np.asarray(want)[0, :-1])
+        tokens = np.zeros((1, W), np.int32)
+        tokens[0, :T] = seq
+        seg = (np.arange(W) < T).astype(np.int32)[None]
+        _, want = run(params, jnp.asarray(tokens), jnp.arange(W)[None], jnp.asarray(seg), None,
+                      cfg)  # fmt: skip
+        np.testing.assert_array_equal(f.routes[:-1], np.asarray(want)[0, : T - 1])
 
 
 def test_dense_engines_record_no_routes():
