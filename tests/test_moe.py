@@ -75,7 +75,11 @@ def test_grouped_block_equals_per_expert_loop(cfg, impl, monkeypatch):
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("N, E, k", [(1, 8, 2), (40, 8, 2), (300, 64, 4), (2048, 8, 1)])
+@pytest.mark.parametrize(
+    "N, E, k",
+    [(1, 8, 2), (40, 8, 2), pytest.param(300, 64, 4, marks=pytest.mark.slow),
+     pytest.param(2048, 8, 1, marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_blocked_path_handles_any_load(N, E, k):
     """Empty experts, one expert taking every token, blocks of 8 to 128 rows: the blocked path
     equals ragged_dot (its dense CPU lowering is the reference here), gradients too."""
