@@ -38,26 +38,9 @@ from dora_jax.model.moe import grouped_experts, moe_param_specs, route  # noqa: 
 OUT = Path(__file__).resolve().parent / "results" / "bench_moe.json"
 
 
-def loop_moe(lp, x, cfg):
-    """Every expert on every token, one expert per scan step, masked by the combine weights."""
-    B, T, D = x.shape
-    xf = x.reshape(B * T, D)
-    chosen, weights = route(lp["router"], xf, cfg)
-    experts = jnp.arange(cfg.num_experts, dtype=jnp.int32)
-
-    def one(y, e_w):
-        e, wg, wu, wd = e_w
-        w = jnp.sum(jnp.where(chosen == e, weights, 0.0), axis=-1).astype(x.dtype)  # [N]
-        h = jax.nn.silu(xf @ wg) * (xf @ wu)
-        return y + w[:, None] * (h @ wd), None
-
-    y, _ = jax.lax.scan(one, jnp.zeros_like(xf), (experts, lp["moe_gate"], lp["moe_up"],
-                                                  lp["moe_down"]))  # fmt: skip
-    return y.reshape(B, T, D), chosen.reshape(B, T, -1)
-
-
 def grouped(impl):
-    """The model's block with the grouped path ``impl`` ("ragged" or "blocked")."""
+    """The model's block with the expert path ``impl`` ("ragged", "blocked" or the "loop"
+    baseline)."""
 
     def fn(lp, x, cfg):
         B, T, D = x.shape
@@ -96,7 +79,7 @@ def bench_experts(E: int, a: argparse.Namespace, B: int, T: int) -> dict:
                       moe_intermediate_size=a.ffn)  # fmt: skip
     lp = layer_params(cfg, jax.random.key(E))
     x = jax.random.normal(jax.random.key(1), (B, T, a.hidden), jnp.float32)
-    impls = {"ragged": grouped("ragged"), "blocked": grouped("blocked"), "loop": loop_moe}
+    impls = {name: grouped(name) for name in ("ragged", "blocked", "loop")}
     outs = {name: jax.jit(lambda lp, x, fn=fn: fn(lp, x, cfg))(lp, x) for name, fn in impls.items()}
     row = {"experts": E, "top_k": a.top_k}
     for name in ("ragged", "blocked"):

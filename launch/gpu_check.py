@@ -993,16 +993,7 @@ def _moe_cases(rec: Recorder, plan: Plan, E: int) -> None:
         chosen, weights = route(lp["router"], x, cfg)
         return grouped_experts(lp, x, chosen, weights, E, impl=impl)
 
-    def loop(lp, x):
-        chosen, weights = route(lp["router"], x, cfg)
-        out = jnp.zeros_like(x)
-        for e in range(E):
-            h = jax.nn.silu(x @ lp["moe_gate"][e]) * (x @ lp["moe_up"][e])
-            w = jnp.sum(jnp.where(chosen == e, weights, 0.0), axis=-1)
-            out = out + w[:, None] * (h @ lp["moe_down"][e])
-        return out
-
-    ref = jax.jit(loop)(lp32, x32)
+    ref = jax.jit(partial(block, impl="loop"))(lp32, x32)
     lp16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), lp32)
     x16 = x32.astype(jnp.bfloat16)
     label = f"N{N} D{D} f{f} k{k}"

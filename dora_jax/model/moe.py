@@ -95,7 +95,10 @@ def grouped_experts(
     the ``M = N k`` pairs sorted by expert, the experts applied group by group (dropless),
     unsorted, combined. ``impl`` (default :func:`default_impl`): ``"ragged"``, three
     ``jax.lax.ragged_dot`` s over the sorted rows; ``"blocked"``, each expert's rows padded to
-    whole blocks and a scan over the blocks (:func:`_blocked_swiglu`)."""
+    whole blocks and a scan over the blocks (:func:`_blocked_swiglu`); ``"loop"``, the dense
+    reference the benchmarks compare with (:func:`_per_expert_loop`: no sort)."""
+    if impl == "loop":
+        return _per_expert_loop(lp, x, chosen, weights, num_experts)
     N, k = chosen.shape
     flat = chosen.reshape(-1)  # [M]
     order = jnp.argsort(flat, stable=True)
@@ -155,6 +158,25 @@ def _blocked_swiglu(lp: dict[str, jax.Array], xs: jax.Array, sizes: jax.Array, E
 
     _, ys = jax.lax.scan(one, None, (rows.reshape(nb, b, D), block_expert))
     return ys.reshape(nb * b, D)[dest]
+
+
+def _per_expert_loop(
+    lp: dict[str, jax.Array], x: jax.Array, chosen: jax.Array, weights: jax.Array, E: int
+) -> jax.Array:
+    """Every expert on every token of ``x [N, D]``, one expert per scan step, each token's output
+    weighted by its combine weight (0 where the expert was not chosen): the grouped block's
+    result with ``E / k`` times its expert FLOPs and one expert's ``[N, f]`` temporaries at a
+    time."""
+
+    def one(y, e_w):
+        e, wg, wu, wd = e_w
+        w = jnp.sum(jnp.where(chosen == e, weights, 0.0), axis=-1).astype(x.dtype)  # [N]
+        h = jax.nn.silu(x @ wg) * (x @ wu)
+        return y + w[:, None] * (h @ wd), None
+
+    experts = jnp.arange(E, dtype=jnp.int32)
+    xs = (experts, lp["moe_gate"], lp["moe_up"], lp["moe_down"])
+    return jax.lax.scan(one, jnp.zeros_like(x), xs)[0]
 
 
 def shared_expert(lp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
