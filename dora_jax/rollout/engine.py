@@ -31,7 +31,7 @@ from dora_jax.kernels.kv_cache_ops import pack_pages, unpack_pages
 from dora_jax.model.params import Params, abstract_params, param_axes
 from dora_jax.rollout.attention import resolve_impl
 from dora_jax.rollout.page_allocator import PageAllocator
-from dora_jax.rollout.requests import ExportedRequests, FinishedRequest, Request
+from dora_jax.rollout.requests import ROUTE_DTYPE, ExportedRequests, FinishedRequest, Request
 from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.rollout.steps import (
     KVCache,
@@ -118,9 +118,6 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= n)
 
 
-# host dtype of recorded MoE routes (expert ids; checked against num_experts at engine start)
-ROUTE_DTYPE = np.int16
-
 _decode_jit = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,))
 _prefill_jit = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,))
 
@@ -136,14 +133,6 @@ def _unpack(cache: KVCache, buffer, page_ids, impl, interpret):
         cache.k[None], cache.v[None], buffer, page_ids, impl=impl, interpret=interpret
     )
     return cache.replace(k=k[0], v=v[0])
-
-
-def _compact_routes(reqs: Iterable[Request]) -> None:
-    """One array of recorded routes per request (they grow a token at a time while decoding)
-    before a request leaves the engine or is saved."""
-    for r in reqs:
-        if len(r.routes) > 1:
-            r.routes = [np.concatenate(r.routes)]
 
 
 class Engine:
@@ -320,7 +309,8 @@ class Engine:
         """Take running requests out with their KV pages packed into one buffer on this mesh.
         Their slots and pages are freed here; nothing is recomputed at the destination."""
         reqs = [self._running(i) for i in ids]
-        _compact_routes(reqs)
+        for r in reqs:
+            r.compact_routes()
         page_counts, kv = self._pack_requests(reqs)
         for r in reqs:
             self.free_resource(self.slots.index(r))
@@ -330,7 +320,8 @@ class Engine:
         """A host copy of everything in flight (request records and the KV pages of running
         ones), taken without disturbing the engine: what a checkpoint stores."""
         running = [r for r in self.slots if r is not None]
-        _compact_routes(running)
+        for r in running:
+            r.compact_routes()
         counts, kv = self._pack_requests(running)
         kv = np.asarray(kv)
         return EngineSnapshot(
@@ -540,7 +531,7 @@ class Engine:
         if not self.cfg.is_moe:
             return None
         L, k = self.cfg.num_layers, self.cfg.num_experts_per_tok
-        fed = np.concatenate(r.routes) if r.routes else np.zeros((0, L, k), ROUTE_DTYPE)
+        fed = r.fed_routes(L, k)
         if len(fed) != r.cached_tokens:
             raise EngineError(f"request {r.id!r}: {len(fed)} tokens' routes recorded for "
                               f"{r.cached_tokens} fed tokens")  # fmt: skip

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# host dtype of recorded MoE routes (expert ids; checked against num_experts at engine start)
+ROUTE_DTYPE = np.int16
+
 
 def request_key(seed: int, *ids: int) -> np.ndarray:
     """Raw threefry key data ``uint32[2]`` for one request, from integers (run seed, prompt
@@ -46,6 +49,18 @@ class Request:
     @property
     def total_tokens(self) -> int:
         return len(self.prompt) + len(self.tokens)
+
+    def fed_routes(self, layers: int, k: int) -> np.ndarray:
+        """The recorded routes as one array ``[n, layers, k]`` (empty when none)."""
+        if not self.routes:
+            return np.zeros((0, layers, k), ROUTE_DTYPE)
+        return np.concatenate(self.routes)
+
+    def compact_routes(self) -> None:
+        """Keep the recorded routes as one array (they grow a token at a time while decoding)
+        before the request leaves its engine or is saved."""
+        if len(self.routes) > 1:
+            self.routes = [np.concatenate(self.routes)]
 
 
 @dataclass(frozen=True)
