@@ -1,0 +1,25 @@
+"""The error every configuration check raises, and the check itself."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type, or invalid.
+
+    ``path`` is the dotted field path (e.g. ``model.num_kv_heads``); the message starts with it.
+    """
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        self.reason = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with ``prefix`` prepended to its path."""
+        return ConfigError(f"{prefix}.{self.path}" if self.path else prefix, self.reason)
+
+
+def check(ok: bool, name: str, message: str) -> None:
+    """Raise :class:`ConfigError` naming the field ``name`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(name, message)
