@@ -65,6 +65,25 @@ def full_logits(params, seq, width=128, cfg=CFG):
     return np.asarray(out[0, T - 1])
 
 
+def decode_error(engine, params, cfg, joins, steps, width=128):
+    """Step ``engine`` ``steps`` times, submitting ``joins[step]`` at its step, and compare every
+    decode step's logits with the full forward pass: ``(max abs difference, comparisons)``."""
+    reqs = list(joins.values())
+    worst, checked = 0.0, 0
+    for step in range(steps):
+        if step in joins:
+            engine.submit([joins[step]])
+        engine.step()
+        for r in reqs:
+            if r.id in engine.last_logits and len(r.tokens) >= 2:
+                # The step decoded tokens[-2] and produced the logits that chose tokens[-1].
+                ref = full_logits(params, r.prompt + r.tokens[:-1], width=width, cfg=cfg)
+                worst = max(worst, float(np.abs(engine.last_logits[r.id] - ref).max()))
+                checked += 1
+        engine.last_logits = {}
+    return worst, checked
+
+
 @pytest.mark.parametrize("impl, model", [("reference", "dense"), ("pallas", "dense"),
                                          ("reference", "moe")])  # fmt: skip
 def test_cached_decode_matches_full_forward(params, impl, model):
@@ -81,19 +100,7 @@ def test_cached_decode_matches_full_forward(params, impl, model):
     assert engine.impl == impl
     engine.load_params(params, 0)
     reqs = make_requests(3, seed=1, max_new=(80, 80))
-    joins = {0: reqs[0], 5: reqs[1], 11: reqs[2]}
-    worst, checked = 0.0, 0
-    for step in range(75):
-        if step in joins:
-            engine.submit([joins[step]])
-        engine.step()
-        for r in reqs:
-            if r.id in engine.last_logits and len(r.tokens) >= 2:
-                # The step decoded tokens[-2] and produced the logits that chose tokens[-1].
-                ref = full_logits(params, r.prompt + r.tokens[:-1], cfg=cfg)
-                worst = max(worst, float(np.abs(engine.last_logits[r.id] - ref).max()))
-                checked += 1
-        engine.last_logits = {}
+    worst, checked = decode_error(engine, params, cfg, {0: reqs[0], 5: reqs[1], 11: reqs[2]}, 75)
     assert checked >= 3 * 60  # every request was compared over >= 60 of its decode steps
     assert worst <= 1e-4
 
@@ -143,17 +150,7 @@ def test_cached_decode_matches_full_forward_per_family(family, impl):
     engine.load_params(params, 0)
     reqs = make_requests(3, seed=2, max_new=(40, 40), prompt=(9, 24))
     joins = {0: reqs[0], 3: reqs[1], 7: reqs[2]}
-    worst, checked = 0.0, 0
-    for step in range(36):
-        if step in joins:
-            engine.submit([joins[step]])
-        engine.step()
-        for r in reqs:
-            if r.id in engine.last_logits and len(r.tokens) >= 2:
-                ref = full_logits(params, r.prompt + r.tokens[:-1], width=72, cfg=cfg)
-                worst = max(worst, float(np.abs(engine.last_logits[r.id] - ref).max()))
-                checked += 1
-        engine.last_logits = {}
+    worst, checked = decode_error(engine, params, cfg, joins, 36, width=72)
     assert checked >= 3 * 25
     assert worst <= 1e-4
 
