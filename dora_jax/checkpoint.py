@@ -134,22 +134,38 @@ def unfinished(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if TMP_MARK in p.name)
 
 
+def _reader(directory: Path, items: tuple[str, ...]) -> ocp.CheckpointManager:
+    """A read-only manager for this process alone (in a multi-process run, process 0 reads the
+    config while the others wait for its orders, and the followers of a spanning trainer read
+    its state): no barrier with the other processes."""
+    me = jax.process_index()
+    mp = ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me} if jax.process_count() > 1 else None
+    )
+    opts = ocp.CheckpointManagerOptions(read_only=True, create=False, multiprocessing_options=mp)
+    return ocp.CheckpointManager(directory.absolute(), options=opts, item_names=items)
+
+
+def read_train_state(directory: Path, step: int, like: Any) -> Any:
+    """The train state of checkpoint ``step`` as host arrays shaped like ``like`` (a trainer
+    process other than 0 reads it so, when the trainer spans processes)."""
+    host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
+    with _quiet_orbax():
+        manager = _reader(directory, ("train_state",))
+        try:
+            args = ocp.args.Composite(train_state=ocp.args.StandardRestore(host))
+            return manager.restore(step, args=args).train_state
+        finally:
+            manager.close()
+
+
 def peek_configs(directory: Path) -> Iterator[tuple[int, dict | None]]:
     """``(step, saved config or None when unreadable)``, newest first, reading only."""
     steps = finished_steps(directory)
     if not steps:
         return
     with _quiet_orbax():
-        # This process reads alone (in a multi-process run, process 0 reads the config while
-        # the others wait for its orders): no barrier with the other processes.
-        me = jax.process_index()
-        mp = ocp.options.MultiprocessingOptions(
-            primary_host=me, active_processes={me} if jax.process_count() > 1 else None
-        )
-        opts = ocp.CheckpointManagerOptions(
-            read_only=True, create=False, multiprocessing_options=mp
-        )
-        manager = ocp.CheckpointManager(directory.absolute(), options=opts, item_names=("config",))
+        manager = _reader(directory, ("config",))
         for step in reversed(steps):
             try:
                 cfg = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
@@ -241,12 +257,14 @@ class RunCheckpointer:
         meta = {"format": HOST_FORMAT, "steps_done": exp.runtime.steps_done, "tick": step,
                 "saved_at": time.time()}  # fmt: skip
         self._check_space(step, [exp.trainer.state, versions, host])
+        # host copies: gathered to process 0 when the trainer spans processes
+        train_state = exp.trainer.host_state() if self.host_copies else exp.trainer.state
         previous, self._saving = self._saving, step
         try:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    train_state=ocp.args.StandardSave(self._out(exp.trainer.state)),
+                    train_state=ocp.args.StandardSave(train_state),
                     versions=ocp.args.StandardSave(self._out(versions)),
                     host=ocp.args.StandardSave(host),
                     config=ocp.args.JsonSave(to_dict(exp.cfg)),
@@ -370,7 +388,7 @@ class RunCheckpointer:
         text = np.asarray(stored.pop("state")).tobytes()
         state = state_codec.loads(text, stored)
         trainer = exp.trainer
-        param_target = jax.tree.map(_abstract, trainer.export_params())
+        param_target = jax.tree.map(_abstract, next(iter(exp.grpo.params.values())))
         targets = {
             "train_state": jax.tree.map(_abstract, trainer.state),
             "versions": {f"v{v}": param_target for v in state["versions"]},
@@ -379,14 +397,24 @@ class RunCheckpointer:
             host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), targets)
             arrays = self.manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(v) for k, v in host.items()}))  # fmt: skip
-            arrays = {k: jax.device_put(getattr(arrays, k), jax.tree.map(lambda a: a.sharding, v))
-                      for k, v in targets.items()}  # fmt: skip
+            versions = jax.device_put(
+                arrays.versions, jax.tree.map(lambda a: a.sharding, targets["versions"])
+            )
+            # (a trainer spanning processes has the others read their shards from this step;
+            # a failure there is theirs, not this checkpoint's: it is not moved aside)
+            try:
+                trainer.load_host_state(arrays.train_state, checkpoint=(self.directory, step))
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(
+                    f"placing the train state of {self.directory / str(step)} on the trainer "
+                    f"failed ({_one_line(e)}); the checkpoint was left as it is"
+                ) from e
         else:
             r = self.manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(v) for k, v in targets.items()}))  # fmt: skip
-            arrays = {"train_state": r.train_state, "versions": r.versions}
-        trainer.state = arrays["train_state"]
-        exp.grpo.params = {int(k[1:]): v for k, v in arrays["versions"].items()}
+            versions = r.versions
+            trainer.state = r.train_state
+        exp.grpo.params = {int(k[1:]): v for k, v in versions.items()}
         _relink(exp, state)
         self.saved_config = dict(meta.config)
 

@@ -62,6 +62,7 @@ def main(argv: list[str]) -> int:
                 mismatches.append(f"{rid}: prefilled {comp.prefill_tokens} tokens")
         out = {
             "processes": 1 if proc is None else proc.count,
+            "trainer_processes": len({d.process_index for d in exp.meshes.trainer.devices.flat}),
             "steps": s.steps,
             "consumed": [[c.request_id, c.trainer_version, c.staleness] for c in rec.consumed],
             "ledger": sorted(set(result.ledger.values())),
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> int:
             "reprefill_tokens": s.reprefill_tokens,
         }
         (run_dir / "result.json").write_text(json.dumps(out))
-        params = jax.device_get(exp.trainer.export_params())
+        params = jax.device_get(exp.grpo.params_for(exp.grpo.version))
         flat = {jax.tree_util.keystr(k): np.asarray(v)
                 for k, v in jax.tree_util.tree_leaves_with_path(params)}  # fmt: skip
         np.savez(run_dir / "params.npz", **flat)

@@ -37,12 +37,20 @@ TINY = [
     "orchestrator.prefer_local_moves=false",
 ]  # fmt: skip
 
+# the trainer mesh spans both processes (devices 2-3 of process 0, 4-5 of process 1; data
+# parallel across them), the two rollout groups live on process 1
+SPANNING = [
+    "mesh.trainer.devices=2:6", "mesh.trainer.data=2", "mesh.trainer.model=2",
+    "mesh.rollout.devices=6:8", "mesh.rollout.groups=2",
+]  # fmt: skip
+
 pytestmark = pytest.mark.slow
 
 
-def drive(tmp_path: Path, name: str, processes: int, clock: str, steps: int = 5) -> dict:
+def drive(tmp_path: Path, name: str, processes: int, clock: str, steps: int = 5,
+          extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
     run_dir = tmp_path / name
-    args = [str(steps), *TINY, f"orchestrator.clock={clock}", f"run_dir={run_dir}"]
+    args = [str(steps), *TINY, *extra, f"orchestrator.clock={clock}", f"run_dir={run_dir}"]
     code = launch_local(processes, args, run_dir, devices_per_process=8 // processes,
                         entry=DRIVER)  # fmt: skip
     logs = "".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log")))
@@ -82,10 +90,30 @@ def test_two_processes_wall_clock(tmp_path):
     assert r["staleness_max"] <= 2 and r["cross_host_weight_transfers"] >= 1
 
 
-def test_sigkill_of_one_process_then_resume(tmp_path):
+def test_trainer_spanning_two_processes(tmp_path):
+    """The trainer's computations run on both processes in lock-step: the run decides and
+    trains as the 1-process run of the same layout (bit for bit here), on either clock."""
+    two = drive(tmp_path, "two", 2, "logical", steps=6, extra=tuple(SPANNING))
+    _check_run(two)
+    assert two["trainer_processes"] == 2 and two["cross_host_weight_transfers"] >= 1
+    one = drive(tmp_path, "one", 1, "logical", steps=6, extra=tuple(SPANNING))
+    _check_run(one)
+    assert [c[:2] for c in two["consumed"]] == [c[:2] for c in one["consumed"]]
+    for k in one["params"]:
+        np.testing.assert_allclose(two["params"][k], one["params"][k], atol=1e-5, rtol=0)
+    wall = drive(tmp_path, "wall", 2, "wall", steps=4, extra=tuple(SPANNING))
+    ids = [c[0] for c in wall["consumed"]]
+    assert len(ids) == len(set(ids)) and wall["ledger"] == ["consumed"]
+    assert wall["live_requests"] == 0 and wall["staleness_max"] <= 2 and wall["steps"] >= 4
+
+
+@pytest.mark.parametrize("layout", ["trainer_on_0", "trainer_spanning"])
+def test_sigkill_of_one_process_then_resume(tmp_path, layout):
     run_dir = tmp_path / "killed"
+    extra = SPANNING if layout == "trainer_spanning" else []
     args = [sys.executable, str(ROOT / "launch" / "train.py"), "--local-processes", "2",
-            *TINY, "orchestrator.clock=logical", f"run_dir={run_dir}", "train.total_steps=6",
+            *TINY, *extra, "orchestrator.clock=logical", f"run_dir={run_dir}",
+            "train.total_steps=6",
             "checkpoint.every_steps=1", "checkpoint.async_save=false",
             "logging.tensorboard=false"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -116,3 +144,16 @@ def test_sigkill_of_one_process_then_resume(tmp_path):
     assert len(ids) == len(set(ids)) >= 6 * 2 * 4  # nothing lost, nothing consumed twice
     lines = metrics.read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    if layout == "trainer_spanning":
+        # the followers read their shards of the train state back: the resumed run trains as
+        # one that was never stopped (one process, same layout, logical clock)
+        ref_dir = tmp_path / "uninterrupted"
+        single = [a for a in args if a not in ("--local-processes", "2")]
+        single = [f"run_dir={ref_dir}" if a.startswith("run_dir=") else a for a in single]
+        ref = subprocess.run(single, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
+        ref_lines = (ref_dir / "metrics.jsonl").read_text().splitlines()
+        for got, want in zip(lines, ref_lines, strict=True):
+            got, want = json.loads(got), json.loads(want)
+            assert got["step"] == want["step"]
+            np.testing.assert_allclose(got["loss"], want["loss"], atol=1e-6, rtol=0)

@@ -44,6 +44,17 @@ class Cluster:
     def remote(self, group: int, host: int, sync: bool, pages_total: int) -> RemoteGroup:
         return RemoteGroup(group, host, self.link, sync, pages_total)
 
+    def trainer_calls(self, mesh: Mesh):
+        """A function that sends a trainer call to every other process holding devices of the
+        trainer ``mesh`` (they replay it: ``spanning_trainer.py``)."""
+        others = sorted({d.process_index for d in mesh.devices.flat} - {self.index})
+
+        def send(msg: dict) -> None:
+            for p in others:
+                self.channel.send(p, {"op": "trainer", **msg})
+
+        return send
+
     def flush(self) -> None:
         """Send every call queued for the other processes (once per control round)."""
         if self.link is not None:

@@ -1,5 +1,6 @@
 """The main loop of every process but 0: build the engines of this process's rollout groups when
-process 0 says so, then carry out its calls until it says stop (or goes away)."""
+process 0 says so (and, when this process holds devices of the trainer mesh, its part of the
+trainer), then carry out its calls until it says stop (or goes away)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 from dora_jax.distributed.channel import Channel
 from dora_jax.distributed.process import Process
 from dora_jax.distributed.remote import GroupHost
+from dora_jax.distributed.spanning_trainer import FollowTrainer
 from dora_jax.distributed.transfers import Transfers
 
 
@@ -22,6 +24,7 @@ def serve(proc: Process, log=print) -> int:
     transfers = Transfers(proc)
     done = threading.Event()
     host: list[GroupHost] = []
+    follower: list[FollowTrainer] = []  # this process's part of a trainer spanning processes
 
     def on_message(msg: dict) -> None:
         if msg["op"] == "init":
@@ -33,7 +36,12 @@ def serve(proc: Process, log=print) -> int:
             engines = {g: Engine(cfg.model, cfg.rollout, m, stops) for g, m in mine.items()}
             host.append(GroupHost(channel, transfers, engines, msg["wall"]))
             log(f"process {proc.index}: hosting rollout groups {sorted(engines)}", flush=True)
+            if proc.index in {d.process_index for d in meshes.trainer.devices.flat}:
+                follower.append(FollowTrainer(cfg, meshes.trainer, proc.index))
+                log(f"process {proc.index}: following the trainer's calls", flush=True)
             channel.send(0, {"op": "reply", "reply": msg["reply"], "value": sorted(engines)})
+        elif msg["op"] == "trainer":
+            follower[0].handle(msg)
         elif msg["op"] == "shutdown":
             done.set()
         else:
@@ -47,6 +55,8 @@ def serve(proc: Process, log=print) -> int:
         for h in host[0].handles.values():
             if host[0].wall:
                 h.stop()
+    for f in follower:
+        f.close()
     channel.close()
     log(f"process {proc.index}: done", flush=True)
     proc.finish()

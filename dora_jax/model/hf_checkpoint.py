@@ -31,7 +31,7 @@ from dora_jax.model.hf_mapping import (
     model_config_from_hf,
     model_config_to_hf,
 )
-from dora_jax.model.params import Params, dtype_of, param_specs
+from dora_jax.model.params import Params, dtype_of, init_params, param_specs
 
 
 class CheckpointError(ValueError):
@@ -154,6 +154,15 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, shardings: Params | None 
         out_node = out[group] if group else out
         out_node[leaf] = _build(reader, rule, cfg, spec.shape, dtype, sharding)
     return out
+
+
+def policy_params(cfg: ModelConfig, seed: int, shardings: Params, path: str | Path | None = None
+                  ) -> Params:  # fmt: skip
+    """The starting policy, created directly in ``shardings``: the checkpoint at ``path``, else the
+    random init of ``seed`` (the same values whatever the shardings)."""
+    if path is None:
+        return jax.jit(lambda k: init_params(cfg, k), out_shardings=shardings)(jax.random.key(seed))
+    return load_hf_params(path, cfg, shardings)
 
 
 def _lookup(tree: Params, ours: str) -> Sharding:

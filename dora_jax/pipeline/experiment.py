@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+from jax.sharding import SingleDeviceSharding
 
 from dora_jax.config import ConfigError, ExperimentConfig
 from dora_jax.data import ArithmeticTask, Example, Scorer, read_rows, to_examples
@@ -26,11 +27,12 @@ from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.data.reward_functions import RewardSpecError, load_reward_function, resolve_spec
 from dora_jax.data.reward_pool import RewardPool
 from dora_jax.data.rewards import exact_reward
+from dora_jax.distributed.spanning_trainer import LeadTrainer, spans
 from dora_jax.execution.backend import EngineBackend
 from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes
-from dora_jax.model import abstract_params, init_params, param_axes
-from dora_jax.model.hf_checkpoint import load_hf_config, load_hf_params
+from dora_jax.model import abstract_params, param_axes
+from dora_jax.model.hf_checkpoint import load_hf_config, policy_params
 from dora_jax.model.hf_mapping import UnsupportedModelError
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, check_vocabularies, eos_ids, load_tokenizer
@@ -83,7 +85,7 @@ class Experiment:
         """The held-out evaluation of the trainer's current params (needs ``evaluator``)."""
         if self.evaluator is None:
             raise ExperimentError("this experiment has no evaluation (eval.num_prompts is 0)")
-        return self.evaluator(self.trainer.export_params(), step)
+        return self.evaluator(self.grpo.params_for(self.grpo.version), step)
 
 
 def _fitting(
@@ -234,11 +236,7 @@ def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
 def initial_policy(cfg: ExperimentConfig, shardings: Params) -> Params:
     """Random init or the HF checkpoint at ``model.hf_path``, created directly in
     ``shardings`` (the trainer's)."""
-    m = cfg.model
-    if m.hf_path is None:
-        init = jax.jit(lambda k: init_params(m, k), out_shardings=shardings)
-        return init(jax.random.key(cfg.seed))
-    return load_hf_params(m.hf_path, m, shardings)
+    return policy_params(cfg.model, cfg.seed, shardings, cfg.model.hf_path)
 
 
 def build(
@@ -272,35 +270,45 @@ def build(
     wall = cfg.orchestrator.clock == "wall"
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     reward, eval_reward = _scorers(cfg, reward_fn, clock.now)
-    shardings = tree_shardings(
-        param_axes(cfg.model),
-        abstract_params(cfg.model),
-        trainer_rules(cfg.mesh.trainer),
-        meshes.trainer,
-    )
-    params = initial_policy(cfg, shardings)
-    losses: list[float] = []
-    if example is not None and cfg.warm_start.steps > 0 and not restoring:
-        # The built-in task's warm start is small: it runs on one device, then is sharded.
-        params, losses = warm_start(
-            jax.device_get(params),
-            cfg.model,
-            cfg.warm_start,
-            example,
-            tokenizer,
-            cache_dir=warm_start_dir or run_dir / "warm_start",
-            cache_key=repr((cfg.model, cfg.seed))
-            + ("" if cfg.data.median_steps == 3 else f" median_steps={cfg.data.median_steps}"),
-            on_step=on_warm_step,
-        )
-        params = jax.device_put(params, shardings)
-    rules = trainer_rules(cfg.mesh.trainer)
-    trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params, rules=rules)
-    trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
-    del params  # version 0 lives on as the trainer's export (engines alias it when colocated)
-    grpo = GRPOTrainer(trainer, tokenizer, reward)
     stops = eos_ids(tokenizer)
+    # the other processes build their groups' engines (and their part of a spanning trainer)
+    # while this one warm-starts
     cluster = _cluster(cfg, meshes, process, bus, clock, stops)
+    warm = example is not None and cfg.warm_start.steps > 0 and not restoring
+    warm_dir = Path(warm_start_dir or run_dir / "warm_start").absolute()
+    warm_key = repr((cfg.model, cfg.seed)) + (
+        "" if cfg.data.median_steps == 3 else f" median_steps={cfg.data.median_steps}"
+    )
+    losses: list[float] = []
+    rules = trainer_rules(cfg.mesh.trainer)
+    if cluster is not None and spans(meshes.trainer):
+        # Every trainer process builds its shards from the same source: the warm start (run
+        # here, on one device) is read back from its cache directory by all of them.
+        start_from: dict = {"hf": cfg.model.hf_path}
+        if warm:
+            one = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]),
+                               abstract_params(cfg.model))  # fmt: skip
+            start = jax.device_get(policy_params(cfg.model, cfg.seed, one, cfg.model.hf_path))
+            _, losses = warm_start(start, cfg.model, cfg.warm_start, example, tokenizer,
+                                   cache_dir=warm_dir, cache_key=warm_key,
+                                   on_step=on_warm_step)  # fmt: skip
+            start_from = {"hf": str(warm_dir)}
+        calls = cluster.trainer_calls(meshes.trainer)
+        trainer = LeadTrainer.start(cfg, meshes.trainer, start_from, calls)
+    else:
+        shardings = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rules,
+                                   meshes.trainer)  # fmt: skip
+        params = initial_policy(cfg, shardings)
+        if warm:
+            # The built-in task's warm start is small: it runs on one device, then is sharded.
+            params, losses = warm_start(jax.device_get(params), cfg.model, cfg.warm_start,
+                                        example, tokenizer, cache_dir=warm_dir,
+                                        cache_key=warm_key, on_step=on_warm_step)  # fmt: skip
+            params = jax.device_put(params, shardings)
+        trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params, rules=rules)
+        del params  # version 0 lives on as the trainer's export (engines alias it when colocated)
+    trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
+    grpo = GRPOTrainer(trainer, tokenizer, reward)
     if cluster is not None and not cluster.transfers.via_store:
         grpo.export_shardings = cluster.link.stage_shardings()
     backend = EngineBackend(
@@ -371,9 +379,9 @@ def _cluster(
     from dora_jax.sharding import rollout_rules
 
     cluster = Cluster(process)
-    if cluster.owner(meshes.trainer, "the trainer mesh") != process.index:
-        raise ProcessError("the trainer mesh must be on process 0's devices (a trainer spanning "
-                           "hosts is not supported yet): check mesh.trainer.devices")  # fmt: skip
+    if process.index not in {d.process_index for d in meshes.trainer.devices.flat}:
+        raise ProcessError("the trainer mesh must include process 0's devices (process 0 leads "
+                           "the train steps): check mesh.trainer.devices")  # fmt: skip
     r = cfg.mesh.rollout
     staging: list = []
 

@@ -7,7 +7,8 @@ Per device, in bytes:
 - the policy exports the trainer keeps for the rollout side, one per live version: the window
   holds at most ``staleness_k + 1`` versions (model dtype, trainer sharding; a multi-process run
   on accelerators keeps them in the rollout groups' layout on process 0's first ``tp`` devices,
-  see :func:`exports_in_group_layout`);
+  see :func:`exports_in_group_layout`; a trainer spanning processes gathers each export whole
+  onto every trainer device for a moment and keeps process 0's copy on its first trainer device);
 - the engines' params: one copy per version an engine can serve, at most ``min(engines on the
   device, staleness_k + 1)``; none when the device is a trainer device with the same layout
   (``device_put`` onto the same devices and layout aliases the trainer's export);
@@ -312,17 +313,31 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     p_abs = abstract_params(m)
     t_sh = tree_shardings(param_axes(m), p_abs, rules, tmesh)
     export = _per_device(p_abs, t_sh)
+    spanning = len({d.process_index for d in tmesh.devices.flat}) > 1
+    if spanning:
+        # a trainer spanning processes gathers each export onto every trainer device for a
+        # moment; process 0 keeps one copy (below)
+        whole = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(p_abs))
+        for d in _mesh_ids(tmesh):
+            items.append(Item(d, "export gathered from every process (whole params)", whole,
+                              TRANSIENT))  # fmt: skip
     if exports_in_group_layout():
-        # version 0 in the trainer's layout, every later one in the groups' layout on process
-        # 0's first tp devices (counted as if all K + 1 live versions were there at once)
+        # version 0 in the trainer's layout (a spanning trainer's: whole on process 0's first
+        # trainer device), every later one in the groups' layout on process 0's first tp
+        # devices (counted as if all K + 1 live versions were there at once)
         r_mesh = cfg.mesh.rollout
         e_mesh = make_mesh(jax.local_devices()[: r_mesh.group_size], 1, r_mesh.tp, r_mesh.expert)
         e_sh = tree_shardings(param_axes(m), p_abs, rollout_rules(), e_mesh)
-        for d, n in export.items():
+        first = {_mesh_ids(tmesh)[0]: whole} if spanning else export
+        for d, n in first.items():
             items.append(Item(d, f"exports (version 0, {n / GiB:.2f} GiB)", n))
         for d, n in _per_device(p_abs, e_sh).items():
             items.append(Item(d, f"exports ({live} live versions x {n / GiB:.2f} GiB, the "
                               "groups' layout for the other processes)", live * n))  # fmt: skip
+    elif spanning:
+        items.append(Item(_mesh_ids(tmesh)[0], f"exports ({live} live versions x "
+                          f"{whole / GiB:.2f} GiB, whole, on process 0's first trainer device)",
+                          live * whole))  # fmt: skip
     else:
         for d, n in export.items():
             items.append(Item(d, f"exports ({live} live versions x {n / GiB:.2f} GiB)", live * n))

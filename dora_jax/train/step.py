@@ -509,6 +509,16 @@ class Trainer:
         self.state, metrics = step(self.state, batch)
         return metrics
 
+    def host_state(self) -> TrainState:
+        """The train state as host arrays (what a multi-process run's checkpoint saves)."""
+        return jax.device_get(self.state)
+
+    def load_host_state(self, host: Any, checkpoint: tuple[Any, int] | None = None) -> None:
+        """Place ``host`` (host arrays shaped like the state) in the state's shardings.
+        ``checkpoint`` (directory, step) says where it was read (for a trainer whose other
+        processes read their own shards there)."""
+        self.state = jax.device_put(host, jax.tree.map(lambda a: a.sharding, self.state))
+
     def export_params(self) -> Params:
         """A fresh copy of the params in ``model.param_dtype`` (the state's own buffers are
         donated to the next step), e.g. for a weight transfer to rollout groups."""

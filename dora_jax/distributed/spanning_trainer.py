@@ -1,0 +1,181 @@
+"""A trainer mesh that spans processes: process 0 leads, the other processes holding trainer devices
+follow in lock-step.
+
+On JAX's multi-controller runtime every process that owns devices of a mesh must launch each
+computation on that mesh itself, in the same order as the others, or the collectives inside it
+never meet. Process 0 runs the control plane and decides when the trainer steps; before each
+computation on the trainer mesh, :class:`LeadTrainer` sends the same call, with its host inputs
+(the packed batch), to every follower over the ordered channel, then runs it itself.
+:class:`FollowTrainer` replays the calls on a thread of its own, in order. The calls:
+
+- ``init``: build the trainer from the starting policy (the random init of the seed, or a Hugging
+  Face directory every trainer process reads: ``model.hf_path`` or the warm start's cache);
+- ``step``: one train step on a packed batch;
+- ``export``: the new params gathered onto every trainer device; process 0 keeps the copy on its
+  own first trainer device, which is what rollout groups load and checkpoints save;
+- ``gather``: the whole train state gathered likewise, for process 0's checkpoint;
+- ``restore``: each process reads a checkpoint's train state from the run directory (a
+  filesystem every trainer host sees) and places its own shards.
+
+A follower whose call fails ends its process with a message; process 0's watchdog then stops the
+run naming it (a collective would otherwise wait for it for ever).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dora_jax.model import abstract_params, param_axes
+from dora_jax.model.hf_checkpoint import policy_params
+from dora_jax.model.params import Params
+from dora_jax.sharding import trainer_rules, tree_shardings
+from dora_jax.train import TrainBatch, Trainer
+from dora_jax.train.state import model_params
+
+
+def spans(mesh) -> bool:
+    """Whether ``mesh`` has devices of more than one process."""
+    return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def followers(mesh) -> list[int]:
+    """The processes other than 0 that hold devices of ``mesh``."""
+    return sorted({d.process_index for d in mesh.devices.flat} - {0})
+
+
+def build_trainer(cfg, mesh, source: dict) -> Trainer:
+    """The trainer of ``cfg`` on ``mesh`` from the starting policy ``source`` (``{"hf": path or
+    None}``: a Hugging Face directory, or the random init of ``cfg.seed``). Every trainer process
+    calls it at the same point."""
+    shardings = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model),
+                               trainer_rules(cfg.mesh.trainer), mesh)  # fmt: skip
+    params = policy_params(cfg.model, cfg.seed, shardings, source.get("hf"))
+    return Trainer(cfg.model, cfg.train, mesh=mesh, params=params,
+                   rules=trainer_rules(cfg.mesh.trainer))  # fmt: skip
+
+
+def _gather(mesh) -> Callable[[Any], Any]:
+    """A jitted copy of a tree onto every device of ``mesh`` (an all-gather of each leaf)."""
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _export(mesh) -> Callable[[Any], Params]:
+    """The params of a train state, in ``model.param_dtype``, on every device of ``mesh``."""
+    return jax.jit(model_params, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def batch_message(batch: TrainBatch) -> dict:
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
+            if getattr(batch, f.name) is not None}  # fmt: skip
+
+
+def local_copy(tree: Any) -> Any:
+    """Each leaf (an array replicated over a mesh that spans processes) as this process's first
+    copy: an array on one of its own devices."""
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+
+
+class LeadTrainer:
+    """Process 0's trainer when the trainer mesh spans processes. It has the calls of
+    :class:`~dora_jax.train.Trainer` that the run uses; those that compute on the trainer mesh are
+    sent to the followers first."""
+
+    def __init__(self, trainer: Trainer, send: Callable[[dict], None]):
+        self.trainer, self._send = trainer, send
+        self._export = _export(trainer.mesh)
+        self._gather = _gather(trainer.mesh)
+
+    @classmethod
+    def start(cls, cfg, mesh, source: dict, send: Callable[[dict], None]) -> LeadTrainer:
+        """Have the followers build their part of the trainer, and build process 0's."""
+        send({"do": "init", "source": source})
+        return cls(build_trainer(cfg, mesh, source), send)
+
+    def __getattr__(self, name: str) -> Any:  # pack, check_batch, version, mesh, configs...
+        return getattr(self.trainer, name)
+
+    @property
+    def state(self):
+        return self.trainer.state
+
+    def adopt_compiled(self, compiled: Any, rows: int, seq_len: int) -> None:
+        self.trainer.adopt_compiled(compiled, rows, seq_len)
+
+    def step(self, batch: TrainBatch) -> Any:
+        self.trainer.check_batch(batch)
+        self._send({"do": "step", "batch": batch_message(batch)})
+        return self.trainer.step(batch)
+
+    def export_params(self) -> Params:
+        """The params on process 0's first trainer device (gathered from every process)."""
+        self._send({"do": "export"})
+        return local_copy(self._export(self.trainer.state))
+
+    def host_state(self) -> Any:
+        """The whole train state as host arrays on process 0 (gathered from every process)."""
+        self._send({"do": "gather"})
+        return jax.device_get(local_copy(self._gather(self.trainer.state)))
+
+    def load_host_state(self, host: Any, checkpoint: tuple[Path, int] | None = None) -> None:
+        """Place the train state ``host``, read from ``checkpoint`` (directory, step): the
+        followers read the same checkpoint and place their shards."""
+        if checkpoint is None:
+            raise ValueError("a trainer spanning processes restores from a checkpoint only")
+        directory, step = checkpoint
+        self._send({"do": "restore", "directory": str(directory), "step": int(step)})
+        self.trainer.load_host_state(host)
+
+
+class FollowTrainer:
+    """A follower's part of the trainer: the lead's calls, replayed in order on one thread."""
+
+    def __init__(self, cfg, mesh, index: int):
+        self.cfg, self.mesh, self.index = cfg, mesh, index
+        self.trainer: Trainer | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="follow-trainer")
+
+    def handle(self, msg: dict) -> None:
+        self._pool.submit(self._run, msg)
+
+    def _run(self, msg: dict) -> None:
+        try:
+            self._apply(msg)
+        except BaseException as e:  # noqa: BLE001 - the lead would wait for us for ever
+            traceback.print_exc()
+            print(f"error: process {self.index}: the trainer's {msg.get('do')!r} call failed "
+                  f"({type(e).__name__}: {e}); this process stops", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            os._exit(3)
+
+    def _apply(self, msg: dict) -> None:
+        do = msg["do"]
+        if do == "init":
+            self.trainer = build_trainer(self.cfg, self.mesh, msg["source"])
+            self._export, self._gather = _export(self.mesh), _gather(self.mesh)
+            return
+        t = self.trainer
+        if do == "step":
+            jax.block_until_ready(t.step(TrainBatch(**msg["batch"])))
+        elif do == "export":
+            jax.block_until_ready(self._export(t.state))
+        elif do == "gather":
+            jax.block_until_ready(self._gather(t.state))
+        elif do == "restore":
+            from dora_jax.checkpoint import read_train_state
+
+            t.load_host_state(read_train_state(Path(msg["directory"]), msg["step"], t.state))
+        else:
+            raise ValueError(f"unknown trainer call {do!r}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
