@@ -48,11 +48,6 @@ def spans(mesh) -> bool:
     return len({d.process_index for d in mesh.devices.flat}) > 1
 
 
-def followers(mesh) -> list[int]:
-    """The processes other than 0 that hold devices of ``mesh``."""
-    return sorted({d.process_index for d in mesh.devices.flat} - {0})
-
-
 def build_trainer(cfg, mesh, source: dict) -> Trainer:
     """The trainer of ``cfg`` on ``mesh`` from the starting policy ``source`` (``{"hf": path or
     None}``: a Hugging Face directory, or the random init of ``cfg.seed``). Every trainer process

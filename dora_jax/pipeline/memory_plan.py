@@ -47,6 +47,7 @@ from jax.sharding import Mesh
 
 from dora_jax.config import ExperimentConfig
 from dora_jax.config.schema import replace as config_replace
+from dora_jax.distributed.spanning_trainer import spans
 from dora_jax.mesh import Meshes, build_meshes, make_mesh
 from dora_jax.model.params import abstract_params, dtype_of, param_axes
 from dora_jax.rollout.attention import resolve_impl
@@ -313,7 +314,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     p_abs = abstract_params(m)
     t_sh = tree_shardings(param_axes(m), p_abs, rules, tmesh)
     export = _per_device(p_abs, t_sh)
-    spanning = len({d.process_index for d in tmesh.devices.flat}) > 1
+    spanning = spans(tmesh)
     if spanning:
         # a trainer spanning processes gathers each export onto every trainer device for a
         # moment; process 0 keeps one copy (below)
