@@ -7,8 +7,11 @@ processes and compiles everything anew).
   weights and KV moved across processes, and the migrated requests continue bit-identically.
 - On the logical clock the 2-process run consumes the same request ids in the same steps as the
   1-process run of the same config, and ends with the same params (within 1e-5).
-- One process killed with SIGKILL: the other stops within 60 s naming it, and ``--resume``
-  completes the run with nothing lost or consumed twice.
+- A trainer mesh spanning both processes: the same ids and params as the 1-process run of that
+  layout, and a wall-clock run.
+- One process killed with SIGKILL (with the trainer on process 0, and with it spanning both): the
+  other stops within 60 s naming it, and ``--resume`` completes the run with nothing lost or
+  consumed twice (the spanning trainer's resumed losses equal an uninterrupted run's).
 """
 
 import json
