@@ -56,12 +56,6 @@ class Scorer:
             if key not in self._pending:
                 self._pending[key] = self.pool.submit(*item)
 
-    def forget(self, keys: Sequence[Hashable]) -> None:
-        """Drop prefetched scores nobody will ask for (discarded requests)."""
-        with self._lock:
-            for k in keys:
-                self._pending.pop(k, None)
-
     def score_many(
         self, items: Sequence[Item], keys: Sequence[Hashable] | None = None
     ) -> list[Outcome]:
