@@ -11,9 +11,11 @@ computation on the trainer mesh, :class:`LeadTrainer` sends the same call, with 
 - ``init``: build the trainer from the starting policy (the random init of the seed, or a Hugging
   Face directory every trainer process reads: ``model.hf_path`` or the warm start's cache);
 - ``step``: one train step on a packed batch;
-- ``export``: the new params gathered onto every trainer device; process 0 keeps the copy on its
-  own first trainer device, which is what rollout groups load and checkpoints save;
-- ``gather``: the whole train state gathered likewise, for process 0's checkpoint;
+- ``export``: the new params gathered onto every trainer device, one tensor at a time; process 0
+  keeps the copy on its own first trainer device, which is what rollout groups load and
+  checkpoints save;
+- ``gather``: the train state gathered likewise, tensor by tensor into process 0's host memory,
+  for its checkpoint;
 - ``restore``: each process reads a checkpoint's train state from the run directory (a
   filesystem every trainer host sees) and places its own shards.
 
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dora_jax.model import abstract_params, param_axes
@@ -40,7 +43,6 @@ from dora_jax.model.hf_checkpoint import policy_params
 from dora_jax.model.params import Params
 from dora_jax.sharding import trainer_rules, tree_shardings
 from dora_jax.train import TrainBatch, Trainer
-from dora_jax.train.state import model_params
 
 
 def spans(mesh) -> bool:
@@ -60,13 +62,15 @@ def build_trainer(cfg, mesh, source: dict) -> Trainer:
 
 
 def _gather(mesh) -> Callable[[Any], Any]:
-    """A jitted copy of a tree onto every device of ``mesh`` (an all-gather of each leaf)."""
-    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    """A jitted copy of one array onto every device of ``mesh`` (an all-gather)."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def _export(mesh) -> Callable[[Any], Params]:
-    """The params of a train state, in ``model.param_dtype``, on every device of ``mesh``."""
-    return jax.jit(model_params, out_shardings=NamedSharding(mesh, PartitionSpec()))
+def gather_leaves(gather: Callable[[Any], Any], tree: Any, take: Callable[[Any], Any]) -> Any:
+    """``take`` of each leaf of ``tree`` gathered onto every trainer device, one leaf after the
+    other (so a device holds one whole leaf at a time, not the whole tree). The lead and the
+    followers walk the same tree in the same order."""
+    return jax.tree.map(lambda x: take(gather(x)), tree)
 
 
 def batch_message(batch: TrainBatch) -> dict:
@@ -74,10 +78,10 @@ def batch_message(batch: TrainBatch) -> dict:
             if getattr(batch, f.name) is not None}  # fmt: skip
 
 
-def local_copy(tree: Any) -> Any:
-    """Each leaf (an array replicated over a mesh that spans processes) as this process's first
-    copy: an array on one of its own devices."""
-    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+def _mine(x: jax.Array) -> jax.Array:
+    """This process's first copy of an array replicated over a mesh that spans processes: an
+    array on one of its own devices."""
+    return x.addressable_shards[0].data
 
 
 class LeadTrainer:
@@ -87,7 +91,6 @@ class LeadTrainer:
 
     def __init__(self, trainer: Trainer, send: Callable[[dict], None]):
         self.trainer, self._send = trainer, send
-        self._export = _export(trainer.mesh)
         self._gather = _gather(trainer.mesh)
 
     @classmethod
@@ -114,12 +117,12 @@ class LeadTrainer:
     def export_params(self) -> Params:
         """The params on process 0's first trainer device (gathered from every process)."""
         self._send({"do": "export"})
-        return local_copy(self._export(self.trainer.state))
+        return gather_leaves(self._gather, self.trainer.export_params(), _mine)
 
     def host_state(self) -> Any:
         """The whole train state as host arrays on process 0 (gathered from every process)."""
         self._send({"do": "gather"})
-        return jax.device_get(local_copy(self._gather(self.trainer.state)))
+        return gather_leaves(self._gather, self.trainer.state, lambda x: np.asarray(_mine(x)))
 
     def load_host_state(self, host: Any, checkpoint: tuple[Path, int] | None = None) -> None:
         """Place the train state ``host``, read from ``checkpoint`` (directory, step): the
@@ -156,15 +159,15 @@ class FollowTrainer:
         do = msg["do"]
         if do == "init":
             self.trainer = build_trainer(self.cfg, self.mesh, msg["source"])
-            self._export, self._gather = _export(self.mesh), _gather(self.mesh)
+            self._gather = _gather(self.mesh)
             return
         t = self.trainer
         if do == "step":
             jax.block_until_ready(t.step(TrainBatch(**msg["batch"])))
         elif do == "export":
-            jax.block_until_ready(self._export(t.state))
+            gather_leaves(self._gather, t.export_params(), jax.block_until_ready)
         elif do == "gather":
-            jax.block_until_ready(self._gather(t.state))
+            gather_leaves(self._gather, t.state, jax.block_until_ready)
         elif do == "restore":
             from dora_jax.checkpoint import read_train_state
 

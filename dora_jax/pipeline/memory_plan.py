@@ -7,8 +7,9 @@ Per device, in bytes:
 - the policy exports the trainer keeps for the rollout side, one per live version: the window
   holds at most ``staleness_k + 1`` versions (model dtype, trainer sharding; a multi-process run
   on accelerators keeps them in the rollout groups' layout on process 0's first ``tp`` devices,
-  see :func:`exports_in_group_layout`; a trainer spanning processes gathers each export whole
-  onto every trainer device for a moment and keeps process 0's copy on its first trainer device);
+  see :func:`exports_in_group_layout`; a trainer spanning processes gathers each export onto
+  every trainer device one tensor at a time and keeps process 0's copy, whole, on its first
+  trainer device);
 - the engines' params: one copy per version an engine can serve, at most ``min(engines on the
   device, staleness_k + 1)``; none when the device is a trainer device with the same layout
   (``device_put`` onto the same devices and layout aliases the trainer's export);
@@ -316,11 +317,15 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     export = _per_device(p_abs, t_sh)
     spanning = spans(tmesh)
     if spanning:
-        # a trainer spanning processes gathers each export onto every trainer device for a
-        # moment; process 0 keeps one copy (below)
-        whole = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(p_abs))
+        # a trainer spanning processes gathers each export (and a checkpoint's state) onto
+        # every trainer device one tensor at a time; process 0 keeps one copy (below)
+        def size(a) -> int:
+            return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+
+        whole = sum(size(a) for a in jax.tree.leaves(p_abs))
+        largest = max(size(a) for a in jax.tree.leaves(state))
         for d in _mesh_ids(tmesh):
-            items.append(Item(d, "export gathered from every process (whole params)", whole,
+            items.append(Item(d, "a tensor gathered from every process (the largest)", largest,
                               TRANSIENT))  # fmt: skip
     if exports_in_group_layout():
         # version 0 in the trainer's layout (a spanning trainer's: whole on process 0's first
