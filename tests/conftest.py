@@ -25,6 +25,14 @@ def pytest_configure(config):
             f"the test extra is not installed (missing: {', '.join(missing)}); the parity tests "
             'need it: pip install -e ".[test]"'
         )
+    # Property tests draw the same examples on every run (a failure found is found again, and a
+    # run never fails by the luck of its draw); HYPOTHESIS_PROFILE=explore draws fresh ones, as
+    # the slow sweeps always do.
+    from hypothesis import settings
+
+    settings.register_profile("suite", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
 MAPS_LIMIT = 30_000  # memory mappings of this process before compiled programs are dropped

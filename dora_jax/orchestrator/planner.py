@@ -348,12 +348,15 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
     running: dict[int, int] = {}
     pages: dict[int, int] = {}
     busy: dict[int, int] = {}  # groups of a version holding requests
+    smallest: dict[int, int] = {}  # the fewest pages one of a version's requests holds
     for g in s.groups:
         v, n = g.version, len(g.requests)
         holders.setdefault(v, []).append(g.group)
         running[v] = running.get(v, 0) + n
         pages[v] = pages.get(v, 0) + g.kv_pages_used
         busy[v] = busy.get(v, 0) + (n > 0)
+        if g.request_pages:
+            smallest[v] = min(smallest.get(v, math.inf), min(g.request_pages))
     work = {v for v, n in running.items() if n} | set(pending)
     gate = min((v for v, n in running.items() if n), default=None)
     # enough is ready for the next step: what holds the trainer up is the gate draining
@@ -366,8 +369,10 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
             continue
         want = max(1, math.ceil(n / max_slots), math.ceil(pages[v] / fill) if kv else 1)
         # only the gate grows past the groups it holds, when they cannot hold its pages (its
-        # parked requests hold the trainer up); the others wait in host memory, as in the paper
+        # parked requests hold the trainer up); the others wait in host memory, as in the paper.
+        # A new group helps only if a request can move there: one fits under the limit.
         grow = kv and v == gate and pages[v] > busy[v] * pages_total and n > busy[v]
+        grow = grow and smallest.get(v, math.inf) <= limit
         if grow:
             hard[v] = max(busy[v], min(n, math.ceil(pages[v] / limit)))
         elif v == s.latest or (v == gate and critical) or not policy.consolidate or v in pending:
