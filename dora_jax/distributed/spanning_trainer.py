@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +93,10 @@ class LeadTrainer:
     def __init__(self, trainer: Trainer, send: Callable[[dict], None]):
         self.trainer, self._send = trainer, send
         self._gather = _gather(trainer.mesh)
+        # a call is sent and dispatched under this lock: two threads of this process (the
+        # trainer's worker, the control loop saving a checkpoint) never interleave their calls
+        # differently here and on the followers
+        self._lock = threading.Lock()
 
     @classmethod
     def start(cls, cfg, mesh, source: dict, send: Callable[[dict], None]) -> LeadTrainer:
@@ -111,18 +116,21 @@ class LeadTrainer:
 
     def step(self, batch: TrainBatch) -> Any:
         self.trainer.check_batch(batch)
-        self._send({"do": "step", "batch": batch_message(batch)})
-        return self.trainer.step(batch)
+        with self._lock:
+            self._send({"do": "step", "batch": batch_message(batch)})
+            return self.trainer.step(batch)
 
     def export_params(self) -> Params:
         """The params on process 0's first trainer device (gathered from every process)."""
-        self._send({"do": "export"})
-        return gather_leaves(self._gather, self.trainer.export_params(), _mine)
+        with self._lock:
+            self._send({"do": "export"})
+            return gather_leaves(self._gather, self.trainer.export_params(), _mine)
 
     def host_state(self) -> Any:
         """The whole train state as host arrays on process 0 (gathered from every process)."""
-        self._send({"do": "gather"})
-        return gather_leaves(self._gather, self.trainer.state, lambda x: np.asarray(_mine(x)))
+        with self._lock:
+            self._send({"do": "gather"})
+            return gather_leaves(self._gather, self.trainer.state, lambda x: np.asarray(_mine(x)))
 
     def load_host_state(self, host: Any, checkpoint: tuple[Path, int] | None = None) -> None:
         """Place the train state ``host``, read from ``checkpoint`` (directory, step): the
@@ -130,8 +138,9 @@ class LeadTrainer:
         if checkpoint is None:
             raise ValueError("a trainer spanning processes restores from a checkpoint only")
         directory, step = checkpoint
-        self._send({"do": "restore", "directory": str(directory), "step": int(step)})
-        self.trainer.load_host_state(host)
+        with self._lock:
+            self._send({"do": "restore", "directory": str(directory), "step": int(step)})
+            self.trainer.load_host_state(host)
 
 
 class FollowTrainer:
