@@ -67,11 +67,13 @@ def _gather(mesh) -> Callable[[Any], Any]:
     return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def gather_leaves(gather: Callable[[Any], Any], tree: Any, take: Callable[[Any], Any]) -> Any:
-    """``take`` of each leaf of ``tree`` gathered onto every trainer device, one leaf after the
-    other (so a device holds one whole leaf at a time, not the whole tree). The lead and the
-    followers walk the same tree in the same order."""
-    return jax.tree.map(lambda x: take(gather(x)), tree)
+def gather_leaves(gather: Callable[[Any], Any], tree: Any, take: Callable[..., Any],
+                  *rest: Any) -> Any:  # fmt: skip
+    """``take`` of each leaf of ``tree`` gathered onto every trainer device (and of the matching
+    leaves of the trees ``rest``), one leaf after the other, so a device holds one whole leaf at
+    a time, not the whole tree. The lead and the followers walk the same tree in the same
+    order."""
+    return jax.tree.map(lambda x, *r: take(gather(x), *r), tree, *rest)
 
 
 def batch_message(batch: TrainBatch) -> dict:
@@ -120,11 +122,18 @@ class LeadTrainer:
             self._send({"do": "step", "batch": batch_message(batch)})
             return self.trainer.step(batch)
 
-    def export_params(self) -> Params:
-        """The params on process 0's first trainer device (gathered from every process)."""
+    def export_params(self, shardings: Params | None = None) -> Params:
+        """The params gathered from every process onto process 0: whole on its first trainer
+        device, or placed tensor by tensor in ``shardings`` (e.g. the rollout groups' layout on
+        process 0's devices: then no device of process 0 ever holds more than one whole tensor
+        beyond its share)."""
         with self._lock:
             self._send({"do": "export"})
-            return gather_leaves(self._gather, self.trainer.export_params(), _mine)
+            params = self.trainer.export_params()
+            if shardings is None:
+                return gather_leaves(self._gather, params, _mine)
+            place = lambda x, s: jax.device_put(_mine(x), s)  # noqa: E731
+            return gather_leaves(self._gather, params, place, shardings)
 
     def host_state(self) -> Any:
         """The whole train state as host arrays on process 0 (gathered from every process)."""

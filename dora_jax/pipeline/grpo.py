@@ -178,10 +178,7 @@ class GRPOTrainer:
         metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
         faults.point("train_step")
         version = self.version
-        export = self.trainer.export_params()
-        if self.export_shardings is not None:
-            export = jax.device_put(export, self.export_shardings)
-        self.params[version] = export
+        self.params[version] = self.trainer.export_params(self.export_shardings)
         means = {k: float(np.mean(v)) for k, v in extra.items()}
         self.log.append(StepLog(version, metrics, rewards, ids, means))
         return version

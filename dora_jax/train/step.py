@@ -519,7 +519,9 @@ class Trainer:
         processes read their own shards there)."""
         self.state = jax.device_put(host, jax.tree.map(lambda a: a.sharding, self.state))
 
-    def export_params(self) -> Params:
+    def export_params(self, shardings: Params | None = None) -> Params:
         """A fresh copy of the params in ``model.param_dtype`` (the state's own buffers are
-        donated to the next step), e.g. for a weight transfer to rollout groups."""
-        return self._export(self.state)
+        donated to the next step), e.g. for a weight transfer to rollout groups; placed in
+        ``shardings`` when given (default: the trainer's)."""
+        out = self._export(self.state)
+        return out if shardings is None else jax.device_put(out, shardings)
