@@ -80,3 +80,14 @@ def test_unsupported_architecture_is_one_error_line(tmp_path):
     assert "architecture Gemma2ForCausalLM is not supported" in lines[0]
     for arch in ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         assert arch in lines[0]
+
+
+def test_local_launcher_keeps_gloo_notes_out_of_the_terminal():
+    from dora_jax.distributed.launcher import terminal_line
+
+    note = ("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
+            "ranks is : 1")  # fmt: skip
+    assert terminal_line(note + "\n") == ""
+    assert terminal_line(note + note + "\n") == ""  # two notes run together
+    assert terminal_line(note + "step 1: reward 0.5\n") == "step 1: reward 0.5\n"
+    assert terminal_line("step 2: loss -0.1 [Gloo]\n") == "step 2: loss -0.1 [Gloo]\n"

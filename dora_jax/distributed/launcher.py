@@ -12,6 +12,7 @@ process 0 (which stops the run and the others cleanly), and ends the others when
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -76,13 +77,28 @@ def launch_local(n: int, argv: list[str], run_dir: Path, *, devices_per_process:
     return code
 
 
+# gloo's note on every new communicator (several per run, sometimes run together on one line):
+# kept in the log files, left out of the terminal
+_GLOO = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
+                   r"connected peer ranks is : \d+")  # fmt: skip
+
+
+def terminal_line(line: str) -> str:
+    """``line`` as the terminal shows it ("" when there is nothing left to show)."""
+    if "[Gloo]" not in line:
+        return line
+    rest = _GLOO.sub("", line)
+    return "" if not rest.strip() else rest
+
+
 def _pump(p: subprocess.Popen, path: Path, echo: bool) -> None:
     with open(path, "w") as f:
         for line in p.stdout:
             f.write(line)
             f.flush()
-            if echo:
-                sys.stdout.write(line)
+            shown = terminal_line(line) if echo else ""
+            if shown:
+                sys.stdout.write(shown)
                 sys.stdout.flush()
 
 
