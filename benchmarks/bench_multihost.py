@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_overrides": a.overrides,
         "dora_over_sync_wall": thr["dora_over_sync_wall"],
         "trajectories_per_s": thr["trajectories_per_s"],
+        "dora_over_sync_tokens": thr["dora_over_sync_tokens"],
+        "response_tokens_per_s": thr["response_tokens_per_s"],
         "overlap_dora": thr["overlap_dora"],
         "group_idle_dora": thr["group_idle_dora"],
         "group_idle_sync": thr["group_idle_sync"],
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             "migrate_s": "seconds to move one request's KV to the other process",
             "prefill_s": "seconds to prefill the same context there",
             "ratio": "migrate_s / prefill_s",
+            "response_tokens_per_s": "response tokens of the consumed trajectories per wall second",
             "control_round_ms": "process 0's own milliseconds per control round",
         },  # fmt: skip
         "seconds": time.monotonic() - t0,
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     print(
-        f"dora over sync (wall, 2 processes): {res['dora_over_sync_wall']:.2f}x; control "
+        f"dora over sync (wall, 2 processes): {res['dora_over_sync_wall']:.2f}x trajectories/s, "
+        f"{res['dora_over_sync_tokens']:.2f}x response tokens/s; control "
         f"round {thr['round_ms_mean']['dora']:.2f} ms (p99 {thr['round_ms_p99']['dora']:.2f}); "
         f"wrote {a.out}"
     )

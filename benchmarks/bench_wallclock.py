@@ -12,6 +12,8 @@ threads could not show it.) Both modes run the same config on the wall clock; ea
 
 - ``dora_over_sync_wall``: trajectories consumed per wall second, dora over sync, over the
   measured window (after ``--warmup`` steps, when everything is compiled);
+- ``dora_over_sync_tokens``: the same for the consumed trajectories' response tokens (dora's
+  window favours prompt groups without a long tail, which finish first);
 - ``overlap_dora``: the share of the trainer's busy time during which some group was decoding;
 - ``group_idle_{dora,sync}``: each rollout group's idle share of the window.
 """
@@ -58,15 +60,19 @@ def measure(steps: int, warmup: int, rounds: int, extra: list[str], work: Path) 
         for mode in ("sync", "dora"):
             f = run_mode(mode, warmup, steps, work, extra)
             runs[mode].append(f)
-            print(f"round {r + 1} {mode:>4}: {f['trajectories_per_s']:.1f} traj/s over "
+            print(f"round {r + 1} {mode:>4}: {f['trajectories_per_s']:.1f} traj/s "
+                  f"({f['response_tokens_per_s']:.0f} response tokens/s) over "
                   f"{f['seconds']:.1f} s, overlap {f['overlap']:.2f}, group idle "
                   f"{', '.join(f'{x:.2f}' for x in f['group_idle'])}", flush=True)  # fmt: skip
     med = {m: statistics.median(f["trajectories_per_s"] for f in fs) for m, fs in runs.items()}
+    tok = {m: statistics.median(f["response_tokens_per_s"] for f in fs) for m, fs in runs.items()}
     best = {m: min(fs, key=lambda f, m=m: abs(f["trajectories_per_s"] - med[m]))
             for m, fs in runs.items()}  # fmt: skip
     return {
         "dora_over_sync_wall": med["dora"] / med["sync"],
         "trajectories_per_s": med,
+        "dora_over_sync_tokens": tok["dora"] / tok["sync"],
+        "response_tokens_per_s": tok,
         "overlap_dora": statistics.median(f["overlap"] for f in runs["dora"]),
         "overlap_sync": statistics.median(f["overlap"] for f in runs["sync"]),
         "group_idle_dora": best["dora"]["group_idle"],
@@ -104,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         "4 rollout groups; wall clock",  # fmt: skip
         "units": {
             "trajectories_per_s": "trajectories consumed by training per wall second",
+            "response_tokens_per_s": "their response tokens per wall second",
             "overlap": "share of trainer-busy seconds with a group decoding",
             "group_idle": "share of the window a group did nothing",
             "round_ms": "ms of process 0's own time per control round",
@@ -113,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     print(
-        f"dora over sync (wall): {res['dora_over_sync_wall']:.2f}x; overlap (dora) "
+        f"dora over sync (wall): {res['dora_over_sync_wall']:.2f}x trajectories/s, "
+        f"{res['dora_over_sync_tokens']:.2f}x response tokens/s; overlap (dora) "
         f"{res['overlap_dora']:.2f}; group idle dora "
         f"{', '.join(f'{x:.2f}' for x in res['group_idle_dora'])} / sync "
         f"{', '.join(f'{x:.2f}' for x in res['group_idle_sync'])}; wrote {a.out}"

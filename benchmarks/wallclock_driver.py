@@ -92,7 +92,9 @@ def throughput(proc, argv: list[str]) -> dict:
     t_b = rec.steps[first + steps - 1].end
     span = t_b - t_a
     win = [s for s in rec.steps[first : first + steps]]
-    consumed = sum(1 for c in rec.consumed if first <= c.trainer_version < first + steps)
+    taken = [c for c in rec.consumed if first <= c.trainer_version < first + steps]
+    consumed = len(taken)
+    tokens = sum(c.response_len for c in taken)
     spans = [g for g in rec.spans if g.t1 > t_a and g.t0 < t_b]
     rolling = [(max(g.t0, t_a), min(g.t1, t_b)) for g in spans
                if g.activity in ("prefill", "decode")]  # fmt: skip
@@ -113,6 +115,9 @@ def throughput(proc, argv: list[str]) -> dict:
         "seconds": span,
         "trajectories": consumed,
         "trajectories_per_s": consumed / span,
+        # dora's window favours prompt groups without a long tail (those finish first; the rest
+        # are still in flight at the window's end): response tokens per second count the work
+        "response_tokens_per_s": tokens / span,
         "train_busy_share": busy_train / span,
         "overlap": intersection_length(train, rolling) / busy_train if busy_train else 0.0,
         "group_idle": idle,
