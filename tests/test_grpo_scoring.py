@@ -29,7 +29,7 @@ class StubTrainer:
     def version(self):
         return self.state.version
 
-    def export_params(self):
+    def export_params(self, shardings=None):
         return {"v": self.state.version}
 
     def pack(self, trajectories, num_groups, **kw):
