@@ -27,6 +27,7 @@ def hf_dir(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow  # long: the default run stays under its time limit
 def test_hf_checkpoint_jsonl_prompts_boxed_reward(hf_dir, tmp_path):
     cfg = load_config(ROOT / "configs" / "default.yaml", [
         f"model.hf_path={hf_dir}", "data.tokenizer=hf", "data.task=jsonl",

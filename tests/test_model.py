@@ -77,6 +77,7 @@ def test_remat_policies_change_nothing_numerically(remat, seq_chunk):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.slow  # long: the default run stays under its time limit
 def test_nested_remat_keeps_16_bit_layer_inputs_exactly():
     """bfloat16: nested remat keeps layer and group inputs as bit patterns; the gradient is the
     one without remat."""

@@ -141,6 +141,7 @@ def test_forced_routes_replay_bit_identically_and_others_change_logits(cfg):
     np.testing.assert_array_equal(np.asarray(h5), np.asarray(h))
 
 
+@pytest.mark.slow  # long: the default run stays under its time limit
 def test_routes_with_remat_and_seq_chunk_are_the_same():
     params = init_params(QWEN3, jax.random.key(0))
     tokens, positions, seg = batch(T=12)
@@ -215,6 +216,7 @@ def trajectories(seed=0):
     return out
 
 
+@pytest.mark.slow  # long: the default run stays under its time limit
 def test_train_step_with_experts_sharded_over_two_devices_equals_unsharded():
     cfg = dataclasses.replace(QWEN3, num_layers=2)
     params = init_params(cfg, jax.random.key(0))

@@ -7,6 +7,8 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from dora_jax.config import load_config
 from dora_jax.pipeline.experiment import build, run
 from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
@@ -25,6 +27,7 @@ VERIFIER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # long: the default run stays under its time limit
 def test_hung_raising_and_junk_verifiers_never_stall_the_run(tmp_path):
     (tmp_path / "verifier.py").write_text(VERIFIER)
     rows = [{"prompt": f"{20 + i}-3=", "answer": "1", "kind": k}

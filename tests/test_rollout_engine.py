@@ -291,6 +291,7 @@ def test_page_allocator():
     assert 0 not in alloc.ensure("c", 12)
 
 
+@pytest.mark.slow  # long: the default run stays under its time limit
 def test_multi_step_decode_matches_single_step(params):
     """decode_steps=4 (one device call per 4 tokens) produces what single steps produce; EOS and
     max-new-token stops inside a call are honoured and pages still all come back."""
