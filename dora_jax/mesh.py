@@ -51,6 +51,11 @@ def parse_slice(text: str, n_devices: int, path: str) -> list[int]:
     return list(range(start, stop))
 
 
+def processes(mesh: Mesh) -> set[int]:
+    """The processes whose devices ``mesh`` holds."""
+    return {d.process_index for d in mesh.devices.flat}
+
+
 def make_mesh(devices: Sequence[jax.Device], data: int, model: int, expert: int = 1) -> Mesh:
     """A ``(data, expert, model)`` mesh over ``devices`` (model the fastest-varying axis)."""
     return Mesh(np.asarray(devices, dtype=object).reshape(data, expert, model), AXES)

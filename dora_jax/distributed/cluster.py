@@ -9,6 +9,7 @@ from dora_jax.distributed.channel import Channel
 from dora_jax.distributed.process import Process, ProcessError
 from dora_jax.distributed.remote import HostLink, RemoteGroup
 from dora_jax.distributed.transfers import Transfers
+from dora_jax.mesh import processes
 
 
 class Cluster:
@@ -21,7 +22,7 @@ class Cluster:
 
     def owner(self, mesh: Mesh, what: str) -> int:
         """The process whose devices hold ``mesh`` (a rollout group lives on one process)."""
-        procs = sorted({d.process_index for d in mesh.devices.flat})
+        procs = sorted(processes(mesh))
         if len(procs) != 1:
             raise ProcessError(
                 f"{what} spans processes {procs}: it must live on one host's devices"
@@ -47,7 +48,7 @@ class Cluster:
     def trainer_calls(self, mesh: Mesh):
         """A function that sends a trainer call to every other process holding devices of the
         trainer ``mesh`` (they replay it: ``spanning_trainer.py``)."""
-        others = sorted({d.process_index for d in mesh.devices.flat} - {self.index})
+        others = sorted(processes(mesh) - {self.index})
 
         def send(msg: dict) -> None:
             for p in others:

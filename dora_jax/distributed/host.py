@@ -17,7 +17,7 @@ def serve(proc: Process, log=print) -> int:
     """Host this process's groups for process 0; returns the exit code."""
     from dora_jax.config import ExperimentConfig
     from dora_jax.config.loading import from_dict
-    from dora_jax.mesh import build_meshes
+    from dora_jax.mesh import build_meshes, processes
     from dora_jax.rollout import Engine
 
     channel = Channel(proc.client, proc.index)
@@ -36,7 +36,7 @@ def serve(proc: Process, log=print) -> int:
             engines = {g: Engine(cfg.model, cfg.rollout, m, stops) for g, m in mine.items()}
             host.append(GroupHost(channel, transfers, engines, msg["wall"]))
             log(f"process {proc.index}: hosting rollout groups {sorted(engines)}", flush=True)
-            if proc.index in {d.process_index for d in meshes.trainer.devices.flat}:
+            if proc.index in processes(meshes.trainer):
                 follower.append(FollowTrainer(cfg, meshes.trainer, proc.index))
                 log(f"process {proc.index}: following the trainer's calls", flush=True)
             channel.send(0, {"op": "reply", "reply": msg["reply"], "value": sorted(engines)})

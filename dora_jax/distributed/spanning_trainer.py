@@ -46,20 +46,14 @@ from dora_jax.sharding import trainer_rules, tree_shardings
 from dora_jax.train import TrainBatch, Trainer
 
 
-def spans(mesh) -> bool:
-    """Whether ``mesh`` has devices of more than one process."""
-    return len({d.process_index for d in mesh.devices.flat}) > 1
-
-
 def build_trainer(cfg, mesh, source: dict) -> Trainer:
     """The trainer of ``cfg`` on ``mesh`` from the starting policy ``source`` (``{"hf": path or
     None}``: a Hugging Face directory, or the random init of ``cfg.seed``). Every trainer process
     calls it at the same point."""
-    shardings = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model),
-                               trainer_rules(cfg.mesh.trainer), mesh)  # fmt: skip
+    rules = trainer_rules(cfg.mesh.trainer)
+    shardings = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rules, mesh)
     params = policy_params(cfg.model, cfg.seed, shardings, source.get("hf"))
-    return Trainer(cfg.model, cfg.train, mesh=mesh, params=params,
-                   rules=trainer_rules(cfg.mesh.trainer))  # fmt: skip
+    return Trainer(cfg.model, cfg.train, mesh=mesh, params=params, rules=rules)
 
 
 def _gather(mesh) -> Callable[[Any], Any]:
@@ -106,15 +100,8 @@ class LeadTrainer:
         send({"do": "init", "source": source})
         return cls(build_trainer(cfg, mesh, source), send)
 
-    def __getattr__(self, name: str) -> Any:  # pack, check_batch, version, mesh, configs...
+    def __getattr__(self, name: str) -> Any:  # state, pack, version, adopt_compiled, mesh...
         return getattr(self.trainer, name)
-
-    @property
-    def state(self):
-        return self.trainer.state
-
-    def adopt_compiled(self, compiled: Any, rows: int, seq_len: int) -> None:
-        self.trainer.adopt_compiled(compiled, rows, seq_len)
 
     def step(self, batch: TrainBatch) -> Any:
         self.trainer.check_batch(batch)
@@ -158,6 +145,7 @@ class FollowTrainer:
     def __init__(self, cfg, mesh, index: int):
         self.cfg, self.mesh, self.index = cfg, mesh, index
         self.trainer: Trainer | None = None
+        self._gather = _gather(mesh)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="follow-trainer")
 
     def handle(self, msg: dict) -> None:
@@ -177,7 +165,6 @@ class FollowTrainer:
         do = msg["do"]
         if do == "init":
             self.trainer = build_trainer(self.cfg, self.mesh, msg["source"])
-            self._gather = _gather(self.mesh)
             return
         t = self.trainer
         if do == "step":

@@ -27,10 +27,10 @@ from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.data.reward_functions import RewardSpecError, load_reward_function, resolve_spec
 from dora_jax.data.reward_pool import RewardPool
 from dora_jax.data.rewards import exact_reward
-from dora_jax.distributed.spanning_trainer import LeadTrainer, spans
+from dora_jax.distributed.spanning_trainer import LeadTrainer
 from dora_jax.execution.backend import EngineBackend
 from dora_jax.execution.trainer import ThreadedTrainer
-from dora_jax.mesh import Meshes, build_meshes
+from dora_jax.mesh import Meshes, build_meshes, processes
 from dora_jax.model import abstract_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, policy_params
 from dora_jax.model.hf_mapping import UnsupportedModelError
@@ -233,12 +233,6 @@ def resolve_model(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ExperimentError(f"{m.hf_path}/config.json does not fit the run: {e}") from None
 
 
-def initial_policy(cfg: ExperimentConfig, shardings: Params) -> Params:
-    """Random init or the HF checkpoint at ``model.hf_path``, created directly in
-    ``shardings`` (the trainer's)."""
-    return policy_params(cfg.model, cfg.seed, shardings, cfg.model.hf_path)
-
-
 def build(
     cfg: ExperimentConfig,
     run_dir: Path,
@@ -280,33 +274,29 @@ def build(
         "" if cfg.data.median_steps == 3 else f" median_steps={cfg.data.median_steps}"
     )
     losses: list[float] = []
+    warmed: Params | None = None
+    if warm:
+        # The built-in task's warm start is small: it runs on one device (then is sharded).
+        one = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]),
+                           abstract_params(cfg.model))  # fmt: skip
+        start = jax.device_get(policy_params(cfg.model, cfg.seed, one, cfg.model.hf_path))
+        warmed, losses = warm_start(start, cfg.model, cfg.warm_start, example, tokenizer,
+                                    cache_dir=warm_dir, cache_key=warm_key,
+                                    on_step=on_warm_step)  # fmt: skip
     rules = trainer_rules(cfg.mesh.trainer)
-    if cluster is not None and spans(meshes.trainer):
-        # Every trainer process builds its shards from the same source: the warm start (run
-        # here, on one device) is read back from its cache directory by all of them.
-        start_from: dict = {"hf": cfg.model.hf_path}
-        if warm:
-            one = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]),
-                               abstract_params(cfg.model))  # fmt: skip
-            start = jax.device_get(policy_params(cfg.model, cfg.seed, one, cfg.model.hf_path))
-            _, losses = warm_start(start, cfg.model, cfg.warm_start, example, tokenizer,
-                                   cache_dir=warm_dir, cache_key=warm_key,
-                                   on_step=on_warm_step)  # fmt: skip
-            start_from = {"hf": str(warm_dir)}
+    if cluster is not None and len(processes(meshes.trainer)) > 1:
+        # Every trainer process builds its shards from the same source: the warm start is read
+        # back from its cache directory by all of them.
+        start_from = {"hf": str(warm_dir) if warmed is not None else cfg.model.hf_path}
         calls = cluster.trainer_calls(meshes.trainer)
         trainer = LeadTrainer.start(cfg, meshes.trainer, start_from, calls)
     else:
         shardings = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rules,
                                    meshes.trainer)  # fmt: skip
-        params = initial_policy(cfg, shardings)
-        if warm:
-            # The built-in task's warm start is small: it runs on one device, then is sharded.
-            params, losses = warm_start(jax.device_get(params), cfg.model, cfg.warm_start,
-                                        example, tokenizer, cache_dir=warm_dir,
-                                        cache_key=warm_key, on_step=on_warm_step)  # fmt: skip
-            params = jax.device_put(params, shardings)
+        params = (policy_params(cfg.model, cfg.seed, shardings, cfg.model.hf_path)
+                  if warmed is None else jax.device_put(warmed, shardings))  # fmt: skip
         trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params, rules=rules)
-        del params  # version 0 lives on as the trainer's export (engines alias it when colocated)
+        del params, warmed  # version 0 lives on as the trainer's export (engines alias it)
     trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
     grpo = GRPOTrainer(trainer, tokenizer, reward)
     if cluster is not None and not cluster.transfers.via_store:
@@ -379,7 +369,7 @@ def _cluster(
     from dora_jax.sharding import rollout_rules
 
     cluster = Cluster(process)
-    if process.index not in {d.process_index for d in meshes.trainer.devices.flat}:
+    if process.index not in processes(meshes.trainer):
         raise ProcessError("the trainer mesh must include process 0's devices (process 0 leads "
                            "the train steps): check mesh.trainer.devices")  # fmt: skip
     r = cfg.mesh.rollout

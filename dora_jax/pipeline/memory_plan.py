@@ -48,8 +48,7 @@ from jax.sharding import Mesh
 
 from dora_jax.config import ExperimentConfig
 from dora_jax.config.schema import replace as config_replace
-from dora_jax.distributed.spanning_trainer import spans
-from dora_jax.mesh import Meshes, build_meshes, make_mesh
+from dora_jax.mesh import Meshes, build_meshes, make_mesh, processes
 from dora_jax.model.params import abstract_params, dtype_of, param_axes
 from dora_jax.rollout.attention import resolve_impl
 from dora_jax.rollout.steps import lower_steps
@@ -315,7 +314,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     p_abs = abstract_params(m)
     t_sh = tree_shardings(param_axes(m), p_abs, rules, tmesh)
     export = _per_device(p_abs, t_sh)
-    spanning = spans(tmesh)
+    spanning = len(processes(tmesh)) > 1
     if spanning:
         # a trainer spanning processes gathers each export (and a checkpoint's state) onto
         # every trainer device one tensor at a time; process 0 keeps one copy (below)
