@@ -296,6 +296,7 @@ def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
 
 def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) -> int:
     from dora_jax.checkpoint import finished_steps
+    from dora_jax.metrics import read_metrics
     from dora_jax.pipeline.experiment import run
     from dora_jax.pipeline.health import RunHealth
     from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
@@ -321,6 +322,11 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) 
     wandb_log = None
     try:
         checkpointer = _open_checkpoints(exp, run_dir, restoring)
+        for name in exp.stream_history(run_dir, resume=restoring):
+            print(
+                f"warning: {run_dir / name} is shorter than the checkpoint says (it was cut or "
+                "replaced): the summary and timeline will miss the part that is gone"
+            )
         warm_start_s = time.perf_counter() - t_start
         if cfg.logging.wandb:  # process 0 only: the others serve their groups (see main)
             from dora_jax.wandb_log import WandbLog
@@ -328,7 +334,9 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) 
             wandb_log = WandbLog(cfg, run_dir)
         metrics = MetricsLog(exp, run_dir, restoring, mirror=wandb_log)
         evals = HeldOutEval(exp, run_dir, cfg, restoring, echo=metrics.echo, mirror=wandb_log)
-        health = RunHealth(exp, echo=metrics.echo)
+        logged = run_dir / "metrics.jsonl"  # (cut to the checkpoint by MetricsLog)
+        history = read_metrics(logged) if restoring and logged.is_file() else []
+        health = RunHealth(exp, echo=metrics.echo, history=history)
         if exp.runtime.steps_done == 0:
             evals.at(0)  # before the first step
         stop.arm()  # from here a signal saves a checkpoint at the next tick
