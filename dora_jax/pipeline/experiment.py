@@ -312,12 +312,16 @@ def build(
     process=None,
     *,
     restoring: bool = False,
+    on_checked: Callable[[], None] | None = None,
 ) -> Experiment:
     """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
     ``run_dir / "warm_start"``), so runs that share it start from the same policy. With a
     ``process`` (``dora_jax.distributed.process.Process``, index 0 of several), rollout groups
     on the other processes' devices run there. With ``restoring`` (a checkpoint will replace the
-    policy) the warm start is not run."""
+    policy) the warm start is not run. ``on_checked`` is called once every check that can refuse
+    the run has passed (the config, the data and eval files, the tokenizer, the reward function),
+    before anything is written (the warm start's cache): the train command takes the run
+    directory there, so that a refused run leaves it as it was."""
     cfg = resolve_model(cfg)
     check_fits(cfg)
     meshes = build_meshes(cfg.mesh)
@@ -336,6 +340,9 @@ def build(
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     reward, eval_reward = _scorers(cfg, reward_fn, clock.now)
     stops = eos_ids(tokenizer)
+    evaluator = _evaluator(cfg, meshes, tokenizer, eval_reward, encode)
+    if on_checked is not None:  # nothing above writes; everything below may
+        on_checked()
     # the other processes build their groups' engines (and their part of a spanning trainer)
     # while this one warm-starts
     cluster = _cluster(cfg, meshes, process, bus, clock, stops)
@@ -391,27 +398,31 @@ def build(
                                d.system_prompt, d.prompt_template, skip=skip)  # fmt: skip
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
-    problems = _eval_problems(cfg, prompts.encode)
-    evaluator = None
-    if problems:
-        try:
-            evaluator = Evaluator(
-                cfg.model,
-                cfg.rollout,
-                meshes.trainer.devices.flat[0],
-                tokenizer,
-                problems,
-                eval_reward,  # its own error count: eval errors are not the run's
-                cfg.seed,
-                encode=prompts.encode,
-                samples_per_prompt=cfg.eval.samples_per_prompt,
-            )
-        except ValueError as e:
-            raise ExperimentError(f"eval: {e}") from None
     return Experiment(
         cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses,
         evaluator=evaluator, memory_plan=plan, prompts=prompts, long_prompt_lines=long_skipped,
     )  # fmt: skip
+
+
+def _evaluator(cfg: ExperimentConfig, meshes: Meshes, tokenizer, scorer, encode):
+    """The held-out evaluation on the trainer's first device (None without problems)."""
+    problems = _eval_problems(cfg, encode)
+    if not problems:
+        return None
+    try:
+        return Evaluator(
+            cfg.model,
+            cfg.rollout,
+            meshes.trainer.devices.flat[0],
+            tokenizer,
+            problems,
+            scorer,  # its own error count: eval errors are not the run's
+            cfg.seed,
+            encode=encode,
+            samples_per_prompt=cfg.eval.samples_per_prompt,
+        )
+    except ValueError as e:
+        raise ExperimentError(f"eval: {e}") from None
 
 
 def _memory_plan(cfg: ExperimentConfig, meshes: Meshes) -> MemoryPlan:
