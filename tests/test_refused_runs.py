@@ -108,15 +108,18 @@ def test_two_processes_of_one_config_agree_bit_for_bit(tmp_path):
         lines.append([{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows])
         states.append(final_train_state(run_dir))
     assert len(lines[0]) == 4 and lines[0] == lines[1]
-    flat_a, flat_b = (sorted(_leaves(s)) for s in states)
-    assert [k for k, _ in flat_a] == [k for k, _ in flat_b] and flat_a
-    for (k, a), (_, b) in zip(flat_a, flat_b, strict=True):
-        assert np.array_equal(np.asarray(a), np.asarray(b)), k
+    flat_a, flat_b = (dict(_leaves(s)) for s in states)
+    assert sorted(flat_a) == sorted(flat_b) and flat_a
+    for k, a in flat_a.items():
+        assert np.array_equal(np.asarray(a), np.asarray(flat_b[k])), k
 
 
 def _leaves(tree, prefix=""):
     if isinstance(tree, dict):
         for k, v in tree.items():
             yield from _leaves(v, f"{prefix}/{k}")
+    elif isinstance(tree, list | tuple):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}/{i}")
     else:
         yield prefix, tree
