@@ -60,8 +60,7 @@ def main() -> None:
     from dora_jax.config import load_config
     from dora_jax.execution.payloads import Completion, PromptPayload
     from dora_jax.orchestrator.backend import GroupTick
-    from dora_jax.orchestrator.history import HistoryFiles
-    from dora_jax.orchestrator.records import ClusterTick
+    from dora_jax.orchestrator.records import ClusterTick, Records
     from dora_jax.orchestrator.transfer_queue import ConsumedRecord
     from dora_jax.pipeline.grpo import StepLog
 
@@ -144,9 +143,14 @@ def main() -> None:
     ck_records = len(state_codec.dumps({"consumed": records, "spans": spans, "cluster": rounds})[0])
     import tempfile
 
-    with tempfile.TemporaryDirectory() as d:
-        files = HistoryFiles(d)
-        offsets = files.append({"spans": spans, "cluster": rounds}, records)
+    with tempfile.TemporaryDirectory() as d:  # one flush of the real history files
+        rec = Records("dora", groups, r.max_slots, clock="wall")
+        rec.attach(d)
+        rec.spans.extend(spans)
+        rec.cluster.extend(rounds)
+        rec.consumed.extend(records)
+        rec.flush()
+        offsets = rec.history_offsets
     before_mem = mem_consumed + mem_log + mem_records
     before_ck = ck_consumed + ck_log + ck_records
     out = {

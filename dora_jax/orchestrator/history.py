@@ -3,11 +3,11 @@
 :class:`~dora_jax.orchestrator.records.Records` attached to a run directory (:meth:`Records.attach`)
 writes what it gathered at every published version and forgets it. Two append-only files:
 
-- ``records.jsonl``: one line per flush, ``{"records": {kind: [record, ...]}}`` for every kind of
-  record gathered since the last flush (per-tick group rows, wall-clock spans, cluster rows, train
-  steps, plans, weight transfers, migrations, discards, moves between processes, adaptive-K
-  choices), in the checkpoint codec's encoding (:mod:`dora_jax.state_codec`), so floats and
-  record types read back exactly;
+- ``records.jsonl``: one line per flush, ``{kind: [row, ...]}`` for every kind of record gathered
+  since the last flush (per-tick group rows, wall-clock spans, cluster rows, train steps, plans,
+  weight transfers, migrations, discards, moves between processes, adaptive-K choices), each
+  record as the list of its field values in the order of its type's fields (JSON numbers read
+  back exactly);
 - ``consumed.jsonl``: one line per trajectory handed to the trainer: its request id, prompt group,
   version, the trainer version that consumed it, staleness, prompt and response lengths, version
   span and the tick (seconds on the wall clock) it was consumed at.
@@ -26,7 +26,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dora_jax import state_codec
 from dora_jax.orchestrator.transfer_queue import ConsumedRecord
 
 RECORDS_FILE = "records.jsonl"
@@ -59,12 +58,10 @@ class HistoryFiles:
         self.offsets = tuple(p.stat().st_size for p in self.paths)
 
     def append(self, records: dict[str, list], consumed: list[ConsumedRecord]) -> tuple[int, int]:
-        """Append one flush; returns the files' new lengths (what a checkpoint stores)."""
+        """Append one flush (``records``: kind -> rows of field values, as the records encode
+        them); returns the files' new lengths (what a checkpoint stores)."""
         if any(records.values()):
-            tree, arrays = state_codec.encode({"records": records})
-            if arrays:  # (records hold no arrays; a guard against a future field)
-                raise HistoryError(f"{self.paths[0]}: a record holds a large array")
-            self._write(0, json.dumps(tree, allow_nan=False, separators=(",", ":")) + "\n")
+            self._write(0, json.dumps(records, separators=(",", ":")) + "\n")
         if consumed:
             lines = [json.dumps(dataclasses.asdict(c), separators=(",", ":")) for c in consumed]
             self._write(1, "\n".join(lines) + "\n")
@@ -93,7 +90,7 @@ def read_history(
     for i, path in enumerate(paths):
         data = path.read_bytes() if path.is_file() else b""
         texts.append(data[: offsets[i]] if offsets is not None else data)
-    flushes = [state_codec.decode(row, {})["records"] for row in _rows(texts[0], paths[0])]
+    flushes = _rows(texts[0], paths[0])
     consumed = []
     for row in _rows(texts[1], paths[1]):
         try:

@@ -35,7 +35,7 @@ back. What a run holds in memory and writes into each checkpoint no longer grows
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -171,8 +171,8 @@ class Records:
         if self._files is None:
             return
         steps = self.steps[:-1] if keep_last_step else self.steps
-        rows = {k: list(getattr(self, k)) for k in HISTORY_KINDS}
-        rows["steps"] = list(steps)
+        rows = {k: _encode(k, getattr(self, k)) for k in HISTORY_KINDS if getattr(self, k)}
+        rows["steps"] = _encode("steps", steps)
         times = [c.time for c in self.cluster] + [g.t1 for g in self.spans]
         self.history_offsets = self._files.append(rows, self.consumed)
         self.flushed_until = max([self.flushed_until, *times])
@@ -198,7 +198,7 @@ class Records:
                       ticks_flushed=0, consumed_flushed=0, history_offsets=(0, 0))  # fmt: skip
         for rows in flushes:
             for k, items in rows.items():
-                getattr(out, k).extend(tuple(i) if k == "groups" else i for i in items)
+                getattr(out, k).extend(_decode(k, items))
         out.consumed.extend(consumed)
         for k in (*HISTORY_KINDS, "consumed"):
             getattr(out, k).extend(getattr(self, k))
@@ -373,6 +373,25 @@ class Records:
                     chars.append({"prefill": "^", "transfer": "~"}.get(x.activity, "."))
             lines.append(f"g{g:<3d}" + "".join(chars))
         return lines
+
+
+def _encode(kind: str, items: list) -> list:
+    """A history file's columns-free rows: each record as the list of its field values."""
+    if kind == "groups":
+        return [[list(g) for g in row] for row in items]
+    if kind in ("steps", "plans"):
+        return [list(astuple(x)) for x in items]
+    return [list(x) for x in items]
+
+
+_TYPES = {"spans": GroupTick, "cluster": ClusterTick, "steps": StepRecord, "plans": PlanRecord}
+
+
+def _decode(kind: str, rows: list) -> list:
+    if kind == "groups":
+        return [tuple(GroupTick(*g) for g in row) for row in rows]
+    make = _TYPES.get(kind)
+    return [make(*r) if make is not None else tuple(r) for r in rows]
 
 
 def _plan_counts(plans: list[PlanRecord]) -> dict:
