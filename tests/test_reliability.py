@@ -138,6 +138,22 @@ def test_override_errors_blame_the_command_line(tmp_path, capsys):
     assert rc == 2 and f"train.lr: expected a float, got 'abc' (in {bad})" in out
 
 
+def test_a_seed_out_of_range_is_a_config_error(tmp_path, capsys):
+    """numpy refuses a negative seed (after a long start-up, with a traceback) and jax keeps
+    only its low 32 bits: the config refuses both at once."""
+    for seed in ("-1", str(2**32)):
+        rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, f"seed={seed}")
+        expect("seed-out-of-range", out, rc)
+        assert f"got {seed} (from the command line: seed={seed})" in out
+        assert "Traceback" not in out and not (tmp_path / "run").exists()
+
+
+def test_config_that_is_a_directory(tmp_path, capsys):
+    rc, out = cli(capsys, "--config", str(tmp_path), f"run_dir={tmp_path / 'run'}")
+    expect("config-is-a-directory", out, rc)
+    assert "does not exist" not in out
+
+
 def test_hf_model_metadata_is_the_checkpoints(tmp_path, capsys):
     """The announced parameter count and config.yaml come from the HF config.json."""
     from dora_jax.config import ModelConfig

@@ -307,6 +307,11 @@ class OrchestratorConfig:
 
 
 BUILT_IN_REWARDS = ("exact", "boxed_math", "partial_credit")
+# ``seed`` seeds numpy (``default_rng`` refuses negative integers; the warm-start and held-out
+# problems use ``seed`` plus an offset, which numpy takes at any size) and jax
+# (``jax.random.key`` keeps the low 32 bits without x64: seeds 2**32 apart would share their
+# initial params), so it must be an integer in [0, SEED_MAX].
+SEED_MAX = 2**32 - 1
 DATA_FILE_TASKS = ("jsonl", "parquet", "hf")
 
 
@@ -481,6 +486,12 @@ class ExperimentConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
+        seed_ok = isinstance(self.seed, int) and not isinstance(self.seed, bool)
+        _check(
+            seed_ok and 0 <= self.seed <= SEED_MAX,
+            "seed",
+            f"must be an integer in [0, 2**32 - 1 = {SEED_MAX}], got {self.seed!r}",
+        )
         _check(
             self.model.attention != "cudnn" or self.train.pack_rows == 0,
             "model.attention",
