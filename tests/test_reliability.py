@@ -79,6 +79,15 @@ def test_jsonl_that_is_not_utf8_names_the_line(tmp_path, capsys):
     assert f"{data}:2: not UTF-8" in out
 
 
+@pytest.mark.parametrize("prompt", ["Twelve-5=", "12-5=\U0001f600"])
+def test_a_prompt_outside_the_alphabet_names_the_line(tmp_path, capsys, prompt):
+    data = jsonl(tmp_path / "odd.jsonl", ["12-5=", "7-2=", prompt, "1-1="])
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, "data.task=jsonl", f"data.path={data}")
+    expect("prompt-outside-alphabet", out, rc)
+    assert f"{data}:3: character {prompt[0] if prompt[0] == 'T' else prompt[-1]!r}" in out
+    assert "Traceback" not in out and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_unsupported_hf_architecture(tmp_path, capsys):
     hf = tmp_path / "gpt2"
     hf.mkdir()

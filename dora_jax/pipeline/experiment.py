@@ -35,7 +35,13 @@ from dora_jax.model import abstract_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, policy_params
 from dora_jax.model.hf_mapping import UnsupportedModelError
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer, check_vocabularies, eos_ids, load_tokenizer
+from dora_jax.model.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    check_vocabularies,
+    eos_ids,
+    load_tokenizer,
+)
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.orchestrator.modes import policy_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
@@ -95,10 +101,14 @@ def _fitting(
     """The examples whose prompt fits ``rollout.max_prompt_len`` once tokenised as the run
     tokenises it (``data.system_prompt``, ``data.prompt_template``, the chat template), and the
     rows (JSONL lines) of those that do not. With ``data.long_prompts=error`` the first that does
-    not fit is a :class:`DataError` naming its file and row."""
+    not fit is a :class:`DataError` naming its file and row; so is a prompt the tokenizer cannot
+    encode (a character outside the character tokenizer's alphabet)."""
     d, limit, kept, skipped = cfg.data, cfg.rollout.max_prompt_len, [], []
     for ex in examples:
-        n = len(encode(ex.prompt))
+        try:
+            n = len(encode(ex.prompt))
+        except TokenizerError as e:  # a character the tokenizer cannot encode
+            raise DataError(f"{path}:{ex.row}: {e} (data.tokenizer={d.tokenizer})") from None
         if 0 < n <= limit:
             kept.append(ex)
             continue
