@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from reliability_cases import CASES, expect  # tests/reliability_cases.py
@@ -260,6 +261,77 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["extra"]["skipped_steps"] == skipped and summary["extra"]["stopped_early"]
     assert any(p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())
+
+
+class _SkippingTrainer:
+    """A fake trainer whose every step is skipped (not finite), with the step logs RunHealth
+    reads."""
+
+    def __init__(self):
+        from dora_jax.orchestrator.fake_trainer import FakeTrainer
+
+        self.inner, self.log = FakeTrainer(step_ticks=20), []
+
+    def step(self, batch) -> int:
+        version = self.inner.step(batch)
+        m = {"skipped": 1, "loss": float("nan"), "grad_norm": float("nan")}
+        self.log.append(SimpleNamespace(version=version, metrics=m))
+        return version
+
+    def duration_ticks(self, batch) -> int:
+        return self.inner.duration_ticks(batch)
+
+    def step_logs(self, start: int) -> list:
+        return self.log[start:]
+
+
+@pytest.mark.parametrize("clock", ["logical", "wall"])
+def test_max_consecutive_skips_is_the_number_of_skipped_steps(clock):
+    """With train.max_consecutive_skips=3 the run stops after exactly 3 skipped steps, though
+    the next batch is ready in the round that publishes the 3rd (that round used to start a 4th
+    step, which a wall-clock run then published and logged: "4 in a row")."""
+    from dora_jax.config import load_config
+    from dora_jax.execution.trainer import ThreadedTrainer
+    from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
+    from dora_jax.orchestrator.fake_backend import FakeBackend, FakeBackendConfig
+    from dora_jax.orchestrator.rollout_manager import SyntheticPrompts
+    from dora_jax.orchestrator.runtime import Runtime
+    from dora_jax.pipeline.health import RunHealth
+
+    cfg = load_config(
+        None,
+        [
+            "train.max_consecutive_skips=3",
+            "orchestrator.train_batch_prompts=2",
+            "orchestrator.rollout_batch_prompts=8",
+            "train.group_size=2",
+        ],
+    )
+    trainer = _SkippingTrainer()
+    clock, bus = (WallClock(), Bus()) if clock == "wall" else (LogicalClock(), None)
+    runner = ThreadedTrainer(trainer, clock.now, bus.post) if bus is not None else trainer
+
+    class Backend(FakeBackend):  # the wall clock holds the groups between runs
+        def pause(self):
+            pass
+
+        def resume(self):
+            pass
+
+    backend = Backend(FakeBackendConfig(length_median=8, length_p99_ratio=1.0))
+    rt = Runtime(cfg.orchestrator, 2, backend, runner, SyntheticPrompts(0, 8, 16), clock=clock)
+    exp = SimpleNamespace(cfg=cfg, runtime=rt, grpo=trainer)
+    messages: list[str] = []
+    health = RunHealth(exp, echo=messages.append)
+    rt.observers = [health]
+    try:
+        rt.run(10, max_ticks=100_000, should_stop=lambda: health.tripped is not None)
+    finally:
+        if bus is not None:
+            runner.close()
+    expect("skips-in-a-row-exactly", health.tripped)
+    assert rt.stopped and rt.steps_done == 3 and trainer.inner.version == 3  # no 4th step
+    assert health.skipped_steps == [1, 2, 3] and "(3 in a row, 3 in all)" in messages[-1]
 
 
 @pytest.mark.slow  # one training run, about 25 s on 2 cores
