@@ -68,3 +68,19 @@ def test_initialize_binds_a_schedulers_run_where_listen_host_says(monkeypatch, p
     assert args == ("10.1.0.5:8476", 2, pid)
     assert kwargs["coordinator_bind_address"] == f"{expected}:8476"
     assert calls["server"] == f"{expected}:0" and proc.bind == expected
+
+
+def test_the_local_launcher_tells_its_processes_its_flags(tmp_path):
+    """Every process of ``--local-processes`` finds the launcher's flags (for its resume hint)."""
+    from dora_jax.distributed.launcher import ENV_LAUNCH, launch_local
+
+    entry = tmp_path / "entry.py"
+    entry.write_text(f"import os\nprint('flags:', os.environ[{ENV_LAUNCH!r}])\n")
+    run_dir = tmp_path / "run"
+    assert launch_local(2, [], run_dir, devices_per_process=4, entry=entry) == 0
+    for i in range(2):
+        log = (run_dir / "logs" / f"process_{i}.log").read_text()
+        assert "flags: --local-processes 2\n" in log
+    assert launch_local(2, [], run_dir, devices_per_process=2, pin_cores=False, entry=entry) == 0
+    log = (run_dir / "logs" / "process_1.log").read_text()
+    assert "flags: --local-processes 2 --devices-per-process 2\n" in log

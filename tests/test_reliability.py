@@ -224,6 +224,54 @@ def test_overrides_may_follow_resume():
     assert args.overrides == ["run_dir=x", "train.lr=1e-3", "seed=1"]
 
 
+def test_a_second_signal_names_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    """The second Ctrl-C stops at once (KeyboardInterrupt out of the run loop): the message
+    names the newest finished checkpoint and the command that resumes, or says there is none."""
+    from dora_jax import main as main_mod
+    from dora_jax.config import load_config
+
+    def second_signal(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main_mod, "_train", second_signal)
+    run_dir = tmp_path / "my run"
+    for step in ("2", "5", "7.orbax-checkpoint-tmp-1"):  # the last one never finished
+        (run_dir / "checkpoints" / step).mkdir(parents=True)
+
+    def train(run_dir, resume=False) -> int:
+        try:
+            return main_mod.train(load_config(None, [f"run_dir={run_dir}", *T]), resume=resume)
+        except KeyboardInterrupt:  # (main's own catch: a signal before the handlers)
+            return -1
+
+    rc = train(run_dir, resume=True)
+    out = capsys.readouterr().err
+    assert f"the last checkpoint is {run_dir / 'checkpoints' / '5'}; continue with: " in out
+    assert f"--resume run_dir='{run_dir}'" in out  # quoted: the path has a space
+
+    fresh = tmp_path / "fresh"
+    rc_fresh = train(fresh)
+    out_fresh = capsys.readouterr().err
+    assert rc_fresh == 130 and "stopped at once; there is no checkpoint yet" in out_fresh
+    expect("second-signal", out + out_fresh, rc)
+
+
+def test_the_resume_hint_of_a_local_multi_process_run(tmp_path, monkeypatch):
+    """The hint printed when a peer is lost gives the launcher's flags and a quoted run dir."""
+    from dora_jax.distributed.launcher import ENV_LAUNCH
+    from dora_jax.main import _resume_hint
+
+    run_dir = tmp_path / "my run"
+    (run_dir / "checkpoints" / "4").mkdir(parents=True)
+    monkeypatch.setenv(ENV_LAUNCH, "--local-processes 2")
+    hint = _resume_hint(run_dir, None)
+    expect("resume-hint-local-processes", hint)
+    assert hint.endswith(f"python launch/train.py --local-processes 2 --resume run_dir='{run_dir}'")
+    monkeypatch.delenv(ENV_LAUNCH)
+    hint = _resume_hint(run_dir, None)
+    assert "the same processes and: python launch/train.py --resume run_dir='" in hint
+
+
 # -- steps ---------------------------------------------------------------------------------------
 
 
@@ -358,6 +406,16 @@ def test_long_prompts_can_be_skipped(tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["extra"]["long_prompts_skipped"] == 1
     assert summary["extra"]["long_prompt_lines"] == [9]
+
+
+@pytest.mark.slow  # three processes start and meet (about 11 s on 2 cores)
+def test_a_config_error_under_local_processes_exits_2(tmp_path):
+    """3 processes x 2 fake devices cannot hold the default 8-device mesh: process 0's config
+    error is the launcher's exit status (the others' "process 0 is gone", 3, came first)."""
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--local-processes", "3"]
+    cmd += [f"run_dir={tmp_path / 'run'}", *T]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    expect("local-processes-config-error", out.stdout + out.stderr, out.returncode)
 
 
 def _dead_pid() -> int:
