@@ -1,7 +1,8 @@
 """The ``train`` command: parse arguments, resolve the config, run the experiment, report.
 
-A run directory gets: ``config.yaml`` (resolved), ``warm_start/`` (cached), ``metrics.jsonl``,
-``tb/`` (TensorBoard), ``timeline.png``, ``summary.json`` and ``summary.md``.
+A run directory gets: ``config.yaml`` (resolved), ``memory_plan.txt`` (the per-device memory
+plan), ``warm_start/`` (cached), ``metrics.jsonl``, ``tb/`` (TensorBoard), ``timeline.png``,
+``summary.json`` and ``summary.md``.
 
 Misuse and faults (``docs/reliability.md``): a refused run changes nothing in its run dir (every
 check comes before the first write); a run holds the dir's lock while it writes; ``--resume``
@@ -312,7 +313,7 @@ def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
 
 def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) -> int:
     from dora_jax.checkpoint import finished_steps
-    from dora_jax.pipeline.experiment import run
+    from dora_jax.pipeline.experiment import run, write_memory_plan
     from dora_jax.pipeline.health import RunHealth
     from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
     from dora_jax.pipeline.run_report import write_run_report
@@ -337,6 +338,8 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) 
     wandb_log = None
     try:
         checkpointer = _open_checkpoints(exp, run_dir, restoring)
+        # every check that can refuse the run has passed (a resumed run's: with the restore)
+        write_memory_plan(exp, run_dir)
         warm_start_s = time.perf_counter() - t_start
         if cfg.logging.wandb:  # process 0 only: the others serve their groups (see main)
             from dora_jax.wandb_log import WandbLog

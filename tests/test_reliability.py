@@ -116,6 +116,32 @@ def test_sizes_that_cannot_work_are_refused_before_the_run(tmp_path, capsys, cas
     assert "Traceback" not in out
 
 
+def test_the_memory_plan_is_one_line_and_a_file(tmp_path, capsys):
+    """The default run prints one line of the memory plan (it used to print a line per item of
+    every device, 36 lines, before anything else) and writes the full plan to the run dir once
+    the run is accepted; logging.memory_plan=true prints it in full; a refused run prints the
+    whole plan when the plan refuses it, and writes no memory_plan.txt."""
+    run_dir = tmp_path / "run"
+    bad = tmp_path / "bad.jsonl"  # refused after the plan, before the warm start
+    bad.write_bytes(b'{"prompt": "\xff-1=", "answer": "0"}\n')
+    refused = [f"run_dir={run_dir}", *T, "data.task=jsonl", f"data.path={bad}"]
+    rc, out = cli(capsys, *refused)
+    assert rc == 2 and "memory plan: at most" in out and "device 0:" not in out
+    assert not (run_dir / "memory_plan.txt").exists()
+    rc, out = cli(capsys, *refused, "logging.memory_plan=true")
+    assert rc == 2 and "memory plan (GiB per device" in out and "  device 7: " in out
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "mesh.device_memory_gib=0.0001")
+    assert rc == 2 and "the memory plan does not fit" in out and "  device 0: " in out
+    assert not (run_dir / "memory_plan.txt").exists()
+
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "train.total_steps=1")
+    expect("memory-plan-one-line", out, rc)
+    plan = [line for line in out.splitlines() if "memory plan" in line]
+    assert len(plan) == 1 and plan[0].endswith("(in full: memory_plan.txt in the run dir)")
+    text = (run_dir / "memory_plan.txt").read_text()
+    assert text.startswith("memory plan (GiB per device") and "  device 7: " in text
+
+
 def test_unwritable_run_dir(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("")
     rc, out = cli(capsys, f"run_dir={tmp_path / 'file' / 'run'}", *T)

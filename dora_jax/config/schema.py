@@ -443,6 +443,9 @@ class LoggingConfig:
     wandb_project: str = "dora_jax"
     wandb_name: str | None = None  # None: the run directory's name
     wandb_tags: tuple[str, ...] = ()
+    # print the full per-device memory plan at the start (else one line; the full plan is
+    # written to run_dir/memory_plan.txt either way, and printed when it refuses the run)
+    memory_plan: bool = False
 
     def __post_init__(self):
         _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")

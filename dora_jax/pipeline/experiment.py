@@ -353,15 +353,31 @@ def build(
     )  # fmt: skip
 
 
+MEMORY_PLAN_FILE = "memory_plan.txt"
+
+
 def _memory_plan(cfg: ExperimentConfig, meshes: Meshes) -> MemoryPlan:
-    """The memory plan, printed; a config that does not fit is refused (ExperimentError)."""
+    """The memory plan: a config that does not fit is refused (ExperimentError, with the whole
+    plan); else it is printed as one line (in full with ``logging.memory_plan``). Nothing is
+    written here: :func:`write_memory_plan` writes it to the run dir once the run is accepted."""
     try:
         plan = plan_memory(cfg, meshes)
-        print(plan.table(), flush=True)
         plan.check()
     except MemoryPlanError as e:
         raise ExperimentError(str(e)) from None
+    if cfg.logging.memory_plan:
+        print(plan.table(), flush=True)
+    else:
+        print(f"{plan.summary()} (in full: {MEMORY_PLAN_FILE} in the run dir)", flush=True)
     return plan
+
+
+def write_memory_plan(exp: Experiment, run_dir: Path) -> Path | None:
+    """Write the experiment's full per-device memory plan to ``run_dir/memory_plan.txt``; call
+    it once every check that can refuse the run has passed (a refused run writes nothing)."""
+    if exp.memory_plan is None:
+        return None
+    return exp.memory_plan.write(Path(run_dir) / MEMORY_PLAN_FILE)
 
 
 def _cluster(
