@@ -1,19 +1,24 @@
 """Run checkpoints with orbax ``CheckpointManager``, and exact resume.
 
-A checkpoint (one step directory, named by the runtime's tick) holds five items:
+A checkpoint (one step directory, named by the train steps done) holds five items:
 
 - ``train_state``: the trainer's state (params, optimizer state, version, skip counter), restored
   directly into the trainer's shardings;
 - ``versions``: the params of every policy version the rollout side may still need (held by a
   group, or the trainer's newest), restored into the trainer's param shardings;
-- ``host``: the control plane and everything in flight, as the plain-data state of each part
-  (``state_dict()``): the runtime's (window, transfer queue, rollout manager with its ledger,
-  records), the backend's (request table, every engine's requests with their tokens, logprobs
-  and keys, and the KV pages of running requests, so a resumed request continues without
-  re-prefill, bit for bit), the prompt cursor and the trainer log. It is stored as JSON text plus
-  the large numpy arrays (:mod:`dora_jax.state_codec`): reading it never unpickles;
+- ``host``: the run's plain-data state as ``{component: state}``, each component's own
+  ``state_dict()`` (the control plane with everything in flight, the engines' requests with
+  their tokens, logprobs and keys and the KV pages of running requests, so a resumed request
+  continues without re-prefill, bit for bit; the trainer's unpublished step logs, the scorer's
+  counts, the prompt cursor). Its size follows the work in flight, not the run's age: a run's
+  history goes to files in its run directory (:mod:`dora_jax.orchestrator.history`), of which
+  the checkpoint stores the lengths. It is stored as JSON text plus the large numpy arrays
+  (:mod:`dora_jax.state_codec`): reading it never unpickles;
 - ``config``: the resolved config (JSON): a resumed run starts from it (:mod:`dora_jax.resume`);
 - ``meta``: the host state's format (:data:`HOST_FORMAT`), the steps done, the tick.
+
+What is saved is a :class:`RunState` (the assembled experiment implements it): this module reads
+no component's fields and imports nothing of the assembly.
 
 A checkpoint is taken between control rounds with no train step running on a worker (the wall
 clock quiesces the groups first: :meth:`Runtime.quiesce`). Saves are atomic (orbax writes a
@@ -37,7 +42,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -48,8 +53,9 @@ from dora_jax.config import ConfigError, ExperimentConfig, to_dict
 
 log = logging.getLogger(__name__)
 ITEMS = ("train_state", "versions", "host", "config", "meta")
-# Format of the host item: 1 was a pickle (no ``meta`` item); 2 is JSON text plus arrays.
-HOST_FORMAT = 2
+# Format of the host item: 1 was a pickle (no ``meta`` item); 2 is JSON text plus arrays; 3 is
+# ``{component: state}`` with the run's history in files beside the checkpoints.
+HOST_FORMAT = 3
 TMP_MARK = ".orbax-checkpoint-tmp"
 UNUSABLE_DIR = "unusable_checkpoints"
 
@@ -196,23 +202,26 @@ def peek_configs(directory: Path) -> Iterator[tuple[int, dict | None]]:
                 yield step, None
 
 
-def _host_state(exp) -> dict[str, Any]:
-    return {
-        "runtime": exp.runtime.state_dict(),
-        "backend": exp.backend.state_dict(),
-        "prompt_cursor": exp.source.cursor,
-        "reward_errors": exp.reward.errors,
-        "reward_errors_by_kind": exp.reward.error_counts(),
-        "undecodable_tokens": exp.grpo.undecodable_tokens,  # a cumulative metric
-        "grpo_log": [
-            (s.version, jax.device_get(s.metrics), s.rewards, s.trajectories, s.reward_metrics)
-            for s in exp.grpo.log
-        ],
-        "grpo_consumed": exp.grpo.consumed,
-        "wall_s": exp.wall_s,
-        "versions": sorted(exp.grpo.params),
-        "long_prompts_skipped": exp.prompts.skipped if exp.prompts is not None else 0,
-    }
+class RunState(Protocol):
+    """What a checkpoint saves and restores (``dora_jax.pipeline.experiment.Experiment``)."""
+
+    cfg: ExperimentConfig
+
+    @property
+    def steps_done(self) -> int: ...  # the checkpoint's key
+
+    @property
+    def tick(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...  # {component: plain-data state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def arrays(self, host_copies: bool) -> dict[str, Any]: ...  # {"train_state", "versions"}
+
+    def array_targets(self, state: dict[str, Any]) -> dict[str, Any]: ...  # abstract arrays
+
+    def place_arrays(self, arrays: Any, host_copies: bool, checkpoint=None) -> None: ...
 
 
 class RunCheckpointer:
@@ -265,29 +274,29 @@ class RunCheckpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, exp) -> int:
-        """Save at a tick boundary (between ``runtime.tick()`` calls), keyed by the runtime's
-        tick index; a second save at the same tick is a no-op. Returns the key. Raises
-        :class:`CheckpointSaveError` when this save, or an earlier asynchronous one, failed."""
-        step = exp.runtime.tick_index
+    def save(self, exp: RunState) -> int:
+        """Save between control rounds, keyed by the train steps done; a second save at the
+        same step is a no-op (a resume from the first continues the same run). Returns the key.
+        Raises :class:`CheckpointSaveError` when this save, or an earlier asynchronous one,
+        failed."""
+        step = exp.steps_done
         self.check()
         if step in self.steps():
             return step
-        text, arrays = state_codec.dumps(_host_state(exp))
+        text, arrays = state_codec.dumps(exp.state_dict())
         host = {"state": np.frombuffer(text, np.uint8), **arrays}
-        versions = {f"v{v}": p for v, p in exp.grpo.params.items()}
-        meta = {"format": HOST_FORMAT, "steps_done": exp.runtime.steps_done, "tick": step,
+        meta = {"format": HOST_FORMAT, "steps_done": step, "tick": exp.tick,
                 "saved_at": time.time()}  # fmt: skip
-        self._check_space(step, [exp.trainer.state, versions, host])
         # host copies: gathered to process 0 when the trainer spans processes
-        train_state = exp.trainer.host_state() if self.host_copies else exp.trainer.state
+        items = exp.arrays(self.host_copies)
+        self._check_space(step, [items["train_state"], items["versions"], host])
         previous, self._saving = self._saving, step
         try:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    train_state=ocp.args.StandardSave(train_state),
-                    versions=ocp.args.StandardSave(self._out(versions)),
+                    train_state=ocp.args.StandardSave(items["train_state"]),
+                    versions=ocp.args.StandardSave(items["versions"]),
                     host=ocp.args.StandardSave(host),
                     config=ocp.args.JsonSave(to_dict(exp.cfg)),
                     meta=ocp.args.JsonSave(meta),
@@ -340,7 +349,7 @@ class RunCheckpointer:
         except Exception as e:  # noqa: BLE001
             raise self._save_failed(self._saving, e) from e
 
-    def restore_latest(self, exp) -> int:
+    def restore_latest(self, exp: RunState) -> int:
         """Restore the newest usable checkpoint into the freshly built ``exp``; a corrupt one is
         skipped with a warning in favour of the previous, and then moved to
         ``unusable_checkpoints/`` (``moved_aside``). A checkpoint of another format, or whose
@@ -390,7 +399,7 @@ class RunCheckpointer:
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return int(meta.meta.get("format", 0))
 
-    def _restore(self, exp, step: int) -> None:
+    def _restore(self, exp: RunState, step: int) -> None:
         fmt = self._format(step)
         if fmt != HOST_FORMAT:
             what = " (a pickled host state)" if fmt == 1 else ""
@@ -407,61 +416,26 @@ class RunCheckpointer:
         stored = dict(meta.host)
         text = np.asarray(stored.pop("state")).tobytes()
         state = state_codec.loads(text, stored)
-        trainer = exp.trainer
-        param_target = jax.tree.map(_abstract, next(iter(exp.grpo.params.values())))
-        targets = {
-            "train_state": jax.tree.map(_abstract, trainer.state),
-            "versions": {f"v{v}": param_target for v in state["versions"]},
-        }
+        targets = exp.array_targets(state)
         if self.host_copies:
             host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), targets)
             arrays = self.manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(v) for k, v in host.items()}))  # fmt: skip
-            versions = jax.device_put(
-                arrays.versions, jax.tree.map(lambda a: a.sharding, targets["versions"])
-            )
             # (a trainer spanning processes has the others read their shards from this step;
             # a failure there is theirs, not this checkpoint's: it is not moved aside)
             try:
-                trainer.load_host_state(arrays.train_state, checkpoint=(self.directory, step))
+                exp.place_arrays(arrays, True, checkpoint=(self.directory, step))
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(
                     f"placing the train state of {self.directory / str(step)} on the trainer "
                     f"failed ({_one_line(e)}); the checkpoint was left as it is"
                 ) from e
         else:
-            r = self.manager.restore(step, args=ocp.args.Composite(
+            arrays = self.manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(v) for k, v in targets.items()}))  # fmt: skip
-            versions = r.versions
-            trainer.state = r.train_state
-        exp.grpo.params = {int(k[1:]): v for k, v in versions.items()}
-        _relink(exp, state)
+            exp.place_arrays(arrays, False)
+        exp.load_state_dict(state)
         self.saved_config = dict(meta.config)
-
-    def _out(self, tree):
-        return jax.device_get(tree) if self.host_copies else tree
-
-
-def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-
-def _relink(exp, state: dict[str, Any]) -> None:
-    from dora_jax.pipeline.grpo import StepLog
-
-    exp.runtime.load_state_dict(state["runtime"])  # first: a wall clock continues its timeline
-    exp.backend.load_state_dict(state["backend"], exp.grpo.params_for)
-    exp.source.cursor = state["prompt_cursor"]
-    # checkpoints from before the failure kinds counted every failure as an exception
-    kinds = state.get("reward_errors_by_kind", {"exception": state["reward_errors"]})
-    for k, n in kinds.items():
-        exp.reward.errors_by_kind[k] = int(n)
-    exp.grpo.undecodable_tokens = state.get("undecodable_tokens", 0)  # (older checkpoints: none)
-    exp.grpo.log = [StepLog(*entry) for entry in state["grpo_log"]]
-    exp.grpo.consumed = state["grpo_consumed"]
-    exp.wall_s = state["wall_s"]
-    if exp.prompts is not None:
-        exp.prompts.skipped = state["long_prompts_skipped"]
 
 
 def check_compatible(saved: dict[str, Any], cfg: ExperimentConfig) -> None:

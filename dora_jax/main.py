@@ -281,11 +281,12 @@ def _launch_local(args: argparse.Namespace, argv: list[str], run_dir: Path) -> i
 
 def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
     """The train command as phases: checks that need no write (a fresh run into a dir with
-    checkpoints), the run dir and its lock, build (warm start), checkpoints (resume), the run
+    checkpoints; in build: the config, data, tokenizer, reward and eval files), then the run dir
+    and its lock, build's writes (warm start), checkpoints (resume), the run
     loop with its observers (metrics, held-out evaluation, health, checkpoints), final
     evaluation and reports. With several processes only process 0 gets here."""
     from dora_jax.checkpoint import finished_steps
-    from dora_jax.run_dir import RunDirLock, create
+    from dora_jax.run_dir import RunDirLock
 
     run_dir = Path(cfg.run_dir)
     ckpt_dir = run_dir / "checkpoints"
@@ -296,50 +297,67 @@ def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
             file=sys.stderr,
         )
         return 2
-    create(run_dir)
-    with RunDirLock(run_dir) as lock:
-        if lock.took_over:
-            print(f"note: {run_dir} was held by a run that is gone ({lock.took_over}); taking over")
-        stop = _StopFlag(on_abort=lock.release)
-        stop.install()
-        try:
-            return _train(cfg, run_dir, resume, stop, proc)
-        except KeyboardInterrupt:  # a second signal in the run loop: stop at once
-            print(f"\ninterrupted: stopped at once; {_last_checkpoint(run_dir)}", file=sys.stderr)
-            return 130
-        finally:
-            stop.uninstall()
+    lock = RunDirLock(run_dir)  # taken at the first write (build's on_checked)
+    stop = _StopFlag(on_abort=lock.release)
+    stop.install()
+    try:
+        return _train(cfg, run_dir, resume, stop, proc, lock)
+    except KeyboardInterrupt:  # a second signal in the run loop: stop at once
+        print(f"\ninterrupted: stopped at once; {_last_checkpoint(run_dir)}", file=sys.stderr)
+        return 130
+    finally:
+        stop.uninstall()
+        lock.release()
 
 
-def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) -> int:
+def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock) -> int:
     from dora_jax.checkpoint import finished_steps
+    from dora_jax.metrics import read_metrics
     from dora_jax.pipeline.experiment import run, write_memory_plan
     from dora_jax.pipeline.health import RunHealth
     from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
     from dora_jax.pipeline.run_report import write_run_report
-    from dora_jax.run_dir import start_over
+    from dora_jax.run_dir import create, start_over
 
     t_start = time.perf_counter()
     restoring = resume and bool(finished_steps(run_dir / "checkpoints"))
-    if not restoring:
-        if resume:
-            print(f"note: {run_dir} has no finished checkpoint yet: starting from step 0 with "
-                  "its saved config")  # fmt: skip
-        removed = start_over(run_dir)
-        if removed:
-            print(f"note: removed {', '.join(removed)} of an earlier run that left no checkpoint")
-        dump_yaml(cfg, run_dir / "config.yaml")
+
+    def claim() -> None:
+        """The run's first write, once every check that can refuse it has passed: the run dir,
+        its lock, and for a fresh run the earlier run's logs gone and config.yaml written."""
+        create(run_dir)
+        lock.acquire()
+        if lock.took_over:
+            print(f"note: {run_dir} was held by a run that is gone ({lock.took_over}); taking over")
+        if not restoring:
+            if resume:
+                print(
+                    f"note: {run_dir} has no finished checkpoint yet: starting from step 0 with "
+                    "its saved config"
+                )
+            removed = start_over(run_dir)
+            if removed:
+                print(
+                    f"note: removed {', '.join(removed)} of an earlier run that left no checkpoint"
+                )
+            dump_yaml(cfg, run_dir / "config.yaml")
+
     _announce(cfg, run_dir)
     if proc is not None:  # a peer that dies ends this process with a message (exit 3)
         proc.on_peer_lost = lambda what: _resume_hint(run_dir, proc)
         proc.start_watchdog()
-    exp = _build(cfg, run_dir, restoring, proc)
+    exp = _build(cfg, run_dir, restoring, proc, on_checked=claim)
     checkpointer = None
     wandb_log = None
     try:
         checkpointer = _open_checkpoints(exp, run_dir, restoring)
         # every check that can refuse the run has passed (a resumed run's: with the restore)
         write_memory_plan(exp, run_dir)
+        for name in exp.stream_history(run_dir, resume=restoring):
+            print(
+                f"warning: {run_dir / name} is shorter than the checkpoint says (it was cut or "
+                "replaced): the summary and timeline will miss the part that is gone"
+            )
         warm_start_s = time.perf_counter() - t_start
         if cfg.logging.wandb:  # process 0 only: the others serve their groups (see main)
             from dora_jax.wandb_log import WandbLog
@@ -347,7 +365,9 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc=None) 
             wandb_log = WandbLog(cfg, run_dir)
         metrics = MetricsLog(exp, run_dir, restoring, mirror=wandb_log)
         evals = HeldOutEval(exp, run_dir, cfg, restoring, echo=metrics.echo, mirror=wandb_log)
-        health = RunHealth(exp, echo=metrics.echo)
+        logged = run_dir / "metrics.jsonl"  # (cut to the checkpoint by MetricsLog)
+        history = read_metrics(logged) if restoring and logged.is_file() else []
+        health = RunHealth(exp, echo=metrics.echo, history=history)
         if exp.runtime.steps_done == 0:
             evals.at(0)  # before the first step
         stop.arm()  # from here a signal saves a checkpoint at the next tick
@@ -423,7 +443,9 @@ def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
     )
 
 
-def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False, proc=None):
+def _build(
+    cfg: ExperimentConfig, run_dir: Path, restoring: bool = False, proc=None, on_checked=None
+):
     """The experiment, with a progress bar over the warm start (none when ``restoring``: the
     checkpoint brings the policy)."""
     from dora_jax.metrics import progress
@@ -437,7 +459,7 @@ def _build(cfg: ExperimentConfig, run_dir: Path, restoring: bool = False, proc=N
         bar.set_postfix(loss=f"{loss:.3f}")
 
     try:
-        exp = build(cfg, run_dir, on_warm, process=proc, restoring=restoring)
+        exp = build(cfg, run_dir, on_warm, process=proc, restoring=restoring, on_checked=on_checked)
     finally:
         bar.close()
     if exp.warm_start_losses:

@@ -326,10 +326,13 @@ def consumed_in(records: Records, summary: Summary) -> list[ConsumedRecord]:
     return [c for c in records.consumed if c.tick < end and c.trainer_version < last]
 
 
-def _reward_stats(rewards: list[tuple[int, float]]) -> dict[str, Any]:
+def reward_stats(rewards: list[tuple[int, float]]) -> dict[str, Any]:
+    """``(step, value)`` points -> the curve, and the means of its first and last ``n_avg``
+    finite points, ``n_avg = max(1, points // 5)`` (the first and last fifth of the run): the
+    one definition of "start -> end" for the summary and the terminal."""
     pts = [(int(s), float(r)) for s, r in rewards]
     finite = [r for _, r in pts if math.isfinite(r)]
-    n = max(1, min(5, len(finite) // 4))
+    n = max(1, len(finite) // 5)
     start = sum(finite[:n]) / n if finite else math.nan
     end = sum(finite[-n:]) / n if finite else math.nan
     return {"curve": pts, "n_avg": n, "start": start, "end": end, "delta": end - start}
@@ -351,9 +354,9 @@ def write_summary(
 
     Counts follow ``summary`` (its horizon of ``summary.ticks`` ticks); per-second throughput
     divides them by ``wall_s``. ``rewards``: ``(step, mean reward)``; start / end are the means of
-    the first / last ``n`` finite points, ``n = clip(len // 4, 1, 5)``. Each ``<name>_s`` entry of
-    ``overheads`` is also given as ``<name>_frac = seconds / wall_s``. The markdown embeds
-    ``timeline.png`` (write it with :func:`plot_timeline`).
+    the first / last ``n`` finite points, ``n = max(1, len // 5)`` (:func:`reward_stats`). Each
+    ``<name>_s`` entry of ``overheads`` is also given as ``<name>_frac = seconds / wall_s``. The
+    markdown embeds ``timeline.png`` (write it with :func:`plot_timeline`).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -365,7 +368,7 @@ def write_summary(
           if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
     oh_frac = {f"{k[:-2]}_frac": v / per_s for k, v in oh.items() if k.endswith("_s")}
     mig_events = sum(1 for t, _ in records.migrations if t < _horizon(summary))
-    reward = _reward_stats(rewards)
+    reward = reward_stats(rewards)
     data = {
         "mode": summary.mode,
         "clock": summary.clock,

@@ -26,7 +26,8 @@ import socket
 from pathlib import Path
 
 LOCK_FILE = ".lock"
-LOGS = ("metrics.jsonl", "eval.jsonl")
+# the append-only logs (records.jsonl and consumed.jsonl: dora_jax.orchestrator.history)
+LOGS = ("metrics.jsonl", "eval.jsonl", "records.jsonl", "consumed.jsonl")
 
 
 class RunDirError(RuntimeError):

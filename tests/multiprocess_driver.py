@@ -44,13 +44,15 @@ def main(argv: list[str]) -> int:
     exp = build(cfg, run_dir, process=proc)
     try:
         exp.grpo.forget = lambda keep: None  # keep every version: the check regenerates them
+        consumed = []  # (request id, version, completion) of every consumed trajectory
+        exp.grpo.on_consume.append(lambda *c: consumed.append(c))
         result = exp.runtime.run(steps, drain=True, stall_s=cfg.orchestrator.stall_s)
         rec, s = result.records, result.summary
         # regenerate migrated trajectories alone, never moved, under their version's params
         engine = Engine(exp.cfg.model, exp.cfg.rollout, make_mesh(jax.local_devices()[-1:], 1, 1),
                         eos_ids(exp.tokenizer))  # fmt: skip
         mismatches, checked = [], 0
-        for rid, version, comp in [c for c in exp.grpo.consumed if c[2].migrations > 0][:6]:
+        for rid, version, comp in [c for c in consumed if c[2].migrations > 0][:6]:
             engine.load_params(exp.grpo.params_for(version), version)
             engine.submit([Request(rid, list(comp.prompt.tokens), version,
                                    request_key(cfg.seed, rid), len(comp.tokens))])  # fmt: skip

@@ -121,6 +121,8 @@ class Setup:
                 lambda response, answer: float(len(response) % 3), train_ticks=3,
             )  # fmt: skip
             self.grpo = grpo
+            self.consumed = []  # (request id, version, completion) of every consumed trajectory
+            grpo.on_consume.append(lambda *c: self.consumed.append(c))
             self.backend = EngineBackend(
                 cfg.model, cfg.rollout, meshes.groups, NO_EOS, params,
                 lambda v: grpo.params_for(v) if v in grpo.params else params,
@@ -207,7 +209,7 @@ def test_run_invariants(kind, mode, real_setup):
 
 def _check_migrated_requests_continue_bit_identically(s: Setup, real_setup) -> None:
     cfg, _, _ = real_setup
-    migrated = [(rid, v, c) for rid, v, c in s.grpo.consumed if c.migrations > 0]
+    migrated = [(rid, v, c) for rid, v, c in s.consumed if c.migrations > 0]
     assert migrated, f"{s.kind}: the run migrated no consumed request"
     engine = Engine(cfg.model, cfg.rollout, make_mesh(jax.devices()[7:8], 1, 1), NO_EOS)
     for rid, version, comp in migrated[:3]:

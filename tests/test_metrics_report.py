@@ -264,8 +264,8 @@ def test_write_summary_agrees_with_summary(dora, tmp_path):
     oh = d["overheads"]
     assert oh["weight_transfer_frac"] == 0.05 and oh["migration_frac"] == 0.025
     assert "weight_transfers_frac" not in oh and oh["weight_transfers"] == 3
-    r = d["reward"]  # 8 finite points: mean of the first / last 2
-    assert r["n_avg"] == 2 and r["start"] == pytest.approx(0.05) and r["end"] == pytest.approx(0.65)
+    r = d["reward"]  # 8 finite points: the first / last fifth is 1 point (max(1, 8 // 5))
+    assert r["n_avg"] == 1 and r["start"] == pytest.approx(0.0) and r["end"] == pytest.approx(0.7)
     assert r["curve"][-1][1] is None and d["extra"] == {"seed": 1}
     md = mpath.read_text()
     assert "![timeline](timeline.png)" in md and "| bubble (idle group time) |" in md

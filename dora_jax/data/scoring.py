@@ -40,6 +40,14 @@ class Scorer:
     def errors(self) -> int:
         return sum(self.errors_by_kind.values())
 
+    def state_dict(self) -> dict[str, int]:
+        """The failure counts (what a resumed run continues; scores in flight are redone)."""
+        return self.error_counts()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for k, n in state.items():
+            self.errors_by_kind[k] = int(n)
+
     def error_counts(self) -> dict[str, int]:
         """Failures so far by kind (every kind present, 0 when none)."""
         return {k: int(self.errors_by_kind[k]) for k in ERROR_KINDS}

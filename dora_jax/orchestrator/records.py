@@ -23,16 +23,29 @@ their tick. On the wall clock every engine step, weight load and KV move of a gr
 - ``overlap``: the share of the trainer's busy time (its steps' spans) during which at least one
   group was prefilling or decoding; ``group_idle``: each group's idle share of the horizon (no
   engine step, weight load or KV move). On the wall clock ``bubble`` is their mean.
+
+Where the records live: in memory by default (the simulator, tests and short programmatic runs
+read the lists directly). A run with a run directory attaches them to its history files
+(:meth:`Records.attach`, :mod:`dora_jax.orchestrator.history`): the runtime then flushes them at
+every published version and at every checkpoint, so the lists hold only what happened since (and
+a train step still running); :meth:`Records.summary` and :meth:`Records.full` read the files
+back. What a run holds in memory and writes into each checkpoint no longer grows with its age.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import NamedTuple
 
 from dora_jax.orchestrator.backend import GroupTick, StepEvents
+from dora_jax.orchestrator.history import HistoryFiles
 from dora_jax.orchestrator.transfer_queue import ConsumedRecord
+
+# the per-event lists a flush writes to records.jsonl (``consumed`` goes to consumed.jsonl)
+HISTORY_KINDS = ("groups", "spans", "cluster", "steps", "plans", "transfers", "migrations",
+                 "discards", "cross_host", "k_log")  # fmt: skip
 
 
 class ClusterTick(NamedTuple):
@@ -123,13 +136,93 @@ class Records:
     # adaptive K: (version published, K from then on, share of the step's interval the trainer
     # waited for the window)
     k_log: list[tuple[int, int, float]] = field(default_factory=list)
+    # what earlier flushes wrote to the history files (zero while the records stay in memory):
+    # logical ticks, consumed trajectories, the files' lengths in bytes, the latest time seen
+    ticks_flushed: int = 0
+    consumed_flushed: int = 0
+    history_offsets: tuple[int, int] = (0, 0)
+    flushed_until: float = 0.0
+
+    def __post_init__(self):
+        self._files: HistoryFiles | None = None  # not a field: a checkpoint holds the offsets
+
+    # -- history files ---------------------------------------------------------------------------
+
+    def attach(self, run_dir: str | Path, resume: bool = False) -> list[str]:
+        """Write the records to ``run_dir``'s history files from now on. A fresh run (``resume``
+        false) starts them empty and writes what the lists hold at the next flush; a resumed run
+        cuts them back to this checkpoint's lengths. Returns the names of files found shorter
+        than the checkpoint says (their earlier history is gone; the run goes on)."""
+        if not resume:
+            self.history_offsets = (0, 0)
+            self.ticks_flushed = self.consumed_flushed = 0
+        self._files = HistoryFiles(run_dir, self.history_offsets if resume else None)
+        self.history_offsets = self._files.offsets
+        return self._files.short
+
+    @property
+    def attached(self) -> bool:
+        return self._files is not None
+
+    def flush(self, keep_last_step: bool = False) -> None:
+        """Write what the lists hold to the history files and empty them (a no-op in memory).
+        ``keep_last_step``: the last train step is still running (its record changes when it is
+        published), so it stays in memory."""
+        if self._files is None:
+            return
+        steps = self.steps[:-1] if keep_last_step else self.steps
+        rows = {k: list(getattr(self, k)) for k in HISTORY_KINDS}
+        rows["steps"] = list(steps)
+        times = [c.time for c in self.cluster] + [g.t1 for g in self.spans]
+        self.history_offsets = self._files.append(rows, self.consumed)
+        self.flushed_until = max([self.flushed_until, *times])
+        self.ticks_flushed += len(self.groups)
+        self.consumed_flushed += len(self.consumed)
+        for k in HISTORY_KINDS:
+            if k != "steps":
+                del getattr(self, k)[:]  # in place: the transfer queue shares ``consumed``
+        del self.consumed[:]
+        del self.steps[: len(steps)]
+
+    def full(self) -> Records:
+        """All the records of the run: the history files read back, then what is in memory
+        (``self`` when nothing was flushed)."""
+        if not (self._files or self.ticks_flushed or self.consumed_flushed
+                or self.history_offsets != (0, 0)):  # fmt: skip
+            return self
+        if self._files is None:
+            raise RuntimeError("these records were written to history files that are not "
+                               "attached: Records.attach(run_dir, resume=True) first")  # fmt: skip
+        flushes, consumed = self._files.read()
+        out = replace(self, **{k: [] for k in (*HISTORY_KINDS, "consumed")},
+                      ticks_flushed=0, consumed_flushed=0, history_offsets=(0, 0))  # fmt: skip
+        for rows in flushes:
+            for k, items in rows.items():
+                getattr(out, k).extend(tuple(i) if k == "groups" else i for i in items)
+        out.consumed.extend(consumed)
+        for k in (*HISTORY_KINDS, "consumed"):
+            getattr(out, k).extend(getattr(self, k))
+        return out
+
+    @property
+    def consumed_count(self) -> int:
+        """Trajectories consumed so far (flushed or not)."""
+        return self.consumed_flushed + len(self.consumed)
+
+    def latest_time(self) -> float:
+        """The latest time recorded (seconds on the wall clock), flushed or not."""
+        times = [c.time for c in self.cluster[-1:]] + [g.t1 for g in self.spans]
+        return max([self.flushed_until, *times])
+
+    # -- recording -------------------------------------------------------------------------------
 
     def add_tick(self, events: StepEvents, cluster: ClusterTick) -> None:
         if self.clock == "wall":
             self.spans.extend(events.groups)
             self.cluster.append(cluster)
             return
-        if events.tick != len(self.groups) or cluster.tick != events.tick:
+        expected = self.ticks_flushed + len(self.groups)
+        if events.tick != expected or cluster.tick != events.tick:
             raise ValueError(f"tick {events.tick} recorded out of order")
         self.groups.append(events.groups)
         self.cluster.append(cluster)
@@ -145,6 +238,9 @@ class Records:
 
     def summary(self, steps: int | None = None) -> Summary:
         """Figures over the ticks (seconds) until the ``steps``-th train step ended."""
+        full = self.full()
+        if full is not self:
+            return full.summary(steps)
         if self.clock == "wall":
             return self._wall_summary(steps)
         end = self.horizon(steps)

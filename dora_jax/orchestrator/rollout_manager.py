@@ -5,13 +5,19 @@ the pending list of that version until a group holding that version has a free s
 follows every request id through ``pending -> running -> finished -> consumed`` (``partial``
 mode: ``running -> pending`` again on an update; ``oversample``: ``-> discarded``) and raises on
 any other transition, so a request can end only once.
+
+A run that keeps its history on disk (``keep_ended`` false, :meth:`Runtime.stream_history`)
+drops a prompt group's requests from the ledger once the group is consumed and only counts them
+(``consumed``): the ledger then holds the requests in flight, not every request of the run. (A
+request consumed twice still raises: it is no longer in the ledger, and only a known request may
+change state. Discarded requests stay, so that one finishing while it is interrupted is dropped.)
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -83,6 +89,8 @@ class RolloutManager:
         self._pg_members: dict[int, tuple[int, ...]] = {}
         self._started: set[int] = set()  # prompt groups with a member admitted at least once
         self._next_pg = 0
+        self.keep_ended = True  # False: consumed requests leave the ledger (counted)
+        self.consumed = 0  # requests consumed and dropped from the ledger
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -95,6 +103,7 @@ class RolloutManager:
             "members": dict(self._pg_members),
             "started": sorted(self._started),
             "next_pg": self._next_pg,
+            "consumed": self.consumed,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -103,6 +112,31 @@ class RolloutManager:
         self._pg_members = dict(state["members"])
         self._started = set(state["started"])
         self._next_pg = state["next_pg"]
+        self.consumed = state.get("consumed", 0)
+        if not self.keep_ended:
+            self.forget_ended()
+
+    def forget_ended(self) -> None:
+        """Drop the consumed requests (and their prompt groups) from the ledger, counted."""
+        done = [rid for rid, s in self.status.items() if s == CONSUMED]
+        for rid in done:
+            del self.status[rid]
+        self.consumed += len(done)
+        for pg in [pg for pg, ids in self._pg_members.items()
+                   if all(rid not in self.status for rid in ids)]:  # fmt: skip
+            del self._pg_members[pg]
+            self._started.discard(pg)
+
+    def ledger(self) -> dict[int, str]:
+        """Request id -> state (without the consumed requests dropped from the ledger)."""
+        return dict(self.status)
+
+    def state_counts(self) -> dict[str, int]:
+        """Requests per state, those dropped from the ledger included."""
+        counts = Counter(self.status.values())
+        if self.consumed:
+            counts[CONSUMED] += self.consumed
+        return dict(counts)
 
     # -- ledger ----------------------------------------------------------------------------------
 
@@ -234,6 +268,11 @@ class RolloutManager:
         for rg in groups:
             for t in rg.trajectories:
                 self._move(t.request_id, CONSUMED)
+            if not self.keep_ended:  # the whole prompt group is consumed at once
+                for rid in self._pg_members.pop(rg.prompt_group):
+                    del self.status[rid]
+                    self.consumed += 1
+                self._started.discard(rg.prompt_group)
 
     def abort(self, backend: RolloutBackend, prompt_groups: list[int]) -> int:
         """Discard prompt groups (oversample): interrupt their running members, drop the rest.

@@ -34,7 +34,7 @@ import gc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from dora_jax.config.schema import OrchestratorConfig
@@ -113,7 +113,8 @@ class StallError(RuntimeError):
 class RunResult:
     summary: Summary
     records: Records
-    ledger: dict[int, str]  # request id -> final state
+    ledger: dict[int, str]  # request id -> state (with history files: the live requests only)
+    states: dict[str, int] = field(default_factory=dict)  # requests per state, all of the run
 
 
 class Runtime:
@@ -284,6 +285,7 @@ class Runtime:
             self.manager.upgrade_unstarted(version)
             self.manager.retag_pending(version)
             self.manager.requeue(partials, version)
+        self.records.flush()  # (attached to history files: the records so far go to disk)
         for obs in self.observers:
             obs.on_publish(self, version)
 
@@ -453,6 +455,7 @@ class Runtime:
             if not isinstance(self.trainer, TickedTrainer):
                 raise RuntimeError("a train step is running: publish it before saving")
             job = self.trainer._job
+        self.records.flush(keep_last_step=self._train is not None)
         return {
             "format": self.STATE_FORMAT,
             "clock": self.clock.kind,
@@ -515,8 +518,7 @@ class Runtime:
         self.queue.load_state_dict(state["queue"])
         self.manager.load_state_dict(state["manager"])
         if isinstance(self.clock, WallClock):
-            last = max([c.time for c in self.records.cluster[-1:]] + [self.records.horizon()])
-            self.clock.start(offset=last)
+            self.clock.start(offset=self.records.latest_time())
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -572,11 +574,23 @@ class Runtime:
         finally:
             self.stopping = False
             self._step_limit = None
-        summary = self.records.summary(min(target, self.steps_done))  # published steps only
-        return RunResult(summary, self.records, dict(self.manager.status))
+        self.records.flush(keep_last_step=self._train is not None)
+        records = self.records.full()  # (attached: read back from the history files)
+        summary = records.summary(min(target, self.steps_done))  # published steps only
+        return RunResult(summary, records, self.manager.ledger(), self.manager.state_counts())
+
+    def stream_history(self, run_dir, resume: bool = False) -> list[str]:
+        """Keep the run's history in ``run_dir``'s files instead of memory: the records are
+        flushed there at every published version (:meth:`Records.attach`), and requests leave
+        the ledger once consumed (counted). ``resume``: continue the files of the checkpoint
+        this runtime was restored from. Returns history files found shorter than expected."""
+        self.manager.keep_ended = False
+        self.manager.forget_ended()
+        return self.records.attach(run_dir, resume=resume)
 
     def _progress(self) -> tuple[int, int, int]:
-        return (self.steps_done, len(self.queue.consumed), self.manager.dispatched_prompt_groups)
+        return (self.steps_done, self.records.consumed_count,
+                self.manager.dispatched_prompt_groups)  # fmt: skip
 
     def _guard(self, max_ticks: int, stall_s: float, last_change: float) -> None:
         wall = self.clock.kind == "wall"

@@ -38,6 +38,7 @@ class ConsumedRecord:
     response_len: int
     version_span: int
     tick: int
+    prompt_len: int = 0
 
 
 class TransferQueue:
@@ -52,16 +53,15 @@ class TransferQueue:
         self.consumed: list[ConsumedRecord] = []
 
     def state_dict(self) -> dict:
+        """The prompt groups in flight (``consumed`` is the runtime's records': saved there)."""
         return {
             "open": {pg: (v, list(done)) for pg, (v, done) in self._open.items()},
             "ready": list(self._ready.values()),
-            "consumed": list(self.consumed),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self._open = {pg: (v, list(done)) for pg, (v, done) in state["open"].items()}
         self._ready = {rg.prompt_group: rg for rg in state["ready"]}
-        self.consumed[:] = state["consumed"]  # the same list the records hold
 
     def open(self, prompt_group: int, version: int) -> None:
         """Expect ``G`` trajectories of ``prompt_group``, tagged ``version``."""
@@ -126,6 +126,7 @@ class TransferQueue:
                         t.response_len,
                         t.version_span,
                         tick,
+                        t.prompt_len,
                     )  # fmt: skip
                 )
         return groups

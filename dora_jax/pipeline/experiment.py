@@ -87,6 +87,77 @@ class Experiment:
             self.runtime.trainer.close()
         self.reward.close()
 
+    # -- what a checkpoint holds (dora_jax.checkpoint calls these) ------------------------------
+
+    @property
+    def steps_done(self) -> int:
+        """Train steps published: a checkpoint's key."""
+        return self.runtime.steps_done
+
+    @property
+    def tick(self) -> int:
+        return self.runtime.tick_index
+
+    def state_dict(self) -> dict:
+        """The host state, ``{component: its state}``: the control plane, the engines with
+        everything in flight, the trainer's step logs, the scorer's counts, the prompt cursor."""
+        return {
+            "runtime": self.runtime.state_dict(),
+            "backend": self.backend.state_dict(),
+            "grpo": self.grpo.state_dict(),
+            "reward": self.reward.state_dict(),
+            "prompts": self.prompts.state_dict(),
+            "run": {"wall_s": self.wall_s},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """The inverse of :meth:`state_dict`, after :meth:`place_arrays` (the engines take the
+        params of their versions from the trainer's kept versions)."""
+        self.runtime.load_state_dict(state["runtime"])  # first: a wall clock continues its time
+        self.backend.load_state_dict(state["backend"], self.grpo.params_for)
+        self.grpo.load_state_dict(state["grpo"])
+        self.reward.load_state_dict(state["reward"])
+        self.prompts.load_state_dict(state["prompts"])
+        self.wall_s = state["run"]["wall_s"]
+
+    def arrays(self, host_copies: bool) -> dict:
+        """The checkpoint's arrays: the train state and the params of every kept version
+        (``host_copies``: gathered to this process, when the trainer spans processes)."""
+        versions = {f"v{v}": p for v, p in self.grpo.params.items()}
+        if host_copies:
+            return {"train_state": self.trainer.host_state(), "versions": jax.device_get(versions)}
+        return {"train_state": self.trainer.state, "versions": versions}
+
+    def array_targets(self, state: dict) -> dict:
+        """Abstract arrays (shapes, dtypes, shardings) to restore the arrays of a checkpoint
+        whose host state is ``state`` into."""
+        param = jax.tree.map(_abstract, next(iter(self.grpo.params.values())))
+        return {
+            "train_state": jax.tree.map(_abstract, self.trainer.state),
+            "versions": {f"v{v}": param for v in state["grpo"]["versions"]},
+        }
+
+    def place_arrays(self, arrays, host_copies: bool, checkpoint=None) -> None:
+        """Take the restored arrays (host copies: put into their shardings; a trainer spanning
+        processes has the others read their shards of ``checkpoint``, ``(directory, step)``)."""
+        versions = dict(arrays.versions)
+        if host_copies:
+            param = next(iter(self.grpo.params.values()))
+            shardings = jax.tree.map(lambda a: a.sharding, param)
+            versions = {k: jax.device_put(v, shardings) for k, v in versions.items()}
+            self.trainer.load_host_state(arrays.train_state, checkpoint=checkpoint)
+        else:
+            self.trainer.state = arrays.train_state
+        self.grpo.params = {int(k[1:]): v for k, v in versions.items()}
+
+    def stream_history(self, run_dir: Path, resume: bool = False) -> list[str]:
+        """Keep the run's history in ``run_dir`` (``records.jsonl``, ``consumed.jsonl``, and the
+        step logs in ``metrics.jsonl``) rather than in memory: what the run holds and each
+        checkpoint writes then stays the same size however long it runs. Returns the history
+        files found shorter than the checkpoint says."""
+        self.grpo.keep_log = False
+        return self.runtime.stream_history(run_dir, resume=resume)
+
     def evaluate(self, step: int) -> EvalResult:
         """The held-out evaluation of the trainer's current params (needs ``evaluator``)."""
         if self.evaluator is None:
@@ -251,12 +322,16 @@ def build(
     process=None,
     *,
     restoring: bool = False,
+    on_checked: Callable[[], None] | None = None,
 ) -> Experiment:
     """Everything a run needs; the warm start is cached in ``warm_start_dir`` (default
     ``run_dir / "warm_start"``), so runs that share it start from the same policy. With a
     ``process`` (``dora_jax.distributed.process.Process``, index 0 of several), rollout groups
     on the other processes' devices run there. With ``restoring`` (a checkpoint will replace the
-    policy) the warm start is not run."""
+    policy) the warm start is not run. ``on_checked`` is called once every check that can refuse
+    the run has passed (the config, the data and eval files, the tokenizer, the reward function),
+    before anything is written (the warm start's cache): the train command takes the run
+    directory there, so that a refused run leaves it as it was."""
     cfg = resolve_model(cfg)
     check_fits(cfg)
     meshes = build_meshes(cfg.mesh)
@@ -275,6 +350,9 @@ def build(
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     reward, eval_reward = _scorers(cfg, reward_fn, clock.now)
     stops = eos_ids(tokenizer)
+    evaluator = _evaluator(cfg, meshes, tokenizer, eval_reward, encode)
+    if on_checked is not None:  # nothing above writes; everything below may
+        on_checked()
     # the other processes build their groups' engines (and their part of a spanning trainer)
     # while this one warm-starts
     cluster = _cluster(cfg, meshes, process, bus, clock, stops)
@@ -330,27 +408,31 @@ def build(
                                d.system_prompt, d.prompt_template, skip=skip)  # fmt: skip
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
-    problems = _eval_problems(cfg, prompts.encode)
-    evaluator = None
-    if problems:
-        try:
-            evaluator = Evaluator(
-                cfg.model,
-                cfg.rollout,
-                meshes.trainer.devices.flat[0],
-                tokenizer,
-                problems,
-                eval_reward,  # its own error count: eval errors are not the run's
-                cfg.seed,
-                encode=prompts.encode,
-                samples_per_prompt=cfg.eval.samples_per_prompt,
-            )
-        except ValueError as e:
-            raise ExperimentError(f"eval: {e}") from None
     return Experiment(
         cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses,
         evaluator=evaluator, memory_plan=plan, prompts=prompts, long_prompt_lines=long_skipped,
     )  # fmt: skip
+
+
+def _evaluator(cfg: ExperimentConfig, meshes: Meshes, tokenizer, scorer, encode):
+    """The held-out evaluation on the trainer's first device (None without problems)."""
+    problems = _eval_problems(cfg, encode)
+    if not problems:
+        return None
+    try:
+        return Evaluator(
+            cfg.model,
+            cfg.rollout,
+            meshes.trainer.devices.flat[0],
+            tokenizer,
+            problems,
+            scorer,  # its own error count: eval errors are not the run's
+            cfg.seed,
+            encode=encode,
+            samples_per_prompt=cfg.eval.samples_per_prompt,
+        )
+    except ValueError as e:
+        raise ExperimentError(f"eval: {e}") from None
 
 
 MEMORY_PLAN_FILE = "memory_plan.txt"
@@ -438,6 +520,8 @@ def run(
     rt.observers = [_StepLogs(exp, on_step), _FreeVersions(exp), *observers]
     if checkpointer is not None:
         rt.observers.append(_Checkpoints(exp, checkpointer, every_steps))
+    if not exp.grpo.keep_log:  # the step logs are written out: the published ones go
+        rt.observers.append(_TrimLogs(exp))
     rt.max_steps = max(exp.cfg.train.total_steps, rt.steps_done + num_steps)
     t0 = time.perf_counter()
     try:
@@ -464,11 +548,27 @@ class _StepLogs:
         self.exp, self.on_step, self.seen = exp, on_step, exp.runtime.steps_done
 
     def on_publish(self, runtime: Runtime, version: int) -> None:
-        log = self.exp.grpo.log
-        while self.seen < len(log) and log[self.seen].version <= version:
+        for log in self.exp.grpo.step_logs(self.seen):
+            if log.version > version:
+                break
             if self.on_step is not None:
-                self.on_step(log[self.seen])
+                self.on_step(log)
             self.seen += 1
+
+
+class _TrimLogs:
+    """Last at every published version of a run with history files: the step logs of the
+    published versions have been seen by every observer (metrics.jsonl holds them): they go."""
+
+    def __init__(self, exp: Experiment):
+        self.exp = exp
+
+    def on_publish(self, runtime: Runtime, version: int) -> None:
+        self.exp.grpo.trim_log(version)
+
+
+def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 class _FreeVersions:

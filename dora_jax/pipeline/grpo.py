@@ -57,6 +57,13 @@ class TokenizedPrompts:
         self.skip = skip
         self.skipped = 0  # prompts left out (too long), part of the checkpoint
 
+    def state_dict(self) -> dict:
+        return {"cursor": self.source.cursor, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.cursor = int(state["cursor"])
+        self.skipped = int(state["skipped"])
+
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt (a string or chat messages)."""
         return encode_chat(self.tokenizer, prompt, self.system_prompt, self.template)
@@ -115,8 +122,13 @@ class GRPOTrainer:
         # the rollout groups' layout on process 0, so that a published version can be pulled by
         # another process at once, without a copy that would wait for the next train step.
         self.export_shardings: Params | None = None
+        # the step logs from ``log_start`` on (a run with history files trims the published
+        # ones, :meth:`trim_log`: they are in metrics.jsonl)
         self.log: list[StepLog] = []
-        self.consumed: list[tuple[int, int, Completion]] = []  # (request id, version, completion)
+        self.log_start = 0
+        self.keep_log = True
+        # told of every consumed trajectory: (request id, version, completion)
+        self.on_consume: list[Callable[[int, int, Completion], None]] = []
         # sampled ids the tokenizer cannot decode (a model vocabulary larger than the
         # tokenizer's): they read as nothing to the reward, so they are counted, per step
         self.undecodable_tokens = 0
@@ -157,7 +169,8 @@ class GRPOTrainer:
                     extra.setdefault(k, []).append(v)
                 rewards.append(reward)
                 ids.append(t.request_id)
-                self.consumed.append((t.request_id, rg.version, comp))
+                for observe in self.on_consume:
+                    observe(t.request_id, rg.version, comp)
                 trajectories.append(
                     Trajectory(
                         prompt_tokens=np.asarray(comp.prompt.tokens, np.int32),
@@ -182,6 +195,38 @@ class GRPOTrainer:
         means = {k: float(np.mean(v)) for k, v in extra.items()}
         self.log.append(StepLog(version, metrics, rewards, ids, means))
         return version
+
+    def step_logs(self, start: int) -> list[StepLog]:
+        """The step logs from the ``start``-th on (0: the run's first step)."""
+        if start < self.log_start:
+            raise IndexError(f"step log {start} was trimmed (the logs from {self.log_start} on "
+                             "are kept)")  # fmt: skip
+        return self.log[start - self.log_start :]
+
+    def trim_log(self, version: int) -> None:
+        """Forget the step logs of versions up to ``version`` (published and written out)."""
+        n = sum(1 for s in self.log if s.version <= version)
+        del self.log[:n]
+        self.log_start += n
+
+    def state_dict(self) -> dict[str, Any]:
+        """The kept step logs, the cumulative counter and the versions whose params the
+        checkpoint holds (the params themselves are arrays: :meth:`version_params`)."""
+        return {
+            "log": [
+                (s.version, jax.device_get(s.metrics), s.rewards, s.trajectories, s.reward_metrics)
+                for s in self.log
+            ],
+            "log_start": self.log_start,
+            "undecodable_tokens": self.undecodable_tokens,
+            "versions": sorted(self.params),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The host part of :meth:`state_dict` (the params are placed by the checkpoint)."""
+        self.log = [StepLog(*entry) for entry in state["log"]]
+        self.log_start = int(state["log_start"])
+        self.undecodable_tokens = int(state["undecodable_tokens"])
 
     def wait(self, version: int) -> None:
         """Block until ``version``'s params exist (``step`` returns once the step is dispatched;

@@ -10,8 +10,8 @@
   while the advantages are not (a saturated policy that no longer learns). It warns once per
   episode and does not stop the run.
 
-Everything it counts is derived from the step logs, which the checkpoint holds, so a resumed run
-continues the counts.
+Everything it counts is derived from the step metrics, so a resumed run continues the counts
+from the ``metrics.jsonl`` lines of the steps before its checkpoint (``history``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from dora_jax.pipeline.experiment import Experiment
 
 DEAD_STEPS = 3
 UNIFORM_FRACTION = 0.98
+_READ = ("skipped", "loss", "grad_norm", "entropy", "advantage_abs_mean")
 
 
 class RunHealth:
-    def __init__(self, exp: Experiment, echo=print):
+    def __init__(self, exp: Experiment, echo=print, history: list[dict] = ()):
         self.exp, self.echo = exp, echo
         self.max_skips = exp.cfg.train.max_consecutive_skips
         self.ln_vocab = math.log(exp.cfg.model.vocab_size)
@@ -37,26 +38,25 @@ class RunHealth:
         self._streak = 0
         self._dead: list[str] = []  # signs of a dead policy, one per step in a row
         self._warned = False
-        self.seen = 0
         done = exp.runtime.steps_done
-        for log in exp.grpo.log:  # the run so far (a resume), silently
-            if log.version <= done:
-                self._check(log, quiet=True)
-                self.seen += 1
+        self.seen = done
+        for line in history:  # the run so far (a resume: metrics.jsonl lines), silently
+            if line["step"] <= done:
+                self._check(line, line["step"], quiet=True)
 
     def on_publish(self, runtime, version: int) -> None:
-        log = self.exp.grpo.log
-        while self.seen < len(log) and log[self.seen].version <= version:
-            self._check(log[self.seen])
+        for log in self.exp.grpo.step_logs(self.seen):
+            if log.version > version:
+                break
+            self._check(log.metrics, log.version)
             self.seen += 1
         if self.tripped is not None:
             # Stop now: the round that published the tripping step would start the next one
             # (which would be skipped too), and the run's stop check comes between rounds.
             runtime.stopping = runtime.stopped = True
 
-    def _check(self, log, quiet: bool = False) -> None:
-        m = {k: np.asarray(v) for k, v in log.metrics.items()}
-        step = log.version
+    def _check(self, metrics: dict, step: int, quiet: bool = False) -> None:
+        m = {k: np.asarray(v) for k, v in metrics.items() if k in _READ}
         if int(m["skipped"]):
             self._streak += 1
             self.skipped_steps.append(step)

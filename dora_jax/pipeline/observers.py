@@ -59,9 +59,10 @@ class MetricsLog:
         (print if self.bar.disable else self.bar.write)(text)
 
     def on_publish(self, runtime, version: int) -> None:
-        log = self.exp.grpo.log
-        while self.seen < len(log) and log[self.seen].version <= version:
-            self.write(log[self.seen])
+        for log in self.exp.grpo.step_logs(self.seen):
+            if log.version > version:
+                break
+            self.write(log)
             self.seen += 1
 
     def write(self, log) -> None:

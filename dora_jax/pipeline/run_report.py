@@ -8,14 +8,13 @@ import math
 import shlex
 from pathlib import Path
 
-import numpy as np
-
 from dora_jax.curves import reward_curve_plot
+from dora_jax.metrics import METRICS_FILE, read_metrics
 from dora_jax.orchestrator.runtime import RunResult
 from dora_jax.pipeline.evaluation import binomial_se
 from dora_jax.pipeline.experiment import Experiment
 from dora_jax.pipeline.observers import HeldOutEval, step_reward, step_solved
-from dora_jax.report import head, plot_timeline, write_summary
+from dora_jax.report import head, plot_timeline, reward_stats, write_summary
 
 CLOSE_UP_TICKS = 300  # the close-up timeline's extent (ticks; on the wall clock, a tenth of it)
 
@@ -27,8 +26,7 @@ def write_run_report(
     """Plots and summary files in ``run_dir``; prints the run's figures. ``health`` (a
     :class:`~dora_jax.pipeline.health.RunHealth`) adds the skipped steps and policy warnings."""
     cfg, o = exp.cfg, exp.cfg.orchestrator
-    rewards = [(sl.version, step_reward(sl)) for sl in exp.grpo.log]  # the whole run, resumes too
-    solved = [(sl.version, step_solved(sl)) for sl in exp.grpo.log]
+    rewards, solved = step_curves(exp, run_dir)
     rec = result.records
     wall = rec.clock == "wall"
     title = f"{o.mode}: rollout groups over time, coloured by policy version"
@@ -61,11 +59,11 @@ def write_run_report(
             "reward_errors_by_kind": exp.reward.error_counts(),
             "config": "config.yaml",
             "stopped_early": exp.stopped,
-            "request_states": _counts(result.ledger),
+            "request_states": result.states or _counts(result.ledger),
             "consumed_request_ids": [c.request_id for c in rec.consumed],
             # the measured workload (benchmarks/calibrate_cpu.py feeds it to the simulator)
             "consumed_response_lens": [c.response_len for c in rec.consumed],
-            "consumed_prompt_lens": [len(comp.prompt.tokens) for _, _, comp in exp.grpo.consumed],
+            "consumed_prompt_lens": [c.prompt_len for c in rec.consumed],
             "skipped_steps": health.skipped_steps if health is not None else [],
             "policy_warnings": health.warnings if health is not None else [],
             "long_prompts_skipped": len(exp.long_prompt_lines)
@@ -86,14 +84,11 @@ def write_run_report(
         f"{s.staleness_max}, {s.migrated} migrated, {s.reprefill_tokens} re-prefill tokens"
     )
     if rewards:
-        k = max(1, len(rewards) // 5)
-        first = float(np.mean([r for _, r in rewards[:k]]))
-        last = float(np.mean([r for _, r in rewards[-k:]]))
-        s0 = float(np.mean([x for _, x in solved[:k]]))
-        s1 = float(np.mean([x for _, x in solved[-k:]]))
+        r, x = reward_stats(rewards), reward_stats(solved)  # summary.json's "reward" too
+        k = r["n_avg"]
         print(
-            f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
-            f"solved (exact answer): {s0:.3f} -> {s1:.3f}"
+            f"mean reward: first {k} steps {r['start']:.3f} -> last {k} steps {r['end']:.3f}; "
+            f"solved (exact answer): {x['start']:.3f} -> {x['end']:.3f}"
         )
     if len(evals.results) >= 2:
         e0, e1 = evals.results[0], evals.results[-1]
@@ -114,6 +109,20 @@ def write_run_report(
     print(
         f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
     )
+
+
+def step_curves(exp: Experiment, run_dir: Path) -> tuple[list, list]:
+    """``(step, mean reward)`` and ``(step, solved share)`` of every step of the run (resumes
+    too): from ``metrics.jsonl`` (a run with history files keeps no step logs in memory), else
+    from the trainer's step logs."""
+    path = run_dir / METRICS_FILE
+    if path.is_file():
+        lines = [m for m in read_metrics(path) if "reward" in m]
+        return ([(m["step"], m["reward"]) for m in lines],
+                [(m["step"], m["solved"]) for m in lines])  # fmt: skip
+    logs = exp.grpo.step_logs(exp.grpo.log_start)
+    return ([(sl.version, step_reward(sl)) for sl in logs],
+            [(sl.version, step_solved(sl)) for sl in logs])  # fmt: skip
 
 
 def resume_hint(run_dir: str | Path) -> str:
