@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import re
 import shutil
@@ -78,6 +79,27 @@ def _one_line(e: BaseException) -> str:
         code = int(m.group(1))
         return f"{os.strerror(code)} [errno {code}]"
     return f"{type(e).__name__}: {text[:300]}"
+
+
+SPACE_MARGIN = 1.1  # a save needs the checkpoint's size plus 10% free
+
+
+def no_space(free: int, need: int) -> str | None:
+    """Why ``free`` bytes cannot hold a checkpoint of about ``need`` bytes (with
+    :data:`SPACE_MARGIN`), or None. Sizes are in KiB below 10 MiB, else MiB, free rounded down
+    and what is needed rounded up, so the message shows free < needed."""
+    limit = need * SPACE_MARGIN
+    if free >= limit:
+        return None
+    unit, name = (2**10, "KiB") if max(free, limit) < 10 * 2**20 else (2**20, "MiB")
+
+    def size(n: float, up: bool) -> str:
+        return f"{(math.ceil if up else math.floor)(n / unit * 10) / 10:,.1f} {name}"
+
+    return (
+        f"no space left: {size(free, False)} free, the checkpoint needs about {size(need, True)} "
+        f"({size(limit, True)} with a {SPACE_MARGIN - 1:.0%} margin)"
+    )
 
 
 class _QuietSaveFailures(logging.Filter):
@@ -293,11 +315,9 @@ class RunCheckpointer:
             free = shutil.disk_usage(self.directory).free
         except OSError:
             return
-        if free < need * 1.1:
-            raise self._save_failed(
-                step, OSError(errno.ENOSPC, f"no space left: {free / 2**20:.1f} MiB free, the "
-                                            f"checkpoint needs about {need / 2**20:.1f} MiB"),
-            )  # fmt: skip
+        message = no_space(free, need)
+        if message is not None:
+            raise self._save_failed(step, OSError(errno.ENOSPC, message))
 
     def _save_failed(self, step: int | None, e: BaseException) -> CheckpointSaveError:
         step = step if step is not None else -1

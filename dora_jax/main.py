@@ -1,7 +1,8 @@
 """The ``train`` command: parse arguments, resolve the config, run the experiment, report.
 
-A run directory gets: ``config.yaml`` (resolved), ``warm_start/`` (cached), ``metrics.jsonl``,
-``tb/`` (TensorBoard), ``timeline.png``, ``summary.json`` and ``summary.md``.
+A run directory gets: ``config.yaml`` (resolved), ``memory_plan.txt`` (the per-device memory
+plan), ``warm_start/`` (cached), ``metrics.jsonl``, ``tb/`` (TensorBoard), ``timeline.png``,
+``summary.json`` and ``summary.md``.
 
 Misuse and faults (``docs/reliability.md``): a refused run changes nothing in its run dir (every
 check comes before the first write); a run holds the dir's lock while it writes; ``--resume``
@@ -40,7 +41,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="continue the run in run_dir from its latest checkpoint",
     )
-    m = p.add_argument_group("several processes (one per host; see docs/multihost.md)")
+    m = p.add_argument_group(
+        "several processes (one per host; see docs/multihost.md)",
+        "The coordinator and transfer listeners authenticate nothing: keep them on a private "
+        "network. They bind to the coordinator's host (process 0) or this machine's address "
+        "towards it; DORA_BIND_ADDRESS=ADDR binds them to ADDR instead.",
+    )
     m.add_argument(
         "--local-processes",
         type=int,
@@ -91,9 +97,17 @@ def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def resume_hint(run_dir: str | Path) -> str:
-    from dora_jax.pipeline.run_report import resume_hint as hint
+    """The command that continues the run in ``run_dir``, with the ``--local-processes`` flags
+    the run was started with."""
+    import shlex
 
-    return hint(run_dir)
+    from dora_jax.distributed.launcher import launch_flags
+
+    flags = launch_flags()
+    return (
+        f"python launch/train.py {flags + ' ' if flags else ''}--resume "
+        f"run_dir={shlex.quote(str(run_dir))}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -288,6 +302,9 @@ def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
     stop.install()
     try:
         return _train(cfg, run_dir, resume, stop, proc, lock)
+    except KeyboardInterrupt:  # a second signal in the run loop: stop at once
+        print(f"\ninterrupted: stopped at once; {_last_checkpoint(run_dir)}", file=sys.stderr)
+        return 130
     finally:
         stop.uninstall()
         lock.release()
@@ -296,7 +313,7 @@ def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
 def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock) -> int:
     from dora_jax.checkpoint import finished_steps
     from dora_jax.metrics import read_metrics
-    from dora_jax.pipeline.experiment import run
+    from dora_jax.pipeline.experiment import run, write_memory_plan
     from dora_jax.pipeline.health import RunHealth
     from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
     from dora_jax.pipeline.run_report import write_run_report
@@ -334,6 +351,8 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
     wandb_log = None
     try:
         checkpointer = _open_checkpoints(exp, run_dir, restoring)
+        # every check that can refuse the run has passed (a resumed run's: with the restore)
+        write_memory_plan(exp, run_dir)
         for name in exp.stream_history(run_dir, resume=restoring):
             print(
                 f"warning: {run_dir / name} is shorter than the checkpoint says (it was cut or "
@@ -388,17 +407,29 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
             proc.finish()
 
 
+def _last_checkpoint(run_dir: Path) -> str:
+    """The newest finished checkpoint of ``run_dir`` and the command that resumes from it."""
+    from dora_jax.checkpoint import finished_steps
+
+    steps = finished_steps(run_dir / "checkpoints")
+    if not steps:
+        return "there is no checkpoint yet (the same command starts over)"
+    last = run_dir / "checkpoints" / str(steps[-1])
+    return f"the last checkpoint is {last}; continue with: {resume_hint(run_dir)}"
+
+
 def _resume_hint(run_dir: Path, proc) -> str:
-    ckpts = sorted(int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*") if p.is_dir())
+    from dora_jax.checkpoint import finished_steps
+    from dora_jax.distributed.launcher import launch_flags
+
+    steps = finished_steps(run_dir / "checkpoints")
     last = (
-        f"the last checkpoint is {run_dir / 'checkpoints' / str(ckpts[-1])}"
-        if ckpts
+        f"the last checkpoint is {run_dir / 'checkpoints' / str(steps[-1])}"
+        if steps
         else "there is no checkpoint yet"
     )
-    return (
-        f"Stopping; {last}. Continue with the same processes and: python launch/train.py "
-        f"--resume run_dir={run_dir}"
-    )
+    how = "" if launch_flags() else " the same processes and"
+    return f"Stopping; {last}. Continue with{how}: {resume_hint(run_dir)}"
 
 
 def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:

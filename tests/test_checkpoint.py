@@ -125,3 +125,23 @@ def test_sigterm_mid_rollout_then_resume(tmp_path, clock):
     # held-out evaluations: before the first step and after the last, none repeated
     evals = (run_dir / "eval.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in evals] == [0, 6]
+
+
+def test_the_no_space_message_shows_free_below_needed():
+    """Half a MiB free against a little less needed (plus the 10% margin) read "0.5 MiB free,
+    the checkpoint needs about 0.5 MiB": the figures now show which is smaller."""
+    from dora_jax.checkpoint import no_space
+
+    pattern = re.compile(
+        r"no space left: ([\d,.]+) (KiB|MiB) free, the checkpoint needs about [\d,.]+ \2 "
+        r"\(([\d,.]+) \2 with a 10% margin\)"
+    )
+    assert no_space(2**30, 2**20) is None
+    mib = 2**20
+    cases = [(mib // 2, int(0.48 * mib)), (50_000, 49_000), (int(20.5 * mib), 19 * mib)]
+    for free, need in [*cases, (10 * mib - 1, int(9.5 * mib))]:
+        text = no_space(free, need)
+        got = pattern.fullmatch(text)
+        assert got, text
+        assert float(got[1].replace(",", "")) < float(got[3].replace(",", "")), text
+    assert "KiB" in no_space(50_000, 49_000) and "MiB" in no_space(20 * mib, 19 * mib)

@@ -143,3 +143,28 @@ def test_config_is_frozen():
     cfg = load_config()
     with pytest.raises(AttributeError):
         cfg.train.lr = 3.0  # type: ignore[misc]
+
+
+def test_the_largest_seed_works_where_the_seed_is_used():
+    """Every use of ``seed`` takes [0, 2**32 - 1], the derived seeds (seed + offset) too;
+    outside it the config refuses."""
+    import jax
+    import numpy as np
+
+    from dora_jax.config.schema import SEED_MAX
+    from dora_jax.data import ArithmeticTask
+    from dora_jax.data.prompts import shuffled_epochs
+    from dora_jax.rollout.requests import request_key
+
+    assert load_config(None, [f"seed={SEED_MAX}"]).seed == SEED_MAX
+    for seed in (0, SEED_MAX):
+        for offset in (0, 1_000_003, 2_000_003):  # the RL, warm-start and held-out problems
+            ArithmeticTask(seed + offset).problem(7)
+        shuffled_epochs(list(range(5)), seed)(6)
+        request_key(seed, 3, 4)
+    keys = {tuple(np.asarray(jax.random.key_data(jax.random.key(s))).tolist()) for s in (0, 1)}
+    keys.add(tuple(np.asarray(jax.random.key_data(jax.random.key(SEED_MAX))).tolist()))
+    assert len(keys) == 3
+    for bad in ("-1", str(SEED_MAX + 1), "true"):
+        with pytest.raises(ConfigError, match="^seed: "):
+            load_config(None, [f"seed={bad}"])

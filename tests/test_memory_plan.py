@@ -183,3 +183,16 @@ def test_cpu_devices_share_the_host():
     limit, source = device_limit(cfg)
     assert limit == host_memory() // jax.device_count() and "CPU devices" in source
     assert device_limit(small("mesh.device_memory_gib=2"))[0] == 2 * GiB
+
+
+def test_the_one_line_summary_and_the_written_plan(tmp_path):
+    plan = plan_memory(small("mesh.device_memory_gib=1"))
+    device = max(plan.devices(), key=lambda d: plan.total([d]))
+    line = plan.summary()
+    assert line.startswith("memory plan: at most ") and f"per device (device {device})" in line
+    assert "against 921.6 MiB (90% of 1.00 GiB, mesh.device_memory_gib): ok" in line
+    assert "\n" not in line
+    over = plan_memory(small("mesh.device_memory_gib=0.0001"))
+    assert over.summary().endswith(": over")
+    path = plan.write(tmp_path / "memory_plan.txt")
+    assert path.read_text() == plan.table() + "\n" and "device 0:" in path.read_text()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from reliability_cases import CASES, expect  # tests/reliability_cases.py
@@ -79,6 +80,15 @@ def test_jsonl_that_is_not_utf8_names_the_line(tmp_path, capsys):
     assert f"{data}:2: not UTF-8" in out
 
 
+@pytest.mark.parametrize("prompt", ["Twelve-5=", "12-5=\U0001f600"])
+def test_a_prompt_outside_the_alphabet_names_the_line(tmp_path, capsys, prompt):
+    data = jsonl(tmp_path / "odd.jsonl", ["12-5=", "7-2=", prompt, "1-1="])
+    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, "data.task=jsonl", f"data.path={data}")
+    expect("prompt-outside-alphabet", out, rc)
+    assert f"{data}:3: character {prompt[0] if prompt[0] == 'T' else prompt[-1]!r}" in out
+    assert "Traceback" not in out and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_unsupported_hf_architecture(tmp_path, capsys):
     hf = tmp_path / "gpt2"
     hf.mkdir()
@@ -104,6 +114,32 @@ def test_sizes_that_cannot_work_are_refused_before_the_run(tmp_path, capsys, cas
     rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, override, *extra)
     expect(case, out, rc)
     assert "Traceback" not in out
+
+
+def test_the_memory_plan_is_one_line_and_a_file(tmp_path, capsys):
+    """The default run prints one line of the memory plan (it used to print a line per item of
+    every device, 36 lines, before anything else) and writes the full plan to the run dir once
+    the run is accepted; logging.memory_plan=true prints it in full; a refused run prints the
+    whole plan when the plan refuses it, and writes no memory_plan.txt."""
+    run_dir = tmp_path / "run"
+    bad = tmp_path / "bad.jsonl"  # refused after the plan, before the warm start
+    bad.write_bytes(b'{"prompt": "\xff-1=", "answer": "0"}\n')
+    refused = [f"run_dir={run_dir}", *T, "data.task=jsonl", f"data.path={bad}"]
+    rc, out = cli(capsys, *refused)
+    assert rc == 2 and "memory plan: at most" in out and "device 0:" not in out
+    assert not (run_dir / "memory_plan.txt").exists()
+    rc, out = cli(capsys, *refused, "logging.memory_plan=true")
+    assert rc == 2 and "memory plan (GiB per device" in out and "  device 7: " in out
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "mesh.device_memory_gib=0.0001")
+    assert rc == 2 and "the memory plan does not fit" in out and "  device 0: " in out
+    assert not (run_dir / "memory_plan.txt").exists()
+
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "train.total_steps=1")
+    expect("memory-plan-one-line", out, rc)
+    plan = [line for line in out.splitlines() if "memory plan" in line]
+    assert len(plan) == 1 and plan[0].endswith("(in full: memory_plan.txt in the run dir)")
+    text = (run_dir / "memory_plan.txt").read_text()
+    assert text.startswith("memory plan (GiB per device") and "  device 7: " in text
 
 
 def test_unwritable_run_dir(tmp_path, capsys, monkeypatch):
@@ -136,6 +172,22 @@ def test_override_errors_blame_the_command_line(tmp_path, capsys):
     bad.write_text("train:\n  lr: abc\n")
     rc, out = cli(capsys, "--config", str(bad), f"run_dir={tmp_path / 'run'}")
     assert rc == 2 and f"train.lr: expected a float, got 'abc' (in {bad})" in out
+
+
+def test_a_seed_out_of_range_is_a_config_error(tmp_path, capsys):
+    """numpy refuses a negative seed (after a long start-up, with a traceback) and jax keeps
+    only its low 32 bits: the config refuses both at once."""
+    for seed in ("-1", str(2**32)):
+        rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, f"seed={seed}")
+        expect("seed-out-of-range", out, rc)
+        assert f"got {seed} (from the command line: seed={seed})" in out
+        assert "Traceback" not in out and not (tmp_path / "run").exists()
+
+
+def test_config_that_is_a_directory(tmp_path, capsys):
+    rc, out = cli(capsys, "--config", str(tmp_path), f"run_dir={tmp_path / 'run'}")
+    expect("config-is-a-directory", out, rc)
+    assert "does not exist" not in out
 
 
 def test_hf_model_metadata_is_the_checkpoints(tmp_path, capsys):
@@ -198,6 +250,54 @@ def test_overrides_may_follow_resume():
     assert args.overrides == ["run_dir=x", "train.lr=1e-3", "seed=1"]
 
 
+def test_a_second_signal_names_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    """The second Ctrl-C stops at once (KeyboardInterrupt out of the run loop): the message
+    names the newest finished checkpoint and the command that resumes, or says there is none."""
+    from dora_jax import main as main_mod
+    from dora_jax.config import load_config
+
+    def second_signal(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main_mod, "_train", second_signal)
+    run_dir = tmp_path / "my run"
+    for step in ("2", "5", "7.orbax-checkpoint-tmp-1"):  # the last one never finished
+        (run_dir / "checkpoints" / step).mkdir(parents=True)
+
+    def train(run_dir, resume=False) -> int:
+        try:
+            return main_mod.train(load_config(None, [f"run_dir={run_dir}", *T]), resume=resume)
+        except KeyboardInterrupt:  # (main's own catch: a signal before the handlers)
+            return -1
+
+    rc = train(run_dir, resume=True)
+    out = capsys.readouterr().err
+    assert f"the last checkpoint is {run_dir / 'checkpoints' / '5'}; continue with: " in out
+    assert f"--resume run_dir='{run_dir}'" in out  # quoted: the path has a space
+
+    fresh = tmp_path / "fresh"
+    rc_fresh = train(fresh)
+    out_fresh = capsys.readouterr().err
+    assert rc_fresh == 130 and "stopped at once; there is no checkpoint yet" in out_fresh
+    expect("second-signal", out + out_fresh, rc)
+
+
+def test_the_resume_hint_of_a_local_multi_process_run(tmp_path, monkeypatch):
+    """The hint printed when a peer is lost gives the launcher's flags and a quoted run dir."""
+    from dora_jax.distributed.launcher import ENV_LAUNCH
+    from dora_jax.main import _resume_hint
+
+    run_dir = tmp_path / "my run"
+    (run_dir / "checkpoints" / "4").mkdir(parents=True)
+    monkeypatch.setenv(ENV_LAUNCH, "--local-processes 2")
+    hint = _resume_hint(run_dir, None)
+    expect("resume-hint-local-processes", hint)
+    assert hint.endswith(f"python launch/train.py --local-processes 2 --resume run_dir='{run_dir}'")
+    monkeypatch.delenv(ENV_LAUNCH)
+    hint = _resume_hint(run_dir, None)
+    assert "the same processes and: python launch/train.py --resume run_dir='" in hint
+
+
 # -- steps ---------------------------------------------------------------------------------------
 
 
@@ -237,6 +337,77 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path, capsys):
     assert any(p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())
 
 
+class _SkippingTrainer:
+    """A fake trainer whose every step is skipped (not finite), with the step logs RunHealth
+    reads."""
+
+    def __init__(self):
+        from dora_jax.orchestrator.fake_trainer import FakeTrainer
+
+        self.inner, self.log = FakeTrainer(step_ticks=20), []
+
+    def step(self, batch) -> int:
+        version = self.inner.step(batch)
+        m = {"skipped": 1, "loss": float("nan"), "grad_norm": float("nan")}
+        self.log.append(SimpleNamespace(version=version, metrics=m))
+        return version
+
+    def duration_ticks(self, batch) -> int:
+        return self.inner.duration_ticks(batch)
+
+    def step_logs(self, start: int) -> list:
+        return self.log[start:]
+
+
+@pytest.mark.parametrize("clock", ["logical", "wall"])
+def test_max_consecutive_skips_is_the_number_of_skipped_steps(clock):
+    """With train.max_consecutive_skips=3 the run stops after exactly 3 skipped steps, though
+    the next batch is ready in the round that publishes the 3rd (that round used to start a 4th
+    step, which a wall-clock run then published and logged: "4 in a row")."""
+    from dora_jax.config import load_config
+    from dora_jax.execution.trainer import ThreadedTrainer
+    from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
+    from dora_jax.orchestrator.fake_backend import FakeBackend, FakeBackendConfig
+    from dora_jax.orchestrator.rollout_manager import SyntheticPrompts
+    from dora_jax.orchestrator.runtime import Runtime
+    from dora_jax.pipeline.health import RunHealth
+
+    cfg = load_config(
+        None,
+        [
+            "train.max_consecutive_skips=3",
+            "orchestrator.train_batch_prompts=2",
+            "orchestrator.rollout_batch_prompts=8",
+            "train.group_size=2",
+        ],
+    )
+    trainer = _SkippingTrainer()
+    clock, bus = (WallClock(), Bus()) if clock == "wall" else (LogicalClock(), None)
+    runner = ThreadedTrainer(trainer, clock.now, bus.post) if bus is not None else trainer
+
+    class Backend(FakeBackend):  # the wall clock holds the groups between runs
+        def pause(self):
+            pass
+
+        def resume(self):
+            pass
+
+    backend = Backend(FakeBackendConfig(length_median=8, length_p99_ratio=1.0))
+    rt = Runtime(cfg.orchestrator, 2, backend, runner, SyntheticPrompts(0, 8, 16), clock=clock)
+    exp = SimpleNamespace(cfg=cfg, runtime=rt, grpo=trainer)
+    messages: list[str] = []
+    health = RunHealth(exp, echo=messages.append)
+    rt.observers = [health]
+    try:
+        rt.run(10, max_ticks=100_000, should_stop=lambda: health.tripped is not None)
+    finally:
+        if bus is not None:
+            runner.close()
+    expect("skips-in-a-row-exactly", health.tripped)
+    assert rt.stopped and rt.steps_done == 3 and trainer.inner.version == 3  # no 4th step
+    assert health.skipped_steps == [1, 2, 3] and "(3 in a row, 3 in all)" in messages[-1]
+
+
 @pytest.mark.slow  # one training run, about 25 s on 2 cores
 def test_a_dead_policy_is_reported(tmp_path, capsys):
     rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, "warm_start.steps=20",
@@ -261,6 +432,16 @@ def test_long_prompts_can_be_skipped(tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["extra"]["long_prompts_skipped"] == 1
     assert summary["extra"]["long_prompt_lines"] == [9]
+
+
+@pytest.mark.slow  # three processes start and meet (about 11 s on 2 cores)
+def test_a_config_error_under_local_processes_exits_2(tmp_path):
+    """3 processes x 2 fake devices cannot hold the default 8-device mesh: process 0's config
+    error is the launcher's exit status (the others' "process 0 is gone", 3, came first)."""
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--local-processes", "3"]
+    cmd += [f"run_dir={tmp_path / 'run'}", *T]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    expect("local-processes-config-error", out.stdout + out.stderr, out.returncode)
 
 
 def _dead_pid() -> int:

@@ -216,6 +216,8 @@ def _dataclass_in(tp: Any) -> type | None:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError("", f"config file {str(p)!r} is a directory, not a YAML file")
     if not p.is_file():
         raise ConfigError("", f"config file {str(p)!r} does not exist")
     try:

@@ -307,6 +307,11 @@ class OrchestratorConfig:
 
 
 BUILT_IN_REWARDS = ("exact", "boxed_math", "partial_credit")
+# ``seed`` seeds numpy (``default_rng`` refuses negative integers; the warm-start and held-out
+# problems use ``seed`` plus an offset, which numpy takes at any size) and jax
+# (``jax.random.key`` keeps the low 32 bits without x64: seeds 2**32 apart would share their
+# initial params), so it must be an integer in [0, SEED_MAX].
+SEED_MAX = 2**32 - 1
 DATA_FILE_TASKS = ("jsonl", "parquet", "hf")
 
 
@@ -438,6 +443,9 @@ class LoggingConfig:
     wandb_project: str = "dora_jax"
     wandb_name: str | None = None  # None: the run directory's name
     wandb_tags: tuple[str, ...] = ()
+    # print the full per-device memory plan at the start (else one line; the full plan is
+    # written to run_dir/memory_plan.txt either way, and printed when it refuses the run)
+    memory_plan: bool = False
 
     def __post_init__(self):
         _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")
@@ -481,6 +489,12 @@ class ExperimentConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
+        seed_ok = isinstance(self.seed, int) and not isinstance(self.seed, bool)
+        _check(
+            seed_ok and 0 <= self.seed <= SEED_MAX,
+            "seed",
+            f"must be an integer in [0, 2**32 - 1 = {SEED_MAX}], got {self.seed!r}",
+        )
         _check(
             self.model.attention != "cudnn" or self.train.pack_rows == 0,
             "model.attention",

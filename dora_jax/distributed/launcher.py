@@ -6,13 +6,18 @@ on a free loopback port, process count and id, ``--devices-per-process`` fake CP
 optionally each pinned to its own CPU core (``--pin-cores``), forwards process 0's output to the
 terminal and every process's to ``run_dir/logs/process_<i>.log`` (its pid in ``process_<i>.pid``),
 passes SIGINT/SIGTERM on to
-process 0 (which stops the run and the others cleanly), and ends the others when one fails.
+process 0 (which stops the run and the others cleanly), and ends the others when one fails. The
+exit status is process 0's when it failed by itself (a config error: 2), else the first failure's
+(the others' "process 0 is gone", 3, comes after process 0's own error). Each process finds the
+launcher's flags in ``DORA_LOCAL_LAUNCH`` (:func:`launch_flags`), for the command that resumes
+the run.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,6 +29,12 @@ from pathlib import Path
 from dora_jax.distributed.process import ENV_COORDINATOR, ENV_ID, ENV_NUM
 
 GRACE_S = 60.0  # after one process fails, how long the others get to stop by themselves
+ENV_LAUNCH = "DORA_LOCAL_LAUNCH"  # the launcher's flags, as the children's resume hint gives them
+
+
+def launch_flags(env: dict[str, str] | None = None) -> str:
+    """The ``--local-processes`` flags this process was started with ("" when it was not)."""
+    return (os.environ if env is None else env).get(ENV_LAUNCH, "")
 
 
 def free_port() -> int:
@@ -41,8 +52,14 @@ def launch_local(n: int, argv: list[str], run_dir: Path, *, devices_per_process:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    launch = ["--local-processes", str(n)]
+    if devices_per_process != max(1, 8 // n):
+        launch += ["--devices-per-process", str(devices_per_process)]
+    if pin_cores:
+        launch.append("--pin-cores")
     for i in range(n):
         env = dict(os.environ)
+        env[ENV_LAUNCH] = shlex.join(launch)
         env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM: str(n), ENV_ID: str(i),
                     "PYTHONUNBUFFERED": "1"})  # fmt: skip
         flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
@@ -103,8 +120,9 @@ def _pump(p: subprocess.Popen, path: Path, echo: bool) -> None:
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
-    """The first non-zero exit code (the others are ended after ``GRACE_S``), else 0."""
-    failed_at, code = None, 0
+    """Process 0's exit code when it failed by itself, else the first non-zero one (the others
+    are ended after ``GRACE_S``), else 0."""
+    failed_at, code, killed = None, 0, False
     while any(p.poll() is None for p in procs):
         for i, p in enumerate(procs):
             rc = p.poll()
@@ -112,8 +130,12 @@ def _wait(procs: list[subprocess.Popen]) -> int:
                 code, failed_at = rc, time.monotonic()
                 print(f"process {i} exited with code {rc}", file=sys.stderr)
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
-            for p in procs:
+            for i, p in enumerate(procs):
                 if p.poll() is None:
+                    killed = killed or i == 0
                     p.kill()
         time.sleep(0.2)
+    lead = procs[0].returncode
+    if lead and not killed:  # process 0 says what went wrong (the others lost it after)
+        return lead
     return code or next((p.returncode for p in procs if p.returncode), 0)

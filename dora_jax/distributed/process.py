@@ -16,14 +16,17 @@ key-value store), and a watchdog that ends this process with a message naming th
 died or stopped answering.
 
 Listeners: the coordinator and the transfer servers accept connections from anyone who can reach
-them and authenticate nothing. They bind to ``DORA_BIND_ADDRESS`` (default: the coordinator's
-host, loopback for local runs): keep them on a private network. Messages between processes are
-msgpack (``codec.py``), never pickles.
+them and authenticate nothing: keep them on a private network. They bind to ``DORA_BIND_ADDRESS``
+when it is set (``0.0.0.0``: every interface), else (:func:`listen_host`) process 0 binds them to
+the coordinator's host and every other process to its own address on the way to that host
+(loopback for local runs), whether the settings are explicit or come from a scheduler. Messages
+between processes are msgpack (``codec.py``), never pickles.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -43,7 +46,7 @@ class ProcessSpec:
     num_processes: int
     process_id: int | None  # None: the scheduler says (auto-detection)
     coordinator: str | None  # "host:port"; None: the scheduler says
-    bind: str = "127.0.0.1"  # interface of this process's listeners (transfer server)
+    bind: str | None = None  # DORA_BIND_ADDRESS: this process's listeners; None: listen_host
 
     @property
     def auto(self) -> bool:
@@ -73,15 +76,44 @@ def spec_from(args: Any = None, env: dict[str, str] | None = None) -> ProcessSpe
                                "integers") from None  # fmt: skip
         if not 0 <= pid_i < num_i:
             raise ProcessError(f"--process-id {pid_i} is not in [0, {num_i})")
-        host = coord.rsplit(":", 1)[0]
-        return ProcessSpec(num_i, pid_i, coord, env.get(ENV_BIND, host))
+        return ProcessSpec(num_i, pid_i, coord, env.get(ENV_BIND) or None)
     for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         if int(env.get(var, "1") or 1) > 1:
-            return ProcessSpec(int(env[var]), None, None, env.get(ENV_BIND, "0.0.0.0"))
+            return ProcessSpec(int(env[var]), None, None, env.get(ENV_BIND) or None)
     if env.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
         n = env["TPU_WORKER_HOSTNAMES"].count(",") + 1
-        return ProcessSpec(n, None, None, env.get(ENV_BIND, "0.0.0.0"))
+        return ProcessSpec(n, None, None, env.get(ENV_BIND) or None)
     return None
+
+
+def listen_host(coordinator: str, process_id: int, bind: str | None = None, route=None) -> str:
+    """The host this process's listeners bind to: ``bind`` (``DORA_BIND_ADDRESS``) when given;
+    else the coordinator's host (``coordinator`` is ``"host:port"``) for process 0, which runs
+    the coordinator there; else this machine's address on the way to that host
+    (``route(host)``, default :func:`route_to`), the interface the others reach it through."""
+    if bind:
+        return bind
+    host = coordinator.rsplit(":", 1)[0]
+    if process_id == 0:
+        return host
+    return (route or route_to)(host)
+
+
+def route_to(host: str) -> str:
+    """This machine's address on the way to ``host`` (a UDP socket's local end once connected:
+    nothing is sent), bracketed when it is IPv6."""
+    name = host.strip("[]")
+    family = socket.AF_INET6 if ":" in name else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((name, 9))
+            local = s.getsockname()[0]
+    except OSError as e:
+        raise ProcessError(
+            f"no route from this machine to the coordinator's host {host!r} ({e}); set "
+            f"{ENV_BIND} to this machine's address"
+        ) from None
+    return f"[{local}]" if ":" in local else local
 
 
 @dataclass
@@ -161,27 +193,37 @@ def initialize(spec: ProcessSpec, *, heartbeat_s: int = 10, timeout_s: int = 300
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_recoverability", True)  # a dead peer: our message, our exit
+    coordinator, count, index = spec.coordinator, spec.num_processes, spec.process_id
+    local_ids = None
     try:
-        if spec.auto:
-            jax.distributed.initialize(
-                initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_s
+        if spec.auto:  # the scheduler's settings, found as jax.distributed.initialize() does
+            from jax._src import clusters
+
+            detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+            coordinator, count, index, local_ids = detect(
+                os.environ.get("JAX_COORDINATOR_ADDRESS"), None, None, None, None, timeout_s
             )
-        else:
-            port = spec.coordinator.rsplit(":", 1)[1]
-            jax.distributed.initialize(
-                spec.coordinator, spec.num_processes, spec.process_id,
-                initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_s,
-                coordinator_bind_address=f"{spec.bind}:{port}",
-            )  # fmt: skip
+        bind = listen_host(coordinator, index, spec.bind)
+        jax.distributed.initialize(
+            coordinator,
+            count,
+            index,
+            local_device_ids=local_ids,
+            initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=heartbeat_s,
+            coordinator_bind_address=f"{bind}:{coordinator.rsplit(':', 1)[1]}",
+        )
+    except ProcessError:
+        raise
     except Exception as e:
-        raise ProcessError(f"could not join the run at {spec.coordinator or 'auto'}: {e}") from e
+        raise ProcessError(f"could not join the run at {coordinator or 'auto'}: {e}") from e
     from jax._src import distributed
     from jax.experimental import transfer
 
     client = distributed.global_state.client
     index, count = jax.process_index(), jax.process_count()
     server = transfer.start_transfer_server(
-        jax.local_devices()[0].client, f"{spec.bind}:0", [f"{spec.bind}:0"]
+        jax.local_devices()[0].client, f"{bind}:0", [f"{bind}:0"]
     )
     client.key_value_set(f"dora/addr/{index}", server.address())
-    return Process(index, count, client, server, spec.bind)
+    return Process(index, count, client, server, bind)

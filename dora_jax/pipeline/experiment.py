@@ -35,7 +35,13 @@ from dora_jax.model import abstract_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, policy_params
 from dora_jax.model.hf_mapping import UnsupportedModelError
 from dora_jax.model.params import Params
-from dora_jax.model.tokenizer import Tokenizer, check_vocabularies, eos_ids, load_tokenizer
+from dora_jax.model.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    check_vocabularies,
+    eos_ids,
+    load_tokenizer,
+)
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.orchestrator.modes import policy_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
@@ -166,10 +172,14 @@ def _fitting(
     """The examples whose prompt fits ``rollout.max_prompt_len`` once tokenised as the run
     tokenises it (``data.system_prompt``, ``data.prompt_template``, the chat template), and the
     rows (JSONL lines) of those that do not. With ``data.long_prompts=error`` the first that does
-    not fit is a :class:`DataError` naming its file and row."""
+    not fit is a :class:`DataError` naming its file and row; so is a prompt the tokenizer cannot
+    encode (a character outside the character tokenizer's alphabet)."""
     d, limit, kept, skipped = cfg.data, cfg.rollout.max_prompt_len, [], []
     for ex in examples:
-        n = len(encode(ex.prompt))
+        try:
+            n = len(encode(ex.prompt))
+        except TokenizerError as e:  # a character the tokenizer cannot encode
+            raise DataError(f"{path}:{ex.row}: {e} (data.tokenizer={d.tokenizer})") from None
         if 0 < n <= limit:
             kept.append(ex)
             continue
@@ -425,15 +435,31 @@ def _evaluator(cfg: ExperimentConfig, meshes: Meshes, tokenizer, scorer, encode)
         raise ExperimentError(f"eval: {e}") from None
 
 
+MEMORY_PLAN_FILE = "memory_plan.txt"
+
+
 def _memory_plan(cfg: ExperimentConfig, meshes: Meshes) -> MemoryPlan:
-    """The memory plan, printed; a config that does not fit is refused (ExperimentError)."""
+    """The memory plan: a config that does not fit is refused (ExperimentError, with the whole
+    plan); else it is printed as one line (in full with ``logging.memory_plan``). Nothing is
+    written here: :func:`write_memory_plan` writes it to the run dir once the run is accepted."""
     try:
         plan = plan_memory(cfg, meshes)
-        print(plan.table(), flush=True)
         plan.check()
     except MemoryPlanError as e:
         raise ExperimentError(str(e)) from None
+    if cfg.logging.memory_plan:
+        print(plan.table(), flush=True)
+    else:
+        print(f"{plan.summary()} (in full: {MEMORY_PLAN_FILE} in the run dir)", flush=True)
     return plan
+
+
+def write_memory_plan(exp: Experiment, run_dir: Path) -> Path | None:
+    """Write the experiment's full per-device memory plan to ``run_dir/memory_plan.txt``; call
+    it once every check that can refuse the run has passed (a refused run writes nothing)."""
+    if exp.memory_plan is None:
+        return None
+    return exp.memory_plan.write(Path(run_dir) / MEMORY_PLAN_FILE)
 
 
 def _cluster(

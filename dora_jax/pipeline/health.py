@@ -2,8 +2,9 @@
 
 - A step whose loss or gradient is not finite is skipped by the train step's guard (params and
   optimizer state unchanged); :class:`RunHealth` says so, counts it (``summary.json``), and after
-  ``train.max_consecutive_skips`` skips in a row asks the run to stop (it saves a checkpoint and
-  the command exits 1 with a message): the policy will not recover by itself.
+  ``train.max_consecutive_skips`` skips in a row stops the run before another step starts (it
+  saves a checkpoint and the command exits 1 with a message): the policy will not recover by
+  itself.
 - A collapse detector warns when, for :data:`DEAD_STEPS` steps in a row, the policy's entropy is
   within 2% of ``ln(vocab_size)`` (it outputs near-uniform noise) or the gradient norm is zero
   while the advantages are not (a saturated policy that no longer learns). It warns once per
@@ -49,6 +50,10 @@ class RunHealth:
                 break
             self._check(log.metrics, log.version)
             self.seen += 1
+        if self.tripped is not None:
+            # Stop now: the round that published the tripping step would start the next one
+            # (which would be skipped too), and the run's stop check comes between rounds.
+            runtime.stopping = runtime.stopped = True
 
     def _check(self, metrics: dict, step: int, quiet: bool = False) -> None:
         m = {k: np.asarray(v) for k, v in metrics.items() if k in _READ}

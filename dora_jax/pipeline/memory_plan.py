@@ -40,6 +40,7 @@ import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -161,6 +162,28 @@ class MemoryPlan:
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """One line: the largest device's planned total against its limit, and whether it fits
+        (the full plan is :meth:`table`)."""
+        if not self.items:
+            return "memory plan: nothing placed"
+        device = max(self.devices(), key=lambda d: self.total([d]))
+        total = self.total([device])
+        head = f"memory plan: at most {_size(total)} per device (device {device})"
+        if self.budget is None:
+            return f"{head}; limit unknown (set mesh.device_memory_gib to check the plan)"
+        verdict = "ok" if total <= self.budget else "over"
+        return (
+            f"{head} against {_size(self.budget)} ({self.utilization:.0%} of "
+            f"{_size(self.limit)}, {self.limit_source}): {verdict}"
+        )
+
+    def write(self, path: str | Path) -> Path:
+        """The full plan (:meth:`table`) as a text file; returns its path."""
+        path = Path(path)
+        path.write_text(self.table() + "\n")
+        return path
+
     def check(self) -> None:
         """:class:`MemoryPlanError` when a pool is over budget, naming what to change."""
         over = self.over()
@@ -180,6 +203,10 @@ class MemoryPlan:
             self.table(),
         ]
         raise MemoryPlanError("\n".join(lines))
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def _advice(items: list[Item], plan: MemoryPlan) -> list[str]:

@@ -1,0 +1,42 @@
+"""Sentences the docs must keep: what a user has to know before relying on a feature."""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _paragraph_after(text: str, marker: str, paragraphs: int = 4) -> str:
+    start = text.index(marker)
+    return "\n\n".join(text[start:].split("\n\n")[:paragraphs])
+
+
+def test_readme_says_a_reward_file_runs_with_the_users_rights():
+    """``data.reward=file.py:fn`` runs that code as the user, and a resumed run directory (its
+    saved config) names the code it runs."""
+    near = _paragraph_after(README, "**Your own reward function.**")
+    assert "**It runs with your rights.**" in near
+    assert "as the user who started the run" in near
+    assert "so `--resume` of a run directory runs the reward" in near
+    assert "resume and run only run directories and configs you trust" in near
+
+
+def test_readme_says_reward_error_counts_are_cumulative():
+    assert "The `reward_errors` counts in `metrics.jsonl` are cumulative" in README
+    assert "(`reward_errors`, `reward_errors/*`: cumulative counts, not per step)" in README
+
+
+def test_the_listeners_are_said_to_authenticate_nothing(capsys):
+    """docs/multihost.md (next to the commands, and under Listeners) and ``--help`` say the
+    listeners authenticate nothing and how ``DORA_BIND_ADDRESS`` chooses their address."""
+    from dora_jax.main import parse_args
+
+    doc = (ROOT / "docs" / "multihost.md").read_text()
+    assert "that **authenticate nothing**" in doc
+    assert "`DORA_BIND_ADDRESS=ADDR` in each process's environment binds them to `ADDR`" in doc
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "listeners authenticate nothing" in out and "DORA_BIND_ADDRESS=ADDR" in out
