@@ -97,17 +97,9 @@ def resolve_config(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def resume_hint(run_dir: str | Path) -> str:
-    """The command that continues the run in ``run_dir``, with the ``--local-processes`` flags
-    the run was started with."""
-    import shlex
+    from dora_jax.pipeline.run_report import resume_hint as hint
 
-    from dora_jax.distributed.launcher import launch_flags
-
-    flags = launch_flags()
-    return (
-        f"python launch/train.py {flags + ' ' if flags else ''}--resume "
-        f"run_dir={shlex.quote(str(run_dir))}"
-    )
+    return hint(run_dir)
 
 
 def main(argv: list[str]) -> int:

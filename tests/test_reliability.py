@@ -191,7 +191,7 @@ def test_config_that_is_a_directory(tmp_path, capsys):
 
 
 def test_hf_model_metadata_is_the_checkpoints(tmp_path, capsys):
-    """The announced parameter count and config.yaml come from the HF config.json."""
+    """The announced parameter count and the written config come from the HF config.json."""
     from dora_jax.config import ModelConfig
     from dora_jax.model import count_params
 
@@ -210,8 +210,15 @@ def test_hf_model_metadata_is_the_checkpoints(tmp_path, capsys):
     n = count_params(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
                                  num_layers=3, num_heads=4, num_kv_heads=2))  # fmt: skip
     assert f"({n:,} params)" in out
-    assert "hidden_size: 32" in (run_dir / "config.yaml").read_text()
-    assert "num_layers: 3" in (run_dir / "config.yaml").read_text()
+    assert not run_dir.exists()  # refused in the build: nothing written (config.yaml neither)
+    # the config a run would write: the architecture of config.json
+    from dora_jax.config import dump_yaml, load_config
+    from dora_jax.pipeline.experiment import resolve_model
+
+    cfg = resolve_model(load_config(ROOT / "configs" / "default.yaml", [f"model.hf_path={hf}"]))
+    dump_yaml(cfg, tmp_path / "config.yaml")
+    assert "hidden_size: 32" in (tmp_path / "config.yaml").read_text()
+    assert "num_layers: 3" in (tmp_path / "config.yaml").read_text()
 
 
 # -- the run directory: an owner, and refusals that change nothing ---------------------------

@@ -126,8 +126,15 @@ def step_curves(exp: Experiment, run_dir: Path) -> tuple[list, list]:
 
 
 def resume_hint(run_dir: str | Path) -> str:
-    """The command that continues the run in ``run_dir`` (its config comes from the checkpoint)."""
-    return f"python launch/train.py --resume run_dir={shlex.quote(str(run_dir))}"
+    """The command that continues the run in ``run_dir`` (its config comes from the checkpoint),
+    with the ``--local-processes`` flags the run was started with."""
+    from dora_jax.distributed.launcher import launch_flags
+
+    flags = launch_flags()
+    return (
+        f"python launch/train.py {flags + ' ' if flags else ''}--resume "
+        f"run_dir={shlex.quote(str(run_dir))}"
+    )
 
 
 def _counts(ledger: dict) -> dict[str, int]:
