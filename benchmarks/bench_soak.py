@@ -5,7 +5,8 @@
 Runs the train command in this process on the embedded default config (the tiny Qwen2 policy,
 the built-in task, the logical clock) for ``--steps`` train steps with a checkpoint every
 ``--every`` steps, saved synchronously so each save's seconds are its own. At every checkpoint it
-records the step, the process's resident memory (``VmRSS`` after a garbage collection), the bytes
+records the step, the process's resident memory (``VmRSS`` after a garbage collection) and its
+live heap, the bytes
 of the checkpoint directory just written and the save's seconds. To keep 1,000 steps within
 minutes on 2 CPU cores the warm start is shortened (``--warm-steps``) and the held-out
 evaluation is off; the model, batch sizes, mode and clock are the default run's.
@@ -14,7 +15,9 @@ Writes ``benchmarks/results/bench_soak.json`` under ``--label`` (other labels al
 file are kept, so the figures of the code before a change stay beside those after it):
 
 - ``points``: ``[{step, rss_mib, checkpoint_bytes, save_s}, ...]``;
-- ``steps``; ``rss_growth`` and ``checkpoint_growth``: ``(last - at step 100) / at step 100``;
+- ``steps``; ``rss_growth``, ``heap_growth`` and ``checkpoint_growth``: ``(last - at step 100)
+  / at step 100`` (heap: what the C allocator has handed out and not taken back, glibc's
+  ``mallinfo2``; RSS also counts the freed memory the allocator keeps);
 - ``save_s_first_half`` / ``save_s_second_half``: median save seconds of the checkpoints after
   step 100, in the first and the second half of the run (flat: the two agree within noise);
 - the command, the commit, the load average before and after.
@@ -46,6 +49,38 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def heap_mib() -> float:
+    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: in-use
+    chunks plus mmapped blocks), in MiB: the live native and Python memory, without the freed
+    memory the allocator keeps (which RSS counts)."""
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = Info
+    except (OSError, AttributeError):
+        return float("nan")
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
 
 
 def dir_bytes(path: Path) -> int:
@@ -121,6 +156,7 @@ def main() -> None:
             {
                 "step": step,
                 "rss_mib": rss_mib(),
+                "heap_mib": heap_mib(),
                 "checkpoint_bytes": dir_bytes(self.directory / str(key)),
                 "save_s": dt,
             }
@@ -157,12 +193,19 @@ def main() -> None:
     figures = {
         "steps": points[-1]["step"] if points else 0,
         "rss_growth": growth(points, "rss_mib"),
+        "heap_growth": growth(points, "heap_mib"),
         "checkpoint_growth": growth(points, "checkpoint_bytes"),
         "save_s_first_half": statistics.median(later[:half]) if half else float("nan"),
         "save_s_second_half": statistics.median(later[half:]) if later[half:] else float("nan"),
         "run_s": seconds,
         "points": points,
-        "units": {"rss_mib": "MiB", "checkpoint_bytes": "bytes", "save_s": "s", "run_s": "s"},
+        "units": {
+            "rss_mib": "MiB",
+            "heap_mib": "MiB",
+            "checkpoint_bytes": "bytes",
+            "save_s": "s",
+            "run_s": "s",
+        },
         "command": "python benchmarks/bench_soak.py " + " ".join(sys.argv[1:]),
         "overrides": overrides,
         "commit": commit(),

@@ -48,6 +48,11 @@ def deep_size(obj, seen=None) -> int:
     return size
 
 
+def _relative(path: str) -> str:
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=str(ROOT / "configs" / "qwen2.5-7b-8gpu.yaml"))
@@ -154,7 +159,7 @@ def main() -> None:
     before_mem = mem_consumed + mem_log + mem_records
     before_ck = ck_consumed + ck_log + ck_records
     out = {
-        "preset": args.config,
+        "preset": _relative(args.config),
         "trajectories_per_step": n,
         "response_tokens_mean": args.response_mean,
         "prompt_tokens_mean": args.prompt_mean,
@@ -187,7 +192,10 @@ def main() -> None:
     }
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     mib = 2**20
-    print(f"{args.config}: {n} trajectories per step, {args.response_mean} response tokens each")
+    print(
+        f"{_relative(args.config)}: {n} trajectories per step, {args.response_mean} response "
+        "tokens each"
+    )
     print(
         f"before: +{before_mem / mib:.1f} MiB of host memory and +{before_ck / mib:.1f} MiB in "
         f"every checkpoint, per train step ({mem_consumed / mib:.1f} MiB of it the consumed "

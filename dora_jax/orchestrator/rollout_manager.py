@@ -256,6 +256,8 @@ class RolloutManager:
                     self._move(s.request_id, RUNNING)
                     self._started.add(s.prompt_group)
                 submitted += len(specs)
+        for v in [v for v, q in self.pending.items() if not q]:  # (one per version: they add up)
+            del self.pending[v]
         return submitted
 
     # -- completion ------------------------------------------------------------------------------
