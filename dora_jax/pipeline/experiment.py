@@ -50,6 +50,7 @@ from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts, encod
 from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
 from dora_jax.pipeline.memory_plan import resolve as resolve_pages
 from dora_jax.pipeline.warm_start import warm_start
+from dora_jax.platform import release_free_memory
 from dora_jax.sharding import trainer_rules, tree_shardings
 from dora_jax.train import Trainer
 
@@ -572,7 +573,9 @@ def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
 
 
 class _FreeVersions:
-    """Frees the params of versions nothing needs any more (versions appear only on publish)."""
+    """Frees the params of versions nothing needs any more (versions appear only on publish),
+    and every :data:`TRIM_EVERY` versions hands the host memory freed since back to the system
+    (:func:`~dora_jax.platform.release_free_memory`: resident memory follows the live heap)."""
 
     def __init__(self, exp: Experiment):
         self.exp = exp
@@ -580,6 +583,11 @@ class _FreeVersions:
     def on_publish(self, runtime: Runtime, version: int) -> None:
         held = {g.version for g in self.exp.backend.groups()}
         self.exp.grpo.forget(held | {self.exp.grpo.version})
+        if version % TRIM_EVERY == 0:
+            release_free_memory()
+
+
+TRIM_EVERY = 10
 
 
 class _Checkpoints:
