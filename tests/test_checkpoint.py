@@ -58,6 +58,7 @@ def test_stop_resume_equals_uninterrupted(tmp_path):
                                 [jax.device_get(s.metrics) for s in again.grpo.log])  # fmt: skip
 
 
+@pytest.mark.slow  # four builds: 31 s (the default suite stays under 15 minutes)
 def test_corrupt_latest_falls_back_and_shape_change_is_refused(tmp_path, caplog):
     exp = make(tmp_path, "run")
     ck = RunCheckpointer(tmp_path / "run" / "ckpt", async_save=False)

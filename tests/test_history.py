@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dora_jax import state_codec
 from dora_jax.checkpoint import RunCheckpointer
@@ -52,13 +53,13 @@ def test_streamed_history_equals_memory_and_stays_small(tmp_path):
         lambda rid, v, comp: prompt_lens.setdefault(rid, len(comp.prompt.tokens))
     )
     sizes_m = []
-    for _ in range(6):
+    for _ in range(4):
         res_m = run(memory, 1)
         sizes_m.append(history_bytes(memory))
     streamed = make(tmp_path, "streamed")
     assert streamed.stream_history(tmp_path / "streamed") == []
     sizes = []
-    for _ in range(6):
+    for _ in range(4):
         res_s = run(streamed, 1)
         sizes.append(history_bytes(streamed))
     # the same figures and records, read back from the files
@@ -76,17 +77,18 @@ def test_streamed_history_equals_memory_and_stays_small(tmp_path):
     rt = streamed.runtime
     assert len(rt.records.groups) < 0.2 * len(full_m.groups)
     assert rt.records.consumed_count == len(full_m.consumed) and not rt.records.consumed
-    assert len(streamed.grpo.log) <= 1 and streamed.grpo.log_start >= 5
+    assert len(streamed.grpo.log) <= 1 and streamed.grpo.log_start >= 3
     assert "consumed" not in rt.manager.status.values()
     assert rt.manager.state_counts()["consumed"] == len(full_m.consumed)
     # a checkpoint's host state: flat in the steps when streamed, growing when in memory
     flushes, consumed = read_history(tmp_path / "streamed")
-    assert len(consumed) == len(full_m.consumed) and len(flushes) >= 6
+    assert len(consumed) == len(full_m.consumed) and len(flushes) >= 4
     # (streamed: the requests in flight in the ledger, an unpublished step; a few kB at most)
     assert max(sizes) < 4000, sizes
-    assert sizes_m == sorted(sizes_m) and sizes_m[-1] > 3 * sizes_m[0] > 12 * max(sizes), sizes_m
+    assert sizes_m == sorted(sizes_m) and sizes_m[-1] > 2 * sizes_m[0] > 8 * max(sizes), sizes_m
 
 
+@pytest.mark.slow  # three builds and a resume: 14 s (the default suite stays under 15 minutes)
 def test_resume_cuts_the_history_back_to_the_checkpoint(tmp_path):
     straight = make(tmp_path, "straight")
     straight.stream_history(tmp_path / "straight")

@@ -146,6 +146,7 @@ def test_build_refuses_before_loading_anything(tmp_path):
         build(cfg, tmp_path)
 
 
+@pytest.mark.slow  # 12 s (the default suite stays under 15 minutes)
 def test_trainer_runs_the_plans_compiled_step_without_compiling_again():
     cfg = small()
     meshes = build_meshes(cfg.mesh)

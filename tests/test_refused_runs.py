@@ -73,6 +73,7 @@ def test_a_refused_run_changes_nothing_in_its_run_dir(tmp_path, capsys, bad):
     assert rc == 2 and not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow  # a whole run: 18 s (the default suite stays under 15 minutes)
 def test_an_accepted_run_clears_the_killed_runs_logs(tmp_path, capsys):
     run_dir = tmp_path / "run"
     killed_run(run_dir)

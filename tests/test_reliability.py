@@ -326,6 +326,7 @@ def test_total_steps_is_the_number_of_updates(tmp_path):
     assert len(exp.runtime.records.consumed) == 2 * 2 * 2
 
 
+@pytest.mark.slow  # a run to its stop: 13 s (the default suite stays under 15 minutes)
 def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path, capsys):
     """lr=1e30 after a short warm start: the update blows the params up, the next steps are
     skipped (logged, counted, the run goes on) until max_consecutive_skips in a row stop it with
