@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--prompt-mean", type=int, default=256)
     ap.add_argument("--occupancy", type=float, default=0.5)
     args = ap.parse_args()
+    load0 = os.getloadavg()[0]
 
     from dora_jax import state_codec
     from dora_jax.config import load_config
@@ -188,6 +190,8 @@ def main() -> None:
             },
         },
         "date": time.strftime("%Y-%m-%d"),
+        "load_average_before": load0,
+        "load_average_after": os.getloadavg()[0],
         "command": "python benchmarks/host_state_estimate.py " + " ".join(sys.argv[1:]),
     }
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")

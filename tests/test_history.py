@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_checkpoint import TINY as CHECKPOINT_TINY  # the tiny logical-clock run
 
 from dora_jax import state_codec
 from dora_jax.checkpoint import RunCheckpointer
@@ -18,12 +19,7 @@ from dora_jax.pipeline.experiment import build, run
 from dora_jax.report import plot_timeline
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "warm_start.steps=5", "warm_start.batch_size=8", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.group_size=4", "rollout.max_new_tokens=48",
-    "logging.progress=false", "checkpoint.async_save=false", "eval.num_prompts=0",
-    "orchestrator.clock=logical",
-]  # fmt: skip
+TINY = [*CHECKPOINT_TINY, "eval.num_prompts=0"]  # no evaluation: nothing here reads it
 
 
 def make(tmp_path, name):

@@ -13,24 +13,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from reliability_cases import expect  # tests/reliability_cases.py
-
-from dora_jax import faults
-from dora_jax.main import main
+from test_reliability import T, cli  # the 1-layer policy and the in-process command
 
 ROOT = Path(__file__).resolve().parents[1]
-T = [
-    "warm_start.steps=0", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.group_size=2", "model.num_layers=1",
-    "eval.num_prompts=0", "orchestrator.clock=logical", "logging.progress=false",
-    "logging.tensorboard=false", "rollout.max_new_tokens=48",
-]  # fmt: skip
-
-
-def cli(capsys, *args: str) -> tuple[int, str]:
-    faults.reset()
-    rc = main(list(args))
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 def snapshot(directory: Path) -> dict[str, bytes | None]:
