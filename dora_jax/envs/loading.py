@@ -71,11 +71,7 @@ def load_environment_class(spec: str) -> type:
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as e:
-            extra = " (install the envs extra: pip install -e '.[envs]')"
-            hint = extra if target == "dora_jax.envs.adapters" else ""
-            raise EnvSpecError(f"env: cannot import {target!r}: {_one_line(e)}{hint}") from None
-        except Exception as e:  # anything the module raises on import
+        except Exception as e:  # ImportError, or anything the module raises on import
             raise EnvSpecError(f"env: cannot import {target!r}: {_one_line(e)}") from None
     cls = getattr(module, name, None)
     if cls is None:
