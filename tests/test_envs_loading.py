@@ -2,7 +2,9 @@
 refused with one line naming the file and the class; junk returns caught by the checks."""
 
 import math
+import re
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,3 +120,22 @@ def test_accepted_step_returns():
     assert check_step(("o", True, False, False, {})).reward == 1.0
     with pytest.raises(InvalidEnvReturn, match=r"reset returned a 5-item tuple"):
         check_reset(("o", 0.0, False, False, {}))
+
+
+def test_the_worked_example_of_docs_agentic_runs(tmp_path, monkeypatch):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "agentic.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    env_code, driver = blocks[0], blocks[1]
+    assert env_code.startswith("# my_env.py") and "EnvPool(" in driver
+    (tmp_path / "my_env.py").write_text(env_code)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(driver, "docs/agentic.md", "exec"), {"print": lambda *a: None})
+    with pytest.raises(EnvSpecError, match=r"my_env\.py has no class 'Countdwn'"):
+        load_environment("my_env.py:Countdwn")
+    with pytest.raises(EnvSpecError) as e:
+        load_environment("my_env.py:Countdown", {"strat": 5})
+    assert str(e.value).endswith(
+        "my_env.py:Countdown(strat=5) raised TypeError: Countdown.__init__() got an unexpected "
+        "keyword argument 'strat'"
+    )
+    assert str(e.value).split("my_env.py")[1] in doc
