@@ -1,0 +1,107 @@
+"""Environment classes by name: a built-in, or yours as ``path/to/file.py:ClassName`` or
+``package.module:ClassName`` (``env:`` in a config, with keyword arguments for the constructor).
+
+Every failure is one :class:`EnvSpecError` line naming the file and the class: a missing file, a
+file that fails to import, a missing name, a name that is not a class, a class without ``reset``
+or ``step``, or a constructor that raises on the keyword arguments given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from dora_jax.envs.protocol import InvalidEnvReturn, stop_strings
+
+# built-in name -> module:Class (the two adapters need the ``envs`` extra)
+BUILT_IN = {
+    "tool_arithmetic": "dora_jax.envs.builtin.calculator:ToolArithmetic",
+    "guess_numbers": "dora_jax.envs.builtin.guess:GuessNumbers",
+    "reasoning_gym": "dora_jax.envs.adapters:ReasoningGymEnv",
+    "gem": "dora_jax.envs.adapters:GemEnv",
+}
+
+
+class EnvSpecError(ValueError):
+    """``env`` names no usable environment class (the one-line message says why)."""
+
+
+def resolve_spec(spec: str) -> str:
+    """``spec`` with a file path made absolute (workers may start elsewhere)."""
+    target, sep, name = spec.rpartition(":")
+    if sep and _is_file(target):
+        return f"{Path(target).resolve()}:{name}"
+    return spec
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def load_environment_class(spec: str) -> type:
+    """The class ``spec`` names, checked to have callable ``reset`` and ``step``."""
+    spec = BUILT_IN.get(spec, spec)
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise EnvSpecError(f"env: expected a built-in ({', '.join(BUILT_IN)}), "
+                           f"'path/to/file.py:ClassName' or 'package.module:ClassName', "
+                           f"got {spec!r}")  # fmt: skip
+    if _is_file(target):
+        path = Path(target)
+        if not path.is_file():
+            raise EnvSpecError(f"env: {path}: no such file (looking for class {name!r})")
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+        mod_name = f"dora_jax_user_env_{digest}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's file may raise anything on import
+            del sys.modules[mod_name]
+            raise EnvSpecError(f"env: {path} failed to import: {_one_line(e)}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:  # ImportError, or anything the module raises on import
+            raise EnvSpecError(f"env: cannot import {target!r}: {_one_line(e)}") from None
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise EnvSpecError(f"env: {target} has no class {name!r}")
+    if not isinstance(cls, type):
+        raise EnvSpecError(f"env: {target}:{name} is a {type(cls).__name__}, not a class")
+    for method in ("reset", "step"):
+        if not callable(getattr(cls, method, None)):
+            raise EnvSpecError(f"env: {target}:{name} has no {method}() method")
+    return cls
+
+
+def make_environment(cls: type, kwargs: dict[str, Any] | None, where: str) -> Any:
+    """``cls(**kwargs)``; a constructor that raises, or bad ``stop_strings``, is an
+    :class:`EnvSpecError` naming ``where`` (the spec)."""
+    try:
+        env = cls(**(kwargs or {}))
+    except Exception as e:  # a user's constructor may raise anything
+        raise EnvSpecError(f"env: {where}({_kwargs_text(kwargs)}) raised {_one_line(e)}") from None
+    try:
+        stop_strings(env)
+    except InvalidEnvReturn as e:
+        raise EnvSpecError(f"env: {where}: {e}") from None
+    return env
+
+
+def load_environment(spec: str, kwargs: dict[str, Any] | None = None) -> Any:
+    """An instance of the environment ``spec`` names, built with ``kwargs``."""
+    return make_environment(load_environment_class(spec), kwargs, BUILT_IN.get(spec, spec))
+
+
+def _kwargs_text(kwargs: dict[str, Any] | None) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in (kwargs or {}).items())

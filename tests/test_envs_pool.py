@@ -1,0 +1,158 @@
+"""Environment episodes in worker processes: a raising, hanging (past its timeout), junk-returning
+and dying environment each end their own episode, counted once by kind, while the pool and the
+other episodes go on, including episodes that shared the killed worker (rebuilt by replay)."""
+
+import os
+import textwrap
+import time
+
+import pytest
+
+from dora_jax.envs import EnvPool, EnvPoolError
+
+FLAKY = textwrap.dedent("""
+    import os, time
+
+    class Flaky:
+        stop_strings = ("</call>",)
+
+        def __init__(self, greeting="start"):
+            self.greeting = greeting
+
+        def reset(self, seed, task):
+            self.n = 0
+            self.noise = os.urandom(4).hex() if task.get("random") else ""
+            if task.get("fail"):
+                raise LookupError("no such task")
+            return f"{self.greeting} {seed}{self.noise}", {"pid": os.getpid()}
+
+        def step(self, action_text):
+            self.n += 1
+            if action_text == "hang":
+                time.sleep(60)
+            if action_text == "nap":
+                time.sleep(1.0)
+            if action_text == "raise":
+                raise RuntimeError("the tool broke")
+            if action_text == "junk":
+                return "obs", float("nan"), False, False, {}
+            if action_text == "die":
+                os._exit(3)
+            return f"{action_text} {self.n}", 1.0, self.n >= 3, False, {"pid": os.getpid()}
+
+    class Broken:
+        def __init__(self):
+            raise OSError("the game server is down")
+
+        def reset(self, seed, task):
+            return "", {}
+
+        def step(self, action_text):
+            return "", 0.0, True, False, {}
+""")
+
+
+@pytest.fixture
+def flaky(tmp_path):
+    path = tmp_path / "flaky_env.py"
+    path.write_text(FLAKY)
+    return f"{path}:Flaky"
+
+
+def test_every_failure_ends_only_its_episode_and_is_counted_once(flaky):
+    pool = EnvPool(flaky, {"greeting": "hello"}, workers=2, timeout_s=1.0)
+    try:
+        assert pool.stop_strings == ("</call>",)
+        eps = {}
+        for name in ("a", "hang", "raise", "junk", "die", "f"):
+            eid, fut = pool.reset(5, {})
+            first = fut.result(timeout=30)
+            assert first.error is None and first.step.observation == "hello 5"
+            eps[name] = eid
+        t0 = time.monotonic()
+        futs = {name: pool.step(eid, "ok" if name in "af" else name) for name, eid in eps.items()}
+        assert time.monotonic() - t0 < 0.5, "submitting a call waited for the environment"
+        outs = {name: f.result(timeout=30) for name, f in futs.items()}
+        assert {n: o.error for n, o in outs.items()} == {
+            "a": None, "hang": "timeout", "raise": "exception", "junk": "invalid",
+            "die": "crash", "f": None,
+        }  # fmt: skip
+        assert "the tool broke" in outs["raise"].message and "nan" in outs["junk"].message
+        assert outs["hang"].seconds >= 1.0 and outs["a"].step.observation == "ok 1"
+        assert outs["a"].step.info["pid"] != os.getpid()
+        assert dict(pool.errors) == {"timeout": 1, "exception": 1, "invalid": 1, "crash": 1}
+        for name in ("hang", "raise", "junk", "die"):
+            with pytest.raises(EnvPoolError, match=r"has ended \("):
+                pool.step(eps[name], "ok")
+        # "a" and "f" shared the workers that were killed: their state comes back by replay
+        for step_no in (2, 3):
+            again = [pool.step(eps[n], "ok").result(timeout=30) for n in ("a", "f")]
+            assert [o.error for o in again] == [None, None]
+            assert [o.step.observation for o in again] == [f"ok {step_no}"] * 2
+        assert again[0].step.terminated
+        assert dict(pool.errors) == {"timeout": 1, "exception": 1, "invalid": 1, "crash": 1}
+        kinds = [(op, kind) for op, kind, _, _ in pool.spans]
+        assert kinds.count(("step", "timeout")) == 1 and kinds.count(("reset", "ok")) == 6
+        assert all(t1 >= t0 for _, _, t0, t1 in pool.spans)
+    finally:
+        pool.close()
+        pool.close()  # twice is fine
+
+
+def test_a_hanging_call_does_not_hold_up_episodes_on_other_workers(flaky):
+    pool = EnvPool(flaky, None, workers=2, timeout_s=3.0)
+    try:
+        slow, fut = pool.reset(0, {})
+        fast, fut2 = pool.reset(0, {})
+        fut.result(timeout=30), fut2.result(timeout=30)
+        hung = pool.step(slow, "hang")
+        t0 = time.monotonic()
+        quick = pool.step(fast, "ok").result(timeout=30)
+        assert quick.error is None and time.monotonic() - t0 < 2.0 and not hung.done()
+        assert hung.result(timeout=30).error == "timeout"
+    finally:
+        pool.close()
+
+
+def test_an_episode_that_cannot_be_replayed_ends_crash(flaky):
+    pool = EnvPool(flaky, None, workers=1, timeout_s=1.0)
+    try:
+        noisy, f1 = pool.reset(0, {"random": True})
+        steady, f2 = pool.reset(0, {})
+        hang, f3 = pool.reset(0, {})
+        assert [f.result(timeout=30).error for f in (f1, f2, f3)] == [None] * 3
+        assert pool.step(hang, "hang").result(timeout=30).error == "timeout"
+        lost = pool.step(noisy, "ok").result(timeout=30)
+        assert lost.error == "crash" and "not a pure function" in lost.message
+        assert pool.step(steady, "ok").result(timeout=30).step.observation == "ok 1"
+        failed_reset = pool.reset(0, {"fail": True})[1].result(timeout=30)
+        assert failed_reset.error == "exception" and "no such task" in failed_reset.message
+        assert dict(pool.errors) == {"timeout": 1, "crash": 1, "exception": 1}
+        pool.finish(steady)
+        assert pool.live_episodes() == 0
+    finally:
+        pool.close()
+
+
+def test_a_call_on_a_busy_or_unknown_episode_is_refused(flaky):
+    pool = EnvPool(flaky, None, workers=1, timeout_s=5.0)
+    try:
+        eid, fut = pool.reset(0, {})
+        fut.result(timeout=30)
+        napping = pool.step(eid, "nap")
+        with pytest.raises(EnvPoolError, match="already has a call running"):
+            pool.step(eid, "ok")
+        assert napping.result(timeout=30).step.observation == "nap 1"
+        with pytest.raises(EnvPoolError, match="episode 99 is unknown"):
+            pool.step(99, "ok")
+    finally:
+        pool.close()
+    late = pool.reset(0, {})[1].result(timeout=5)
+    assert late.error == "crash" and "closed" in late.message
+
+
+def test_workers_that_cannot_start_fail_the_pool_with_one_line(tmp_path):
+    path = tmp_path / "flaky_env.py"
+    path.write_text(FLAKY)
+    with pytest.raises(EnvPoolError, match=r"flaky_env\.py:Broken\(\) raised OSError: the game"):
+        EnvPool(f"{path}:Broken", None, workers=1, timeout_s=1.0)
