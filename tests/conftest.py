@@ -13,9 +13,26 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Many tests build the same tiny run, and each build traces its own jitted functions, so XLA
+# compiles identical programs again and again. A compilation cache for this session only (a
+# fresh directory, removed at exit) serves those repeats from disk: the programs are the ones XLA
+# would compile, the jit caches and their counts are untouched. Measured on 2 cores: a stop-
+# and-resume test plus a reproducibility test, 60 s -> 49 s. An outside
+# JAX_COMPILATION_CACHE_DIR is left as the user set it.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _CACHE = tempfile.mkdtemp(prefix="dora_jax-tests-xla-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_configure(config):
