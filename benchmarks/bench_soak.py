@@ -134,9 +134,10 @@ def main() -> None:
             "machine (or raise --max-load)"
         )
 
-    from dora_jax.platform import fake_cpu_devices
+    from dora_jax.platform import fake_cpu_devices, limit_malloc_arenas
 
     fake_cpu_devices(8)
+    limit_malloc_arenas()
     from dora_jax import checkpoint
     from dora_jax import main as train_main
     from dora_jax.config import load_config

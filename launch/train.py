@@ -9,9 +9,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
-from dora_jax.platform import fake_cpu_devices  # noqa: E402
+from dora_jax.platform import fake_cpu_devices, limit_malloc_arenas  # noqa: E402
 
 fake_cpu_devices(8)
+limit_malloc_arenas()
 
 from dora_jax.main import main  # noqa: E402
 

@@ -15,9 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dora_jax.platform import fake_cpu_devices  # noqa: E402
+from dora_jax.platform import fake_cpu_devices, limit_malloc_arenas  # noqa: E402
 
 fake_cpu_devices(8)
+limit_malloc_arenas()
 
 
 def main(argv: list[str]) -> int:
