@@ -250,6 +250,8 @@ def test_cudnn_config_constraints_name_the_field():
     with pytest.raises(ConfigError, match="^attention: cudnn needs compute_dtype bfloat16"):
         ModelConfig(attention="cudnn")
     bf16 = ModelConfig(attention="cudnn", param_dtype="bfloat16", compute_dtype="bfloat16")
-    with pytest.raises(ConfigError, match="^model.attention: .*train.pack_rows=0"):
+    with pytest.raises(ConfigError, match="^model.attention: .*train.packing=rows"):
         ExperimentConfig(model=bf16, train=TrainConfig(pack_rows=4))
-    ExperimentConfig(model=bf16)  # one sequence per row: accepted
+    with pytest.raises(ConfigError, match="^model.attention: .*train.packing=rows"):
+        ExperimentConfig(model=bf16)  # packed by tokens, the default
+    ExperimentConfig(model=bf16, train=TrainConfig(packing="rows"))  # one sequence per row

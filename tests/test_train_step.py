@@ -35,6 +35,9 @@ GRAD_RTOL = 1e-5
 # adam_eps near a typical gradient entry and no clipping: the first AdamW update
 # lr * g / (|g| + eps) then depends on the gradient's scale (with eps = 1e-8 it is about
 # lr * sign(g), and a gradient scaled by any factor would give the same params)
+# packed by tokens (the default) into a row count that splits over 4 data shards or 2
+# microbatches, so every test below runs the same packed batch
+ROWS = 4
 TRAIN = TrainConfig(lr=1e-3, group_size=G, length_buckets=(16, 32), logprob_chunk=16,
                     total_steps=10, adam_eps=1e-3, max_grad_norm=10.0)  # fmt: skip
 
@@ -188,7 +191,7 @@ def params0():
 @pytest.fixture(scope="module")
 def batch0(params0):
     """Two prompt groups, staleness 0, behavior logprobs from the same params."""
-    b = pack_batch(make_trajs(0, [0, 0]), TRAIN, trainer_version=0)
+    b = pack_batch(make_trajs(0, [0, 0]), TRAIN, trainer_version=0, row_multiple=ROWS)
     return with_behavior(b, params0)
 
 
@@ -218,7 +221,7 @@ def test_staleness0_ratio_is_one_and_nothing_clipped(first_step, batch0):
 
 def test_step_matches_numpy_oracle(base, params0):
     """Stale groups with noisy behavior logprobs: ratios away from 1, both clips active."""
-    b = pack_batch(make_trajs(1, [2, 0]), TRAIN, trainer_version=2)
+    b = pack_batch(make_trajs(1, [2, 0]), TRAIN, trainer_version=2, row_multiple=ROWS)
     b = with_behavior(b, params0, noise=0.5, seed=3)
     base.reset(params0)
     m = host(base.step(b))
@@ -246,7 +249,7 @@ def test_sharded_step_equals_unsharded_without_recompiling(
     np.testing.assert_allclose(float(m["loss"]), float(want["loss"]), atol=1e-6)
     np.testing.assert_allclose(float(m["grad_norm"]), float(want["grad_norm"]), rtol=1e-5)
     # another batch of the same bucket (different content and staleness): no new compilation
-    b1 = pack_batch(make_trajs(5, [1, 0]), TRAIN, trainer_version=1)
+    b1 = pack_batch(make_trajs(5, [1, 0]), TRAIN, trainer_version=1, row_multiple=ROWS)
     assert b1.tokens.shape == batch0.tokens.shape
     m1 = tr.step(b1)
     assert int(m1["version"]) == 2
@@ -265,7 +268,7 @@ def test_microbatched_step_equals_full_batch(first_step, params0, batch0):
 
 def test_steps_raise_likelihood_of_positive_advantage_and_lower_negative(base, params0):
     rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]]
-    b = pack_batch(make_trajs(2, [0, 0], rewards), TRAIN, trainer_version=0)
+    b = pack_batch(make_trajs(2, [0, 0], rewards), TRAIN, trainer_version=0, row_multiple=ROWS)
     b = with_behavior(b, params0)
     base.reset(params0)
     before = seq_logprob_sums(params0, b)
@@ -450,7 +453,7 @@ def test_gradients_and_update_match_float64_oracle(params0, case):
     and the metrics against the NumPy oracle. The KL reference is *not* the policy, so the KL
     term contributes a gradient of its own."""
     tcfg = dataclasses.replace(TRAIN, weight_decay=0.1, lr=1e-2, **GRAD_CASES[case])
-    b = pack_batch(make_trajs(1, [2, 0]), tcfg, trainer_version=2)
+    b = pack_batch(make_trajs(1, [2, 0]), tcfg, trainer_version=2, row_multiple=ROWS)
     b = with_behavior(b, params0, noise=0.5, seed=3)
     ref = perturbed(params0, 0.05, seed=7)
     state = init_state(params0, MODEL, tcfg)

@@ -172,7 +172,14 @@ class TrainConfig:
     # seq_mean_token_sum_norm divides each sequence's token sum by this constant; None: the
     # largest length bucket (a constant, so the loss scale does not jump with the bucket)
     loss_norm_len: int | None = None
-    # rows of a packed train batch (several trajectories share a row); 0: one trajectory per row
+    # How trajectories fill a train batch's rows. "tokens": several per row (each its own
+    # segment), first-fit-decreasing into rows of a length bucket, the row count the smallest
+    # of a fixed ladder that fits (train.batch.row_ladder: every integer up to 8, then four steps
+    # per doubling, times microbatches x data), so the trainer's cost follows the real tokens and
+    # the step compiles once per (rows, bucket) it meets. "rows": one trajectory per row, padded
+    # to the batch's bucket (what model.attention=cudnn needs).
+    packing: Literal["tokens", "rows"] = "tokens"
+    # a fixed number of rows for packed batches (0: the ladder's choice; "rows" ignores it)
     pack_rows: int = 0
     staleness_bins: int = 8  # staleness histogram bins 0..bins-1; the last also counts larger
     # a step whose loss or gradient is not finite is skipped (params unchanged), logged and
@@ -210,6 +217,11 @@ class TrainConfig:
             f"must be > 0 or null, got {self.loss_norm_len}",
         )
         _check(self.pack_rows >= 0, "pack_rows", f"must be >= 0, got {self.pack_rows}")
+        _check(
+            self.packing in ("tokens", "rows"),
+            "packing",
+            f"must be 'tokens' or 'rows', got {self.packing!r}",
+        )
         _check(self.staleness_bins > 0, "staleness_bins", f"must be > 0, got {self.staleness_bins}")
         _check(
             self.max_consecutive_skips >= 0,
@@ -496,10 +508,11 @@ class ExperimentConfig:
             f"must be an integer in [0, 2**32 - 1 = {SEED_MAX}], got {self.seed!r}",
         )
         _check(
-            self.model.attention != "cudnn" or self.train.pack_rows == 0,
+            self.model.attention != "cudnn" or self.train.packing == "rows",
             "model.attention",
             "cudnn takes one sequence per row (no packed segments), so it needs "
-            f"train.pack_rows=0, got {self.train.pack_rows}; use attention: blockwise",
+            f"train.packing=rows, got {self.train.packing!r}; use attention: blockwise for "
+            "packed rows",
         )
         kv, tp = self.model.num_kv_heads, self.mesh.rollout.tp
         _check(

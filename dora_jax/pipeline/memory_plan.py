@@ -54,7 +54,7 @@ from dora_jax.model.params import abstract_params, dtype_of, param_axes
 from dora_jax.rollout.attention import resolve_impl
 from dora_jax.rollout.steps import lower_steps
 from dora_jax.sharding import rollout_rules, trainer_rules, tree_shardings
-from dora_jax.train.batch import choose_bucket
+from dora_jax.train.batch import choose_bucket, row_ladder
 from dora_jax.train.state import init_state, state_shardings, uses_master
 from dora_jax.train.step import lower_train_step
 
@@ -411,7 +411,12 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
 
     # train step temporaries at the longest bucket a batch can need
     S = o.train_batch_prompts * t.group_size
-    rows, T = (t.pack_rows or S), longest_bucket(cfg)
+    tm = cfg.mesh.trainer
+    if t.packing == "tokens" and not t.pack_rows:  # the ladder's largest: one sample per row
+        rows = row_ladder(t.microbatches * tm.data * tm.expert, S)[-1]
+    else:
+        rows = t.pack_rows or S
+    T = longest_bucket(cfg)
     compiled = compiled_train_step(m, t, tmesh, cfg.mesh.trainer, S, rows, T)
     ma = compiled.memory_analysis()
     # the step's arguments are the state (counted above) and this device's part of the batch

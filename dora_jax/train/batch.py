@@ -8,8 +8,11 @@ Layout of a :class:`TrainBatch` (``B`` rows, ``T`` the length bucket, ``S = NG *
 - Token arrays are ``[B, T]``. A sample occupies ``P + R`` consecutive slots of one row (prompt
   then response), with its own ``segment_ids`` value (1, 2, ... within the row; 0 is padding) and
   ``positions`` counting from 0, so attention stays causal within the sample. With
-  ``rows == 0`` every sample has its own row (``B = S``); with ``rows > 0`` samples are packed
-  first-fit-decreasing into that many rows (several per row).
+  ``packing="rows"`` every sample has its own row (``B = S``); with ``packing="tokens"`` samples
+  are packed first-fit-decreasing into rows (several per row): ``cfg.pack_rows`` of them if set,
+  else the fewest positions ``B x T`` over the length buckets ``T`` and the row counts ``B`` of
+  :func:`row_ladder`, so the trainer's cost follows the real tokens while the step compiles for
+  a bounded set of shapes.
 - Per-token arrays are aligned with the position that *predicts* the token: at slot ``j`` of a
   sample, ``targets`` is the token at ``j + 1``; ``loss_mask`` is true exactly where that target is
   a response token (so prompt tokens, the last token and padding never enter the loss), and
@@ -20,9 +23,8 @@ Layout of a :class:`TrainBatch` (``B`` rows, ``T`` the length bucket, ``S = NG *
   was recorded (the last token of a sample, never fed; padding; a trajectory without routes):
   the trainer
   can replay them (``train.routing_replay``) and reports how often its own router disagrees.
-- ``T`` is the smallest of ``TrainConfig.length_buckets`` that fits (for packed batches: that
-  lets first-fit-decreasing fit all samples into the rows), so the jitted step compiles once per
-  bucket, not once per maximum length.
+- ``T`` is one of ``TrainConfig.length_buckets`` (one sample per row: the smallest that fits),
+  so the jitted step compiles once per (rows, bucket) shape, not once per maximum length.
 
 Advantages are *not* computed here: the batch carries the raw ``rewards`` and the jitted step
 computes group-relative advantages on device (:mod:`dora_jax.train.advantages`), since the
@@ -102,6 +104,19 @@ def choose_bucket(length: int, buckets: Sequence[int]) -> int:
     )
 
 
+def row_ladder(multiple: int, samples: int) -> list[int]:
+    """The row counts a packed batch may have: ``multiple`` times 1, 2, ..., 8, then four steps
+    per doubling (10, 12, 14, 16, 20, 24, 28, 32, 40, ...), up to the first that holds
+    ``samples`` rows (one sample per row, the worst case). Padding rows are at most a quarter
+    of the batch past 8 x ``multiple`` rows; a run meets a handful of these shapes."""
+    out, k = [], 1
+    while True:
+        out.append(k * multiple)
+        if k * multiple >= samples:
+            return out
+        k += 1 if k < 8 else 2 ** (k.bit_length() - 3)
+
+
 def _first_fit(lengths: Sequence[int], rows: int, capacity: int) -> list[tuple[int, int]] | None:
     """First-fit-decreasing: ``(row, offset)`` per item, or None if it does not fit."""
     free = [capacity] * rows
@@ -115,6 +130,29 @@ def _first_fit(lengths: Sequence[int], rows: int, capacity: int) -> list[tuple[i
         else:
             return None
     return place
+
+
+def _smallest_shape(
+    lengths: Sequence[int], buckets: Sequence[int], ladder: Sequence[int]
+) -> tuple[int, int, list[tuple[int, int]]]:
+    """``(rows, bucket, placement)`` with the fewest positions ``rows x bucket`` (ties: the
+    longer rows) that first-fit-decreasing fills; the ladder's last count always fits (one
+    sample per row)."""
+    best: tuple[int, int, list[tuple[int, int]]] | None = None
+    longest, total = max(lengths), sum(lengths)
+    for T in buckets:
+        if T < longest:
+            continue
+        for B in ladder:
+            if B * T < total or (best is not None and B * T > best[0] * best[1]):
+                continue
+            place = _first_fit(lengths, B, T)
+            if place is not None:
+                if best is None or B * T <= best[0] * best[1]:
+                    best = (B, T, place)
+                break
+    assert best is not None  # the last ladder count holds one sample per row
+    return best
 
 
 def _validate(
@@ -152,6 +190,7 @@ def pack_batch(
     trainer_version: int,
     num_groups: int | None = None,
     rows: int | None = None,
+    row_multiple: int = 1,
     vocab_size: int | None = None,
     allow_nonfinite_logprobs: bool = False,
     routes_shape: tuple[int, int] | None = None,
@@ -163,6 +202,8 @@ def pack_batch(
     ``trainer_version``: the version the update will be applied to (staleness is measured
     against it). ``num_groups``: pad to this many groups (default: as many as given) so ``S``
     stays fixed across steps. ``rows``: override ``cfg.pack_rows`` (0: one sample per row).
+    ``row_multiple``: with ``packing="tokens"``, the row count is a multiple of it (the
+    trainer's microbatches x data-parallel devices).
     ``vocab_size``: if given, token ids are checked against it. ``allow_nonfinite_logprobs``:
     pack non-finite behavior logprobs (a broken policy sampled them) instead of raising; the
     train step's non-finite guard then skips the step. ``routes_shape``: ``(layers, experts per
@@ -194,8 +235,14 @@ def pack_batch(
     samples = [m for members in groups.values() for m in members]
     lengths = [len(m.prompt_tokens) + len(m.response_tokens) for m in samples]
     buckets = cfg.length_buckets
-    n_rows = cfg.pack_rows if rows is None else rows
-    if n_rows == 0:
+    if rows is not None:
+        n_rows = rows
+    else:
+        n_rows = cfg.pack_rows if cfg.packing == "tokens" else 0
+    choose_bucket(max(lengths), buckets)  # raises if one sample is too long
+    if rows is None and cfg.packing == "tokens" and n_rows == 0:
+        B, T, place = _smallest_shape(lengths, buckets, row_ladder(row_multiple, S))
+    elif n_rows == 0:
         B = S
         T = choose_bucket(max(lengths), buckets)
         place = [(i, 0) for i in range(len(samples))]
@@ -209,7 +256,6 @@ def pack_batch(
                     T = b
                     break
         if place is None:
-            choose_bucket(max(lengths), buckets)  # raises if one sample is too long
             raise ValueError(
                 f"{len(samples)} samples ({sum(lengths)} tokens) do not fit {B} rows of the "
                 f"largest bucket {buckets[-1]}; raise train.pack_rows or train.length_buckets"

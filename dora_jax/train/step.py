@@ -285,6 +285,10 @@ def _metrics(
         "staleness_mean": jnp.sum(jnp.where(valid, batch.staleness, 0)) / n_smp,
         "response_len_mean": jnp.sum(lens) / n_smp,
         "response_len_max": jnp.max(lens),
+        # every token of a sample (prompt and response) over the batch's positions: the share
+        # of the step's work that is not padding
+        "real_tokens": jnp.sum(batch.segment_ids > 0).astype(jnp.int32),
+        "real_token_share": jnp.mean(batch.segment_ids > 0),
     }
 
 
@@ -483,17 +487,24 @@ class Trainer:
             allow_nonfinite_logprobs=allow_nonfinite_logprobs,
             trainer_version=self.version if version is None else version,
             num_groups=num_groups,
+            row_multiple=self.row_multiple,
             vocab_size=self.model_cfg.vocab_size,
             routes_shape=routes_shape(self.model_cfg),
         )
         self.check_batch(batch)
         return batch
 
-    def check_batch(self, batch: TrainBatch) -> None:
-        """``ValueError`` unless the rows split into microbatches spread over ``data``."""
+    @property
+    def row_multiple(self) -> int:
+        """A batch's row count is a multiple of this: microbatches x data (x expert)."""
         mult = self.train_cfg.microbatches
         if self.mesh is not None:
             mult *= self.mesh.shape["data"] * self.mesh.shape.get("expert", 1)
+        return mult
+
+    def check_batch(self, batch: TrainBatch) -> None:
+        """``ValueError`` unless the rows split into microbatches spread over ``data``."""
+        mult = self.row_multiple
         if batch.num_rows % mult:
             raise ValueError(
                 f"{batch.num_rows} batch rows must be a multiple of microbatches x data (x expert) "
