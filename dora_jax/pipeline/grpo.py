@@ -16,6 +16,7 @@ the control plane goes on; ``metrics["skipped"]`` marks it in the step's log.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +102,9 @@ class StepLog:
     # the means of the extra metrics the reward function returned (over the responses that
     # returned each), and the failed calls of this step by kind
     reward_metrics: dict[str, float] = field(default_factory=dict)
+    # the train step's own seconds (dispatch to computed) and real tokens per second; kept out
+    # of ``metrics``, which two runs of one config reproduce bit for bit
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 class GRPOTrainer:
@@ -187,13 +191,19 @@ class GRPOTrainer:
             trajectories, num_groups=len(batch), version=self.version,
             allow_nonfinite_logprobs=True,
         )  # fmt: skip
+        t0 = time.perf_counter()
         metrics = self.trainer.step(packed)
+        # the step's own seconds: waiting here costs nothing the export below would not wait for
+        jax.block_until_ready(metrics)
+        seconds = time.perf_counter() - t0
+        real = int(np.count_nonzero(packed.segment_ids))
+        timing = {"train_step_s": seconds, "real_tokens_per_s": real / max(seconds, 1e-9)}
         metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
         faults.point("train_step")
         version = self.version
         self.params[version] = self.trainer.export_params(self.export_shardings)
         means = {k: float(np.mean(v)) for k, v in extra.items()}
-        self.log.append(StepLog(version, metrics, rewards, ids, means))
+        self.log.append(StepLog(version, metrics, rewards, ids, means, timing))
         return version
 
     def step_logs(self, start: int) -> list[StepLog]:
@@ -214,7 +224,14 @@ class GRPOTrainer:
         checkpoint holds (the params themselves are arrays: :meth:`version_params`)."""
         return {
             "log": [
-                (s.version, jax.device_get(s.metrics), s.rewards, s.trajectories, s.reward_metrics)
+                (
+                    s.version,
+                    jax.device_get(s.metrics),
+                    s.rewards,
+                    s.trajectories,
+                    s.reward_metrics,
+                    s.timing,
+                )
                 for s in self.log
             ],
             "log_start": self.log_start,

@@ -76,7 +76,7 @@ class MetricsLog:
         self.writer.write(
             log.version,
             {**m, "reward": reward, "solved": solved, "elapsed_s": elapsed,
-             "reward_errors": scorer.errors, **errors, **extra},
+             "reward_errors": scorer.errors, **errors, **extra, **log.timing},
         )  # fmt: skip
         self.bar.update(1)
         self.bar.set_postfix(

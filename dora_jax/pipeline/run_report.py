@@ -27,6 +27,7 @@ def write_run_report(
     :class:`~dora_jax.pipeline.health.RunHealth`) adds the skipped steps and policy warnings."""
     cfg, o = exp.cfg, exp.cfg.orchestrator
     rewards, solved = step_curves(exp, run_dir)
+    trainer = trainer_figures(exp, run_dir)
     rec = result.records
     wall = rec.clock == "wall"
     title = f"{o.mode}: rollout groups over time, coloured by policy version"
@@ -55,6 +56,7 @@ def write_run_report(
             {k: v for k, v in dataclasses.asdict(r).items() if k != "scores"} for r in evals.results
         ],  # fmt: skip
         extra={
+            "trainer": trainer,
             "reward_errors": exp.reward.errors,
             "reward_errors_by_kind": exp.reward.error_counts(),
             "config": "config.yaml",
@@ -90,6 +92,12 @@ def write_run_report(
             f"mean reward: first {k} steps {r['start']:.3f} -> last {k} steps {r['end']:.3f}; "
             f"solved (exact answer): {x['start']:.3f} -> {x['end']:.3f}"
         )
+    if "real_token_share_mean" in trainer:
+        print(
+            f"trainer: {trainer['real_token_share_mean']:.0%} of its positions real tokens, "
+            f"{trainer.get('train_step_s_mean', math.nan):.3f} s a step, "
+            f"{trainer.get('real_tokens_per_s_mean', math.nan):.0f} real tokens/s (means)"
+        )
     if len(evals.results) >= 2:
         e0, e1 = evals.results[0], evals.results[-1]
         n = len(exp.evaluator.prompts)
@@ -123,6 +131,25 @@ def step_curves(exp: Experiment, run_dir: Path) -> tuple[list, list]:
     logs = exp.grpo.step_logs(exp.grpo.log_start)
     return ([(sl.version, step_reward(sl)) for sl in logs],
             [(sl.version, step_solved(sl)) for sl in logs])  # fmt: skip
+
+
+TRAINER_FIGURES = ("real_token_share", "train_step_s", "real_tokens_per_s")
+
+
+def trainer_figures(exp: Experiment, run_dir: Path) -> dict[str, float]:
+    """The means over the run's steps of the trainer's real-token share (real tokens over the
+    batch's positions), its step seconds and its real tokens per second (``*_mean``)."""
+    path = run_dir / METRICS_FILE
+    if path.is_file():
+        rows = [m for m in read_metrics(path) if "reward" in m]
+    else:
+        rows = [{**sl.metrics, **sl.timing} for sl in exp.grpo.step_logs(exp.grpo.log_start)]
+    out = {}
+    for key in TRAINER_FIGURES:
+        values = [float(m[key]) for m in rows if key in m]
+        if values:
+            out[f"{key}_mean"] = sum(values) / len(values)
+    return out
 
 
 def resume_hint(run_dir: str | Path) -> str:
