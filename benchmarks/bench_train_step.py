@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"default task: real-token share {d['padded']['real_token_share']:.2f} -> "
         f"{d['packed']['real_token_share']:.2f}, packed/padded "
-        f"{d['speedup_packed_over_padded']:.2f}x in real tokens/s; 0.5B shape: {b['padded']['real_token_share']:.2f} -> "
+        f"{d['speedup_packed_over_padded']:.2f}x in real tokens/s; 0.5B shape: "
+        f"{b['padded']['real_token_share']:.2f} -> "
         f"{b['packed']['real_token_share']:.2f}, {b['speedup_packed_over_padded']:.2f}x; "
         f"wrote {a.out}"
     )
