@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import quiet  # noqa: E402
 from bench_wallclock import DRIVER, RESULTS, measure  # noqa: E402
 
 
@@ -61,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="1024,2048,4096")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_multihost.json")
     p.add_argument("overrides", nargs="*", help="config overrides for the throughput runs")
+    quiet.add_arguments(p)
     a = p.parse_args(argv)
+    load0 = quiet.wait_for_quiet(a.max_load, a.wait)
     contexts = [int(c) for c in a.contexts.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench_multihost_") as tmp:
         work = Path(tmp)
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "seconds": time.monotonic() - t0,
     }
+    res.update({k: v for k, v in quiet.provenance(load0).items() if k != "command"})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     print(

@@ -30,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import quiet  # noqa: E402
 
 DRIVER = ROOT / "benchmarks" / "wallclock_driver.py"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -91,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_wallclock.json")
     p.add_argument("overrides", nargs="*", help="config overrides for both modes")
+    quiet.add_arguments(p)
     a = p.parse_args(argv)
+    load0 = quiet.wait_for_quiet(a.max_load, a.wait)
     with tempfile.TemporaryDirectory(prefix="bench_wallclock_") as tmp:
         res = measure(a.steps, a.warmup, a.rounds, a.overrides, Path(tmp))
         stem = a.out.stem.removeprefix("bench_wallclock").strip("_") or "default"
@@ -117,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         **res,
     }
+    res.update({k: v for k, v in quiet.provenance(load0).items() if k != "command"})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     print(

@@ -100,6 +100,9 @@ class Plan:
     train_lengths: tuple[int, ...]  # tokens per row of the timed train steps
     train_rows: int  # rows per train step (one trajectory each)
     moe_dims: tuple[int, int, int, int] = (256, 128, 2, 2048)  # D, expert ffn, top-k, tokens
+    # the packed-against-padded train step: trajectories, median response length, longest
+    # trajectory, length buckets (lognormal lengths, p99/median > 10)
+    train_mix: tuple[int, int, int, tuple[int, ...]] = (16, 256, 8192, (1024, 2048, 4096, 8192))
 
 
 def _attn(batch, num_heads, num_kv_heads, head_dim, page_size, pages_per_seq) -> dict:
@@ -198,6 +201,7 @@ def smoke_plan(repeats: int | None = None) -> Plan:
         train_lengths=(32, 64),
         train_rows=2,
         moe_dims=(64, 32, 2, 256),
+        train_mix=(8, 4, 64, (16, 32, 64)),
     )
 
 
@@ -964,6 +968,66 @@ def train_section(rec: Recorder, plan: Plan) -> None:
     for seq in plan.train_lengths:
         rec.run_case("train", "train", f"train/step/{seq}", lambda seq=seq: run(seq),
                      seq_len=seq)  # fmt: skip
+
+    n, median, longest, buckets = plan.train_mix
+    rng = np.random.default_rng(1)
+    mix = []
+    for _ in range(n):
+        prompt = int(rng.integers(16, 128))
+        resp = int(min(longest - prompt, max(1, rng.lognormal(np.log(median), 1.3))))
+        mix.append((prompt, resp))
+
+    def run_mix(packing: str, attention: str) -> dict:
+        """The same long-tailed batch, padded (one trajectory per row) or packed by tokens;
+        blockwise or cuDNN attention (cuDNN: one trajectory per row only)."""
+        cfg = ModelConfig(**plan.train_model, param_dtype="bfloat16", compute_dtype="bfloat16",
+                          remat="nested", attention=attention)  # fmt: skip
+        tcfg = TrainConfig(lr=1e-6, fp32_master_weights=True, length_buckets=buckets,
+                           group_size=n, packing=packing)  # fmt: skip
+        trainer = Trainer(cfg, tcfg)
+        trajs = [
+            Trajectory(rng.integers(1, cfg.vocab_size, p).tolist(),
+                       rng.integers(1, cfg.vocab_size, r).tolist(),
+                       (-rng.random(r)).tolist(), float(i % 2), 0, 0)
+            for i, (p, r) in enumerate(mix)
+        ]  # fmt: skip
+        batch = trainer.pack(trajs)
+        for _ in range(plan.warmup):
+            trainer.step(batch)
+        jax.block_until_ready(trainer.state.params)
+        times = []
+        for _ in range(max(2, plan.repeats // 5)):
+            t0 = time.perf_counter()
+            metrics = trainer.step(batch)
+            jax.block_until_ready(trainer.state.params)
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        real = int(np.count_nonzero(np.asarray(batch.segment_ids)))
+        loss = float(metrics["loss"])
+        return dict(
+            rows=batch.num_rows, seq_len=batch.seq_len, step_s=step_s,
+            real_token_share=real / (batch.num_rows * batch.seq_len),
+            real_tokens_per_s=real / step_s, loss=loss, ok=bool(np.isfinite(loss)),
+        )  # fmt: skip
+
+    lens = sorted(p + r for p, r in mix)
+    found = {}
+    variants = [("rows", "blockwise"), ("tokens", "blockwise")]
+    if jax.default_backend() == "gpu":  # cuDNN's fused attention: GPUs only
+        variants.insert(1, ("rows", "cudnn"))
+    for packing, attention in variants:
+        row = rec.run_case(
+            "train", "train_mix", f"train/mix/{packing}/{attention}",
+            lambda p=packing, a=attention: run_mix(p, a), packing=packing, attention=attention,
+            trajectories=n, median_len=lens[n // 2], longest=lens[-1],
+        )  # fmt: skip
+        if row and not row.get("error"):
+            found[(packing, attention)] = row["real_tokens_per_s"]
+    packed = found.get(("tokens", "blockwise"))
+    for key in (("rows", "blockwise"), ("rows", "cudnn")):
+        if packed and key in found:
+            rec.say(f"train mix: packed blockwise / padded {key[1]}: "
+                    f"{packed / found[key]:.2f}x in real tokens/s")  # fmt: skip
 
 
 def moe_section(rec: Recorder, plan: Plan) -> None:
