@@ -196,7 +196,7 @@ class GRPOTrainer:
         # the step's own seconds: waiting here costs nothing the export below would not wait for
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - t0
-        real = int(np.count_nonzero(packed.segment_ids))
+        real = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in trajectories)
         timing = {"train_step_s": seconds, "real_tokens_per_s": real / max(seconds, 1e-9)}
         metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
         faults.point("train_step")
