@@ -3,38 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import numpy as np
 
 from dora_jax.execution.group import GroupEvent, GroupStatus
 from dora_jax.orchestrator.backend import GroupTick
-from dora_jax.rollout import FinishedRequest, Request
+from dora_jax.rollout import FinishedRequest
 from dora_jax.rollout.engine import EngineSnapshot
-from dora_jax.rollout.requests import ExportedRequests
-
-
-def request(r: Request) -> dict:
-    return dataclasses.asdict(r) | {"key": np.asarray(r.key, np.uint32)}
-
-
-def to_request(d: dict) -> Request:
-    return Request(**d)
-
-
-def exported(x: ExportedRequests, with_kv: bool = True) -> dict:
-    return {
-        "requests": [request(r) for r in x.requests],
-        "page_counts": list(x.page_counts),
-        "kv": np.asarray(x.kv) if with_kv else None,
-    }
-
-
-def to_exported(d: dict, kv: Any = None) -> ExportedRequests:
-    return ExportedRequests(
-        [to_request(r) for r in d["requests"]], list(d["page_counts"]),
-        d["kv"] if kv is None else kv,
-    )  # fmt: skip
+from dora_jax.rollout.requests import exported_as_data as exported
+from dora_jax.rollout.requests import exported_from_data as to_exported
+from dora_jax.rollout.requests import request_as_data as request
+from dora_jax.rollout.requests import request_from_data as to_request
 
 
 def snapshot(s: EngineSnapshot) -> dict:

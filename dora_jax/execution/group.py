@@ -34,6 +34,12 @@ from dora_jax.orchestrator.backend import GroupTick
 from dora_jax.rollout import Engine, Request
 from dora_jax.rollout import FinishedRequest as EngineFinished
 from dora_jax.rollout.engine import Handover
+from dora_jax.rollout.requests import (
+    exported_as_data,
+    exported_from_data,
+    request_as_data,
+    request_from_data,
+)
 
 Params = Any
 
@@ -124,26 +130,23 @@ class _Core:
 
     def do_send_staged(self, ids: list[Hashable], uid: int) -> list[GroupEvent]:
         """Pack requests for a group of another process and offer them under ``uid``."""
-        from dora_jax.distributed import wire
-
         out, events = self.do_move_out(ids)
+        running = out.running
         meta = {
-            "running": None if out.running is None else wire.exported(out.running, with_kv=False),
-            "queued": [wire.request(r) for r in out.queued],
-            "parked": [wire.exported(p) for p in out.parked],
+            "running": None if running is None else exported_as_data(running, with_kv=False),
+            "queued": [request_as_data(r) for r in out.queued],
+            "parked": [exported_as_data(p) for p in out.parked],
         }
-        self.transfers.serve(uid, [out.running.kv] if out.running is not None else [], meta)
+        self.transfers.serve(uid, [running.kv] if running is not None else [], meta)
         return events
 
     def fetch_handover(self, uid: int, timeout: float) -> Handover:
-        from dora_jax.distributed import wire
-
         arrays, meta = self.transfers.fetch(
             uid, lambda m: [self.engine.buffer_sharding] if m["running"] else [], timeout
         )
-        running = wire.to_exported(meta["running"], arrays[0]) if meta["running"] else None
-        return Handover(running, [wire.to_request(r) for r in meta["queued"]],
-                        [wire.to_exported(p) for p in meta["parked"]])  # fmt: skip
+        running = exported_from_data(meta["running"], arrays[0]) if meta["running"] else None
+        return Handover(running, [request_from_data(r) for r in meta["queued"]],
+                        [exported_from_data(p) for p in meta["parked"]])  # fmt: skip
 
     def _span(self, activity: str, t0: float, active: int = 0, **counts) -> GroupTick:
         t1 = self.now()
