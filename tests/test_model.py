@@ -55,7 +55,16 @@ def custom_vjps(jaxpr):
     return sum(e.primitive.name == "custom_vjp_call" for e in all_eqns(jaxpr))
 
 
-@pytest.mark.parametrize("remat, seq_chunk", [("full", 0), ("dots", 0), ("none", 5), ("nested", 5)])
+# full and dots (slow: 15-18 s together) are nested remat's building blocks, which the default
+# suite checks with sequence chunks
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "remat, seq_chunk",
+    [pytest.param("full", 0, marks=SLOW), pytest.param("dots", 0, marks=SLOW), ("none", 5),
+     ("nested", 5)],
+)  # fmt: skip
 def test_remat_policies_change_nothing_numerically(remat, seq_chunk):
     params = init_params(CFG, jax.random.key(0))
     args = batch()

@@ -210,7 +210,13 @@ def test_admission_errors_are_clear(params):
 
 @pytest.mark.parametrize(
     "where,temperature,impl",
-    [(w, t, "reference") for w in ("other_submesh", "host_park", "tp2_submesh") for t in (0.0, 1.0)]
+    # greedy (temperature 0) is slow (6-9 s each): sampling at temperature 1 also carries the
+    # sampling keys across, the stricter case
+    [
+        pytest.param(w, 0.0, "reference", marks=pytest.mark.slow)
+        for w in ("other_submesh", "host_park", "tp2_submesh")
+    ]
+    + [(w, 1.0, "reference") for w in ("other_submesh", "host_park", "tp2_submesh")]
     + [("tp2_submesh", 1.0, "pallas")],  # Pallas (interpret) inside the 2-device shard_map
 )
 def test_migration_continues_bit_identically(params, temperature, where, impl):

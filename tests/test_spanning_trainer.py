@@ -54,6 +54,9 @@ def cfg():
     ])  # fmt: skip
 
 
+# slow: 19-26 s; the multi-process tests (slow) run the spanning trainer end to end, and the
+# default suite keeps this file's protocol test
+@pytest.mark.slow
 def test_replayed_calls_give_the_follower_the_leads_state(cfg):
     meshes = build_meshes(cfg.mesh)
     sent: list[dict] = []
