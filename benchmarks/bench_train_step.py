@@ -1,13 +1,13 @@
 """The train step on padded and on packed batches, side by side: real tokens per second.
 
-    python benchmarks/bench_train_step.py [--steps 12] [--big-steps 3]
+    python benchmarks/bench_train_step.py [--steps 40] [--big-steps 3]
 
 Two cases, each timed with ``train.packing=rows`` (one trajectory per row, padded to the batch's
 bucket) and ``train.packing=tokens`` (several per row, the row count from the ladder) on the same
 batches, one after the other in this process:
 
 - ``default_task``: the default config's policy, trainer mesh (data 2 x model 2 on fake CPU
-  devices), batch (8 prompt groups x 8 samples) and bucket (192), on the built-in task's
+  devices), batch (8 prompt groups x 8 samples) and buckets (96, 192), on the built-in task's
   trajectories as the warm-start teacher writes them (half bare answers, half scratchpads: the
   length mix of the default run's first steps).
 - ``qwen2.5-0.5b_shape``: Qwen2.5-0.5B's layer shape (hidden 896, 14 heads, 2 KV heads, MLP
@@ -171,7 +171,7 @@ def run_case(name, model_cfg, train_cfg, mesh, batches, steps) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=12, help="timed steps, default task")
+    p.add_argument("--steps", type=int, default=40, help="timed steps, default task")
     p.add_argument("--big-steps", type=int, default=3, help="timed steps, 0.5B shape")
     p.add_argument("--out", type=Path, default=RESULTS)
     quiet.add_arguments(p)
