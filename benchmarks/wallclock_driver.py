@@ -110,6 +110,12 @@ def throughput(proc, argv: list[str]) -> dict:
     title = f"{cfg.orchestrator.mode}, wall clock: 12 s of the measured window"
     plot_timeline(view, Path(cfg.run_dir) / "timeline_window.png", title=title)
     rounds.sort()
+    # the train steps' own seconds in the window: a step much slower than the median compiled
+    # the step for a batch shape met for the first time
+    step_s = sorted(s.timing["train_step_s"] for s in exp.grpo.log[first : first + steps]
+                    if "train_step_s" in s.timing)  # fmt: skip
+    median = step_s[len(step_s) // 2] if step_s else 0.0
+    slow = [t for t in step_s if t > 3 * median]
     return {
         "mode": cfg.orchestrator.mode,
         "steps": steps,
@@ -127,6 +133,9 @@ def throughput(proc, argv: list[str]) -> dict:
         "rounds": len(rounds),
         "migrated": sum(n for t, n in rec.migrations if t_a <= t < t_b),
         "staleness_max": max((c.staleness for c in rec.consumed), default=0),
+        "train_step_s_median": median,
+        "compiling_steps": len(slow),
+        "compiling_steps_s": sum(slow),
     }
 
 
