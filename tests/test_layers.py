@@ -21,6 +21,7 @@ PLACES = (
     ("config/*", "base"),
     ("faults.py", "base"),
     ("platform.py", "base"),
+    ("user_code.py", "base"),
     ("kernels/*", "kernels"),
     ("sharding.py", "sharding"),
     ("mesh.py", "sharding"),

@@ -11,15 +11,13 @@ logged per step as its mean). A coroutine function is awaited. Anything else is 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from dora_jax.user_code import UserImportError, import_target, is_file_target
 
 BUILT_IN = ("exact", "boxed_math")  # partial_credit and exact of the built-in task: see arithmetic
 
@@ -36,13 +34,9 @@ class InvalidReward(ValueError):
 def resolve_spec(spec: str) -> str:
     """``spec`` with a file path made absolute (workers may start elsewhere)."""
     target, sep, name = spec.rpartition(":")
-    if sep and _is_file(target):
+    if sep and is_file_target(target):
         return f"{Path(target).resolve()}:{name}"
     return spec
-
-
-def _is_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
 
 
 def load_reward_function(spec: str) -> Callable[..., Any]:
@@ -56,27 +50,15 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     if not sep or not target or not name:
         raise RewardSpecError(f"data.reward: expected 'file.py:function' or "
                               f"'package.module:function', got {spec!r}")  # fmt: skip
-    if _is_file(target):
-        path = Path(target)
-        if not path.is_file():
-            raise RewardSpecError(f"data.reward: {path}: no such file")
-        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-        mod_name = f"dora_jax_user_reward_{digest}"
-        module_spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[mod_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:  # the user's file may raise anything on import
-            del sys.modules[mod_name]
-            raise RewardSpecError(f"data.reward: {path} failed to import: "
-                                  f"{type(e).__name__}: {e}") from None  # fmt: skip
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as e:  # ImportError, or anything the module raises on import
-            raise RewardSpecError(f"data.reward: cannot import {target!r}: "
-                                  f"{type(e).__name__}: {e}") from None  # fmt: skip
+    try:
+        module = import_target(target, "dora_jax_user_reward")
+    except FileNotFoundError as e:
+        raise RewardSpecError(f"data.reward: {e}: no such file") from None
+    except UserImportError as e:
+        c = f"{type(e.cause).__name__}: {e.cause}"
+        if e.from_file:
+            raise RewardSpecError(f"data.reward: {e.target} failed to import: {c}") from None
+        raise RewardSpecError(f"data.reward: cannot import {target!r}: {c}") from None
     fn = getattr(module, name, None)
     if fn is None:
         raise RewardSpecError(f"data.reward: {target} has no {name!r}")

@@ -8,14 +8,11 @@ or ``step``, or a constructor that raises on the keyword arguments given.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 from dora_jax.envs.protocol import InvalidEnvReturn, stop_strings
+from dora_jax.user_code import UserImportError, import_target, is_file_target
 
 # built-in name -> module:Class (the two adapters need the ``envs`` extra)
 BUILT_IN = {
@@ -33,13 +30,9 @@ class EnvSpecError(ValueError):
 def resolve_spec(spec: str) -> str:
     """``spec`` with a file path made absolute (workers may start elsewhere)."""
     target, sep, name = spec.rpartition(":")
-    if sep and _is_file(target):
+    if sep and is_file_target(target):
         return f"{Path(target).resolve()}:{name}"
     return spec
-
-
-def _is_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
 
 
 def _one_line(e: BaseException) -> str:
@@ -54,25 +47,15 @@ def load_environment_class(spec: str) -> type:
         raise EnvSpecError(f"env: expected a built-in ({', '.join(BUILT_IN)}), "
                            f"'path/to/file.py:ClassName' or 'package.module:ClassName', "
                            f"got {spec!r}")  # fmt: skip
-    if _is_file(target):
-        path = Path(target)
-        if not path.is_file():
-            raise EnvSpecError(f"env: {path}: no such file (looking for class {name!r})")
-        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-        mod_name = f"dora_jax_user_env_{digest}"
-        module_spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[mod_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:  # the user's file may raise anything on import
-            del sys.modules[mod_name]
-            raise EnvSpecError(f"env: {path} failed to import: {_one_line(e)}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as e:  # ImportError, or anything the module raises on import
-            raise EnvSpecError(f"env: cannot import {target!r}: {_one_line(e)}") from None
+    try:
+        module = import_target(target, "dora_jax_user_env")
+    except FileNotFoundError as e:
+        raise EnvSpecError(f"env: {e}: no such file (looking for class {name!r})") from None
+    except UserImportError as e:
+        c = _one_line(e.cause)
+        if e.from_file:
+            raise EnvSpecError(f"env: {e.target} failed to import: {c}") from None
+        raise EnvSpecError(f"env: cannot import {target!r}: {c}") from None
     cls = getattr(module, name, None)
     if cls is None:
         raise EnvSpecError(f"env: {target} has no class {name!r}")
