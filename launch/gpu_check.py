@@ -924,6 +924,20 @@ def train_section(rec: Recorder, plan: Plan) -> None:
     dev = jax.devices()[0]
     peak = peak_flops(dev.device_kind)
 
+    def timed_steps(trainer, batch) -> tuple[float, dict]:
+        """The median seconds of a train step on ``batch`` (after ``plan.warmup`` steps, the
+        first of which compiles) and the last step's metrics."""
+        for _ in range(plan.warmup):
+            trainer.step(batch)
+        jax.block_until_ready(trainer.state.params)
+        times = []
+        for _ in range(max(2, plan.repeats // 5)):
+            t0 = time.perf_counter()
+            metrics = trainer.step(batch)
+            jax.block_until_ready(trainer.state.params)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), metrics
+
     def run(seq: int) -> dict:
         cfg = ModelConfig(**plan.train_model, param_dtype="bfloat16", compute_dtype="bfloat16",
                           remat="nested")  # fmt: skip
@@ -939,16 +953,7 @@ def train_section(rec: Recorder, plan: Plan) -> None:
             for i in range(plan.train_rows)
         ]  # fmt: skip
         batch = trainer.pack(trajs)
-        for _ in range(plan.warmup):  # the first call compiles
-            trainer.step(batch)
-        jax.block_until_ready(trainer.state.params)
-        times = []
-        for _ in range(max(2, plan.repeats // 5)):
-            t0 = time.perf_counter()
-            metrics = trainer.step(batch)
-            jax.block_until_ready(trainer.state.params)
-            times.append(time.perf_counter() - t0)
-        step_s = statistics.median(times)
+        step_s, metrics = timed_steps(trainer, batch)
         tokens = batch.num_rows * batch.seq_len
         achieved = train_flops_per_token(cfg, seq) * tokens / step_s
         loss = float(metrics["loss"])
@@ -973,7 +978,7 @@ def train_section(rec: Recorder, plan: Plan) -> None:
     rng = np.random.default_rng(1)
     mix = []
     for _ in range(n):
-        prompt = int(rng.integers(16, 128))
+        prompt = int(rng.integers(min(16, longest // 8), min(128, longest // 2)))
         resp = int(min(longest - prompt, max(1, rng.lognormal(np.log(median), 1.3))))
         mix.append((prompt, resp))
 
@@ -992,16 +997,7 @@ def train_section(rec: Recorder, plan: Plan) -> None:
             for i, (p, r) in enumerate(mix)
         ]  # fmt: skip
         batch = trainer.pack(trajs)
-        for _ in range(plan.warmup):
-            trainer.step(batch)
-        jax.block_until_ready(trainer.state.params)
-        times = []
-        for _ in range(max(2, plan.repeats // 5)):
-            t0 = time.perf_counter()
-            metrics = trainer.step(batch)
-            jax.block_until_ready(trainer.state.params)
-            times.append(time.perf_counter() - t0)
-        step_s = statistics.median(times)
+        step_s, metrics = timed_steps(trainer, batch)
         real = int(np.count_nonzero(np.asarray(batch.segment_ids)))
         loss = float(metrics["loss"])
         return dict(
