@@ -24,6 +24,22 @@ def sample_slots(batch, s):
     return rows[0], cols
 
 
+def assert_samples_intact(b, ts):
+    """Every sample in one row, contiguous, in its own segment, positions from 0, its response
+    tokens (and only those) under the loss mask with their behavior logprobs."""
+    for s, t in enumerate(ts):
+        r, cols = sample_slots(b, s)
+        seq = list(t.prompt_tokens) + list(t.response_tokens)
+        assert cols.tolist() == list(range(cols[0], cols[0] + len(seq)))
+        np.testing.assert_array_equal(b.tokens[r, cols], seq)
+        np.testing.assert_array_equal(b.positions[r, cols], np.arange(len(seq)))
+        assert len(set(b.segment_ids[r, cols])) == 1 and b.segment_ids[r, cols[0]] > 0
+        m = b.loss_mask[r, cols]
+        assert m.sum() == len(t.response_tokens) and not m[-1]
+        np.testing.assert_array_equal(b.targets[r, cols][m], t.response_tokens)
+        np.testing.assert_allclose(b.behavior_logprobs[r, cols][m], t.behavior_logprobs)
+
+
 def test_one_sample_per_row_layout():
     ts = [
         traj([5, 6, 7], [8, 9], "a", reward=1.0),
@@ -79,17 +95,7 @@ def test_packed_rows_hold_several_samples():
     total = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in ts)
     assert b.tokens.shape[0] == 2
     assert b.tokens.shape[1] in CFG.length_buckets and 2 * b.tokens.shape[1] >= total
-    for s, t in enumerate(ts):  # every sample intact, in its own segment, positions from 0
-        r, cols = sample_slots(b, s)
-        seq = list(t.prompt_tokens) + list(t.response_tokens)
-        assert cols.tolist() == list(range(cols[0], cols[0] + len(seq)))
-        np.testing.assert_array_equal(b.tokens[r, cols], seq)
-        np.testing.assert_array_equal(b.positions[r, cols], np.arange(len(seq)))
-        assert len(set(b.segment_ids[r, cols])) == 1 and b.segment_ids[r, cols[0]] > 0
-        m = b.loss_mask[r, cols]
-        assert m.sum() == len(t.response_tokens) and not m[-1]
-        np.testing.assert_array_equal(b.targets[r, cols][m], t.response_tokens)
-        np.testing.assert_allclose(b.behavior_logprobs[r, cols][m], t.behavior_logprobs)
+    assert_samples_intact(b, ts)
     # segments differ between neighbours in a row
     for r in range(2):
         segs = b.segment_ids[r][b.segment_ids[r] > 0]
@@ -173,14 +179,7 @@ def test_token_packing_takes_the_fewest_positions_that_fit(seed):
     best = min(B * T for B, T in shapes)
     assert b.num_rows * b.seq_len == best and b.num_rows % multiple == 0
     assert int((b.segment_ids > 0).sum()) == sum(sizes)  # every token placed once
-    for s, t in enumerate(ts):  # every sample intact, in its own segment, positions from 0
-        r, cols = sample_slots(b, s)
-        seq = list(t.prompt_tokens) + list(t.response_tokens)
-        assert cols.tolist() == list(range(cols[0], cols[0] + len(seq)))
-        np.testing.assert_array_equal(b.tokens[r, cols], seq)
-        np.testing.assert_array_equal(b.positions[r, cols], np.arange(len(seq)))
-        m = b.loss_mask[r, cols]
-        np.testing.assert_array_equal(b.targets[r, cols][m], t.response_tokens)
+    assert_samples_intact(b, ts)
 
 
 def test_token_packing_beats_one_sample_per_row_on_a_long_tail():
