@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import quiet  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "bench_soak.json"
 
 
@@ -85,26 +88,6 @@ def heap_mib() -> float:
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "dora_jax"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        return out.stdout.strip() + ("+changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def growth(points: list[dict], key: str, from_step: int = 100) -> float:
@@ -209,7 +192,7 @@ def main() -> None:
         },
         "command": "python benchmarks/bench_soak.py " + " ".join(sys.argv[1:]),
         "overrides": overrides,
-        "commit": commit(),
+        "commit": quiet.commit(),
         "load_average_before": load0[0],
         "load_average_after": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d"),
