@@ -1,5 +1,5 @@
-"""The dependency rule of dora_jax.envs: it imports only dora_jax.config, dora_jax.model.tokenizer
-and itself from the package, and its worker processes start without jax."""
+"""The dependency rule of dora_jax.envs: it imports only dora_jax.config, dora_jax.user_code,
+dora_jax.model.tokenizer and itself from the package, and its worker processes start without jax."""
 
 import ast
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dora_jax.envs
 
-ALLOWED = ("dora_jax.envs", "dora_jax.config", "dora_jax.model.tokenizer")
+ALLOWED = ("dora_jax.envs", "dora_jax.config", "dora_jax.model.tokenizer", "dora_jax.user_code")
 
 
 def test_envs_imports_only_what_the_rule_allows():
