@@ -68,7 +68,9 @@ def measure(steps: int, warmup: int, rounds: int, extra: list[str], work: Path) 
                   f"{f['seconds']:.1f} s, overlap {f['overlap']:.2f}, group idle "
                   f"{', '.join(f'{x:.2f}' for x in f['group_idle'])}; train step median "
                   f"{f.get('train_step_s_median', 0):.2f} s, {f.get('compiling_steps', 0)} "
-                  f"compiling ({f.get('compiling_steps_s', 0):.1f} s)", flush=True)  # fmt: skip
+                  f"compiling ({f.get('compiling_steps_s', 0):.1f} s), "
+                  f"{f.get('fallback_steps', 0)} in a bigger shape while theirs compiled",
+                  flush=True)  # fmt: skip
     med = {m: statistics.median(f["trajectories_per_s"] for f in fs) for m, fs in runs.items()}
     tok = {m: statistics.median(f["response_tokens_per_s"] for f in fs) for m, fs in runs.items()}
     best = {m: min(fs, key=lambda f, m=m: abs(f["trajectories_per_s"] - med[m]))

@@ -181,6 +181,12 @@ class TrainConfig:
     packing: Literal["tokens", "rows"] = "tokens"
     # a fixed number of rows for packed batches (0: the ladder's choice; "rows" ignores it)
     pack_rows: int = 0
+    # When the step compiles for a packed batch shape it has not met. "inline": there and then
+    # (the step waits). "background": on a worker thread, while the batch runs in the smallest
+    # compiled shape that holds it (the memory plan's largest at worst); the shape then depends
+    # on timing, so a run no longer repeats exactly. "auto": background on the wall clock with
+    # the trainer in one process, inline otherwise.
+    compile_shapes: Literal["auto", "inline", "background"] = "auto"
     staleness_bins: int = 8  # staleness histogram bins 0..bins-1; the last also counts larger
     # a step whose loss or gradient is not finite is skipped (params unchanged), logged and
     # counted; after this many in a row the run stops with a checkpoint (0: never stop)
@@ -221,6 +227,11 @@ class TrainConfig:
             self.packing in ("tokens", "rows"),
             "packing",
             f"must be 'tokens' or 'rows', got {self.packing!r}",
+        )
+        _check(
+            self.compile_shapes in ("auto", "inline", "background"),
+            "compile_shapes",
+            f"must be 'auto', 'inline' or 'background', got {self.compile_shapes!r}",
         )
         _check(self.staleness_bins > 0, "staleness_bins", f"must be > 0, got {self.staleness_bins}")
         _check(

@@ -87,6 +87,8 @@ class Experiment:
         if isinstance(self.runtime.trainer, ThreadedTrainer):
             self.runtime.trainer.close()
         self.reward.close()
+        if isinstance(self.trainer, Trainer):
+            self.trainer.close()
 
     # -- what a checkpoint holds (dora_jax.checkpoint calls these) ------------------------------
 
@@ -387,6 +389,8 @@ def build(
         trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params, rules=rules)
         del params, warmed  # version 0 lives on as the trainer's export (engines alias it)
     trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
+    if _compiles_ahead(cfg, spanning=isinstance(trainer, LeadTrainer)):
+        trainer.compile_ahead()
     grpo = GRPOTrainer(trainer, tokenizer, reward)
     if cluster is not None and not cluster.transfers.via_store:
         grpo.export_shardings = cluster.link.stage_shardings()
@@ -413,6 +417,19 @@ def build(
         cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses,
         evaluator=evaluator, memory_plan=plan, prompts=prompts, long_prompt_lines=long_skipped,
     )  # fmt: skip
+
+
+def _compiles_ahead(cfg: ExperimentConfig, spanning: bool) -> bool:
+    """Whether the trainer compiles new batch shapes on a worker thread (``train.compile_shapes``):
+    a trainer spanning processes runs each step in lockstep on all of them, so it compiles in
+    line."""
+    mode = cfg.train.compile_shapes
+    if mode == "background" and spanning:
+        raise ConfigError("train.compile_shapes", "'background' needs the trainer in one process "
+                          "(this trainer mesh spans several); use 'auto' or 'inline'")  # fmt: skip
+    if mode == "auto":
+        return cfg.orchestrator.clock == "wall" and not spanning
+    return mode == "background"
 
 
 def _evaluator(cfg: ExperimentConfig, meshes: Meshes, tokenizer, scorer, encode):

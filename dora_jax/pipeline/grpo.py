@@ -187,6 +187,7 @@ class GRPOTrainer:
                     )
                 )
         # a broken policy may have sampled non-finite logprobs: the step's guard skips the step
+        fallbacks = getattr(self.trainer, "fallback_batches", 0)
         packed = self.trainer.pack(
             trajectories, num_groups=len(batch), version=self.version,
             allow_nonfinite_logprobs=True,
@@ -199,7 +200,9 @@ class GRPOTrainer:
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - t0
         real = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in trajectories)
-        timing = {"train_step_s": seconds, "real_tokens_per_s": real / max(seconds, 1e-9)}
+        timing = {"train_step_s": seconds, "real_tokens_per_s": real / max(seconds, 1e-9),
+                  # 1: run in a bigger compiled shape while its own compiled (train.compile_shapes)
+                  "fallback_shape": float(getattr(self.trainer, "fallback_batches", 0) - fallbacks)}  # fmt: skip
         metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
         faults.point("train_step")
         version = self.version

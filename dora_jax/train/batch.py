@@ -133,26 +133,22 @@ def _first_fit(lengths: Sequence[int], rows: int, capacity: int) -> list[tuple[i
 
 
 def _smallest_shape(
-    lengths: Sequence[int], buckets: Sequence[int], ladder: Sequence[int]
-) -> tuple[int, int, list[tuple[int, int]]]:
-    """``(rows, bucket, placement)`` with the fewest positions ``rows x bucket`` (ties: the
-    longer rows) that first-fit-decreasing fills; the ladder's last count always fits (one
-    sample per row)."""
-    best: tuple[int, int, list[tuple[int, int]]] | None = None
+    lengths: Sequence[int], shapes: Sequence[tuple[int, int]]
+) -> tuple[int, int, list[tuple[int, int]]] | None:
+    """``(rows, bucket, placement)``: of the ``(rows, bucket)`` ``shapes``, the one with the
+    fewest positions ``rows x bucket`` (ties: the longer rows) that first-fit-decreasing fills;
+    None if none does."""
     longest, total = max(lengths), sum(lengths)
-    for T in buckets:
-        if T < longest:
-            continue
-        for B in ladder:
-            if B * T < total or (best is not None and B * T > best[0] * best[1]):
-                continue
-            place = _first_fit(lengths, B, T)
-            if place is not None:
-                if best is None or B * T <= best[0] * best[1]:
-                    best = (B, T, place)
-                break
-    assert best is not None  # the last ladder count holds one sample per row
-    return best
+    fitting = [(B, T) for B, T in shapes if T >= longest and B * T >= total]
+    for B, T in sorted(set(fitting), key=lambda s: (s[0] * s[1], -s[1])):
+        place = _first_fit(lengths, B, T)
+        if place is not None:
+            return B, T, place
+    return None
+
+
+class NoShapeFits(ValueError):
+    """The samples fit none of the train-batch shapes offered to :func:`pack_batch`."""
 
 
 def _validate(
@@ -194,6 +190,7 @@ def pack_batch(
     vocab_size: int | None = None,
     allow_nonfinite_logprobs: bool = False,
     routes_shape: tuple[int, int] | None = None,
+    shapes: Sequence[tuple[int, int]] | None = None,
 ) -> TrainBatch:
     """Pack complete prompt groups of finished trajectories into a :class:`TrainBatch`.
 
@@ -208,7 +205,10 @@ def pack_batch(
     pack non-finite behavior logprobs (a broken policy sampled them) instead of raising; the
     train step's non-finite guard then skips the step. ``routes_shape``: ``(layers, experts per
     token)`` of a mixture-of-experts policy: the batch then carries ``routes`` (each
-    trajectory's recorded ones, -1 where it has none).
+    trajectory's recorded ones, -1 where it has none). ``shapes``: with ``packing="tokens"`` and
+    no fixed row count, the ``(rows, bucket)`` shapes to choose from instead of the buckets
+    times :func:`row_ladder` (e.g. the shapes a trainer has compiled); :class:`NoShapeFits` if
+    the samples fit none of them.
     """
     G = cfg.group_size
     if len(trajectories) == 0:
@@ -241,7 +241,15 @@ def pack_batch(
         n_rows = cfg.pack_rows if cfg.packing == "tokens" else 0
     choose_bucket(max(lengths), buckets)  # raises if one sample is too long
     if rows is None and cfg.packing == "tokens" and n_rows == 0:
-        B, T, place = _smallest_shape(lengths, buckets, row_ladder(row_multiple, S))
+        if shapes is None:
+            shapes = [(B, T) for T in buckets for B in row_ladder(row_multiple, S)]
+        best = _smallest_shape(lengths, shapes)
+        if best is None:
+            raise NoShapeFits(
+                f"{len(samples)} samples ({sum(lengths)} tokens, the longest {max(lengths)}) fit "
+                f"none of the shapes {sorted(set(shapes))}"
+            )
+        B, T, place = best
     elif n_rows == 0:
         B = S
         T = choose_bucket(max(lengths), buckets)

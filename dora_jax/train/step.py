@@ -37,7 +37,8 @@ from dora_jax.config import ModelConfig, TrainConfig, TrainerMeshConfig
 from dora_jax.model.params import Params, abstract_params, init_params
 from dora_jax.sharding import Rules, constrain, spec_for, trainer_rules, use_rules
 from dora_jax.train.advantages import group_advantages
-from dora_jax.train.batch import TrainBatch, pack_batch
+from dora_jax.train.batch import NoShapeFits, TrainBatch, pack_batch
+from dora_jax.train.compile_ahead import ShapeCompiler
 from dora_jax.train.logprobs import token_logprobs
 from dora_jax.train.losses import aggregate, clipped_surrogate, kl_k3, token_weights
 from dora_jax.train.state import (
@@ -411,7 +412,11 @@ class Trainer:
     ):
         self.model_cfg, self.train_cfg, self.mesh = model_cfg, train_cfg, mesh
         self.traces = 0  # how often the step was traced (a recompilation check for tests)
-        self._aot: dict[tuple[int, int], Any] = {}  # (rows, seq_len) -> adopted compiled step
+        # (samples, rows, seq_len) -> a compiled step: adopted, or compiled ahead
+        self._aot: dict[tuple[int, int, int], Any] = {}
+        self._inline: set[tuple[int, int, int]] = set()  # shapes the jitted step compiled
+        self._ahead: ShapeCompiler | None = None
+        self.fallback_batches = 0  # batches run in a bigger shape while theirs compiled
         self._export = jax.jit(lambda s: jax.tree.map(jnp.copy, model_params(s)))
         if params is None:
             params = init_params(model_cfg, key if key is not None else jax.random.key(0))
@@ -447,7 +452,44 @@ class Trainer:
         compiled twice."""
         if self.mesh is None:
             raise ValueError("only a trainer on a mesh can adopt a compiled step")
-        self._aot[(rows, seq_len)] = compiled
+        samples = compiled.args_info[0][1].rewards.shape[0]  # the batch's sample count
+        self._aot[(samples, rows, seq_len)] = compiled
+
+    def compile_ahead(self) -> None:
+        """From now on compile new batch shapes on a worker thread and run a batch whose shape
+        is not compiled yet in the smallest compiled shape that holds it
+        (:mod:`dora_jax.train.compile_ahead`; for the wall clock: which shape a batch gets
+        depends on timing). Only packed batches without a fixed row count change shape."""
+        if self._ahead is not None:
+            return
+        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
+        state = jax.tree.map(abstract, self.state)
+        routes = routes_shape(self.model_cfg)
+
+        def compile_shape(key: tuple[int, int, int]) -> Any:
+            batch = abstract_batch(*key, routes)
+            if self._batch_sh is not None:
+                batch = jax.tree.map(
+                    lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                    batch, self._batch_sh,
+                )  # fmt: skip
+            return self._step.lower(state, batch).compile()
+
+        self._ahead = ShapeCompiler(compile_shape)
+
+    def close(self) -> None:
+        """Stop compiling ahead (a compilation under way finishes on its own)."""
+        if self._ahead is not None:
+            self._ahead.close()
+
+    @property
+    def compiled_ahead(self) -> dict[tuple[int, int, int], float]:
+        """The shapes compiled on the worker thread so far, with each compilation's seconds."""
+        return {} if self._ahead is None else dict(self._ahead.seconds)
+
+    def _compiled_shapes(self) -> set[tuple[int, int, int]]:
+        ahead = self._ahead.ready() if self._ahead is not None else {}
+        return set(self._aot) | set(ahead) | self._inline
 
     def reset(self, params: Params) -> None:
         """Start over from model-dtype ``params``: version 0, fresh optimizer state (the
@@ -481,16 +523,31 @@ class Trainer:
     ) -> TrainBatch:
         """:func:`pack_batch` against ``version`` (default the optimizer's version; a caller
         that counts skipped steps as versions passes its own), checking the row count."""
-        batch = pack_batch(
-            trajectories,
-            self.train_cfg,
-            allow_nonfinite_logprobs=allow_nonfinite_logprobs,
-            trainer_version=self.version if version is None else version,
-            num_groups=num_groups,
-            row_multiple=self.row_multiple,
-            vocab_size=self.model_cfg.vocab_size,
-            routes_shape=routes_shape(self.model_cfg),
-        )
+        def pack(shapes=None) -> TrainBatch:
+            return pack_batch(
+                trajectories,
+                self.train_cfg,
+                allow_nonfinite_logprobs=allow_nonfinite_logprobs,
+                trainer_version=self.version if version is None else version,
+                num_groups=num_groups,
+                row_multiple=self.row_multiple,
+                vocab_size=self.model_cfg.vocab_size,
+                routes_shape=routes_shape(self.model_cfg),
+                shapes=shapes,
+            )
+
+        batch = pack()
+        key = _shape_key(batch)
+        cfg = self.train_cfg
+        if (self._ahead is not None and cfg.packing == "tokens" and not cfg.pack_rows
+                and key not in self._compiled_shapes()):  # fmt: skip
+            self._ahead.request(key)
+            ready = [(B, T) for S, B, T in self._compiled_shapes() if S == key[0]]
+            try:
+                batch = pack(ready)  # the best compiled shape, while this one compiles
+                self.fallback_batches += 1
+            except NoShapeFits:  # none holds it: the step waits for its compilation
+                pass
         self.check_batch(batch)
         return batch
 
@@ -516,7 +573,13 @@ class Trainer:
         self.check_batch(batch)
         if self._batch_sh is not None:
             batch = jax.device_put(batch, self._batch_sh)
-        step = self._aot.get((batch.num_rows, batch.seq_len), self._step)
+        key = _shape_key(batch)
+        step = self._aot.get(key)
+        if step is None and self._ahead is not None:
+            step = self._ahead.get(key)  # waits if it is compiling
+        if step is None:
+            step = self._step
+            self._inline.add(key)
         self.state, metrics = step(self.state, batch)
         return metrics
 
@@ -536,3 +599,7 @@ class Trainer:
         ``shardings`` when given (default: the trainer's)."""
         out = self._export(self.state)
         return out if shardings is None else jax.device_put(out, shardings)
+
+
+def _shape_key(batch: TrainBatch) -> tuple[int, int, int]:
+    return batch.num_samples, batch.num_rows, batch.seq_len
