@@ -138,8 +138,9 @@ def throughput(proc, argv: list[str]) -> dict:
         "compiling_steps_s": sum(slow),
         # steps run in a bigger compiled shape while their own compiled on a worker thread
         # (train.compile_shapes), and the shapes compiled there over the whole run
-        "fallback_steps": int(sum(s.timing.get("fallback_shape", 0.0)
-                                  for s in exp.grpo.log[first : first + steps])),  # fmt: skip
+        "fallback_steps": int(
+            sum(s.timing.get("fallback_shape", 0.0) for s in exp.grpo.log[first : first + steps])
+        ),  # fmt: skip
         "compiled_ahead": len(exp.trainer.compiled_ahead),
     }
 

@@ -523,6 +523,7 @@ class Trainer:
     ) -> TrainBatch:
         """:func:`pack_batch` against ``version`` (default the optimizer's version; a caller
         that counts skipped steps as versions passes its own), checking the row count."""
+
         def pack(shapes=None) -> TrainBatch:
             return pack_batch(
                 trajectories,
