@@ -200,9 +200,11 @@ class GRPOTrainer:
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - t0
         real = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in trajectories)
+        # fallback_shape 1: run in a bigger compiled shape while its own compiled
+        # (train.compile_shapes)
+        fallback = getattr(self.trainer, "fallback_batches", 0) - fallbacks
         timing = {"train_step_s": seconds, "real_tokens_per_s": real / max(seconds, 1e-9),
-                  # 1: run in a bigger compiled shape while its own compiled (train.compile_shapes)
-                  "fallback_shape": float(getattr(self.trainer, "fallback_batches", 0) - fallbacks)}  # fmt: skip
+                  "fallback_shape": float(fallback)}  # fmt: skip
         metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
         faults.point("train_step")
         version = self.version
