@@ -4,6 +4,7 @@ bigger compiled shape while the batch's own shape compiles, with the same update
 own shape gives, and never compiles a shape twice."""
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -101,3 +102,20 @@ def test_a_batch_runs_in_a_compiled_bigger_shape_while_its_own_compiles():
     assert (again.num_rows, again.seq_len) == (s_inline.num_rows, s_inline.seq_len)
     assert ahead.fallback_batches == 1
     ahead.close()
+
+
+def test_close_waits_for_the_compilation_under_way():
+    started, done = threading.Event(), []
+
+    def compile_fn(key):
+        started.set()
+        time.sleep(0.3)
+        done.append(key)
+        return key
+
+    c = ShapeCompiler(compile_fn)
+    c.request("a")
+    c.request("b")
+    started.wait(5)
+    c.close()  # "a" finishes (a thread inside XLA at exit aborts the process); "b" is dropped
+    assert done == ["a"] and c.get("b") is None

@@ -12,13 +12,17 @@ every shape compiles in line and a run repeats exactly.
 :class:`ShapeCompiler` is the worker: ``request(key)`` queues a shape, ``ready()`` lists the
 finished ones, ``get(key)`` waits for a queued or running one. A compilation that raises is
 recorded and not retried here: the trainer then compiles that shape in line, where the error
-reaches the caller.
+reaches the caller. ``close()`` waits for a compilation under way, and every compiler still open
+is closed at interpreter exit: a daemon thread still inside XLA when the interpreter finalises
+aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -38,6 +42,7 @@ class ShapeCompiler:
         self.seconds: dict[Hashable, float] = {}  # each finished compilation's wall seconds
         self._closed = False
         self._thread: threading.Thread | None = None
+        _OPEN.add(self)
 
     def request(self, key: Hashable) -> bool:
         """Queue ``key`` unless it is compiled, queued, running or failed; True if queued."""
@@ -82,11 +87,15 @@ class ShapeCompiler:
                 self._cv.wait()
 
     def close(self) -> None:
-        """Drop the queue and stop the worker after its current compilation (not waited for)."""
+        """Drop the queue and stop the worker, waiting for its current compilation."""
         with self._cv:
             self._closed = True
             self._queue.clear()
             self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        _OPEN.discard(self)
 
     def _work(self) -> None:
         while True:
@@ -109,3 +118,12 @@ class ShapeCompiler:
                     self.errors[key] = error
                 self._running = None
                 self._cv.notify_all()
+
+
+_OPEN: weakref.WeakSet[ShapeCompiler] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for compiler in list(_OPEN):
+        compiler.close()
