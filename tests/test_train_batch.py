@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from dora_jax.config import TrainConfig
-from dora_jax.train.batch import Trajectory, choose_bucket, pack_batch, row_ladder
+from dora_jax.train.batch import (
+    Trajectory,
+    choose_bucket,
+    chunk_rows,
+    pack_batch,
+    row_ladder,
+)
 
 CFG = TrainConfig(group_size=2, length_buckets=(8, 16, 32), packing="rows")
 
@@ -195,3 +201,43 @@ def test_token_packing_beats_one_sample_per_row_on_a_long_tail():
     share = lambda b: float((b.segment_ids > 0).mean())  # noqa: E731
     assert padded.num_rows == 64 and packed.num_rows < 16
     assert share(packed) > 0.75 > 0.25 > share(padded)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_budget_microbatches_hold_the_samples_in_the_first_ones(seed):
+    """``train.microbatch_tokens``: room for one sample per row in whole microbatches of the
+    budget's rows (microbatch m is rows m, m + M, ...), the samples packed into the fewest
+    positions of whole microbatches over the buckets, those microbatches first."""
+    rng = np.random.default_rng(seed)
+    cfg = dataclasses.replace(TOKENS, microbatch_tokens=32)
+    ts = []
+    for s in range(12):
+        L = int(np.clip(rng.lognormal(1.5, 0.8), 2, 30))
+        ts.append(traj(list(rng.integers(0, 50, 1)), list(rng.integers(0, 50, L - 1)), s // 2))
+    multiple = int(rng.integers(1, 3))
+    b = pack_batch(ts, cfg, trainer_version=0, row_multiple=multiple)
+    assert_samples_intact(b, ts)
+    T = b.seq_len
+    R = chunk_rows(cfg, T, multiple)
+    M = len(b.chunk_mask)
+    assert R == multiple * max(1, 32 // T) and b.num_rows == M * R and M == -(-len(ts) // R)
+    used = int(b.chunk_mask.sum())
+    assert b.chunk_mask[:used].all() and not b.chunk_mask[used:].any()
+    rows = b.segment_ids.reshape(R, M, T)  # [slot, microbatch, position]: row j * M + m
+    assert (rows[:, used:] == 0).all() and (rows[:, used - 1] > 0).any()
+    # the oracle: the fewest positions of whole microbatches over the buckets that hold them
+    sizes = sorted((len(t.prompt_tokens) + len(t.response_tokens) for t in ts), reverse=True)
+
+    def fits(B, T):
+        free = [T] * B
+        for L in sizes:
+            i = next((i for i in range(B) if free[i] >= L), None)
+            if i is None:
+                return False
+            free[i] -= L
+        return True
+
+    shapes = [(k * chunk_rows(cfg, U, multiple), U) for U in cfg.length_buckets
+              if U >= sizes[0] for k in range(1, len(ts) + 1)]  # fmt: skip
+    best = min(B * U for B, U in shapes if fits(B, U))
+    assert used * R * T == best

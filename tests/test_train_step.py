@@ -437,6 +437,10 @@ GRAD_CASES = {
                                              loss_agg="seq_mean_token_sum_norm"),
     "rloo-seq_mean-kl-microbatches": dict(advantage="rloo", loss_agg="seq_mean_token_mean",
                                           kl_beta=0.5, tis_cap=2.0, microbatches=2),
+    # microbatches by a token budget, one row each (rows packed for one device), the step
+    # looping over the used ones only
+    "grpo-seq_mean-token_budget": dict(loss_agg="seq_mean_token_mean", microbatch_tokens=16,
+                                       pack_multiple=1),
 }  # fmt: skip
 
 
@@ -452,8 +456,12 @@ def test_gradients_and_update_match_float64_oracle(params0, case):
     every gradient leaf, the global norm and the first AdamW update against the float64 oracle,
     and the metrics against the NumPy oracle. The KL reference is *not* the policy, so the KL
     term contributes a gradient of its own."""
-    tcfg = dataclasses.replace(TRAIN, weight_decay=0.1, lr=1e-2, **GRAD_CASES[case])
-    b = pack_batch(make_trajs(1, [2, 0]), tcfg, trainer_version=2, row_multiple=ROWS)
+    opts = dict(GRAD_CASES[case])
+    multiple = opts.pop("pack_multiple", ROWS)
+    tcfg = dataclasses.replace(TRAIN, weight_decay=0.1, lr=1e-2, **opts)
+    b = pack_batch(make_trajs(1, [2, 0]), tcfg, trainer_version=2, row_multiple=multiple)
+    if tcfg.microbatch_tokens:  # some microbatches hold samples, the rest are skipped
+        assert 0 < int(b.chunk_mask.sum()) < len(b.chunk_mask) == b.num_rows
     b = with_behavior(b, params0, noise=0.5, seed=3)
     ref = perturbed(params0, 0.05, seed=7)
     state = init_state(params0, MODEL, tcfg)
@@ -483,3 +491,26 @@ def test_gradients_and_update_match_float64_oracle(params0, case):
         _, no_kl = oracle_grads(params0, b, dataclasses.replace(tcfg, kl_beta=0.0))
         moved = global_norm(jax.tree.map(np.subtract, want, no_kl))
         assert moved > 1e3 * GRAD_RTOL * global_norm(want)
+
+
+def test_token_budget_microbatches_equal_the_ladder_and_compile_once_per_bucket(params0):
+    """On the 2x2 mesh: batches of 3, 1 and 2 prompt groups (three shapes on the ladder) give
+    the same updates under ``train.microbatch_tokens`` as on the ladder, with one compilation
+    per bucket met."""
+    mesh = make_mesh(jax.devices()[:4], 2, 2)
+    ladder = Trainer(MODEL, TRAIN, mesh=mesh, params=params0)
+    budget = Trainer(MODEL, dataclasses.replace(TRAIN, microbatch_tokens=16), mesh=mesh,
+                     params=params0)  # fmt: skip
+    shapes, buckets = set(), set()
+    for step, versions in enumerate([[0, 0, 0], [1], [2, 2]]):
+        trajs = make_trajs(10 + step, versions)
+        a, b = ladder.pack(trajs, num_groups=3), budget.pack(trajs, num_groups=3)
+        assert b.num_rows == 12  # room for 12 samples, one per row
+        shapes.add((a.num_rows, a.seq_len))
+        buckets.add(b.seq_len)
+        ma, mb = host(ladder.step(a)), host(budget.step(b))
+        for k in ("loss", "grad_norm", "num_tokens", "real_tokens", "entropy", "approx_kl"):
+            np.testing.assert_allclose(mb[k], ma[k], rtol=2e-5, atol=1e-7, err_msg=k)
+        assert max_diff(host(budget.state.params), host(ladder.state.params)) < 1e-5
+    assert ladder.num_compiles == len(shapes) == 3
+    assert budget.num_compiles == len(buckets) < len(shapes)

@@ -181,6 +181,13 @@ class TrainConfig:
     packing: Literal["tokens", "rows"] = "tokens"
     # a fixed number of rows for packed batches (0: the ladder's choice; "rows" ignores it)
     pack_rows: int = 0
+    # Microbatches by a token budget: with packing "tokens", each microbatch is this many
+    # positions per data-parallel device (rows of a bucket: max(1, budget // bucket) per device),
+    # the batch has room for the worst case (one sample per row) and the step loops over the
+    # microbatches that hold samples only: its cost follows the real tokens and it compiles once
+    # per length bucket. 0: the row count is chosen from a ladder instead (a compilation per
+    # (rows, bucket) met) and split into train.microbatches.
+    microbatch_tokens: int = 0
     # When the step compiles for a packed batch shape it has not met. "inline": there and then
     # (the step waits). "background": on a worker thread, while the batch runs in the smallest
     # compiled shape that holds it (the memory plan's largest at worst); the shape then depends
@@ -228,6 +235,15 @@ class TrainConfig:
             "packing",
             f"must be 'tokens' or 'rows', got {self.packing!r}",
         )
+        _check(self.microbatch_tokens >= 0, "microbatch_tokens",
+               f"must be >= 0, got {self.microbatch_tokens}")  # fmt: skip
+        if self.microbatch_tokens:
+            _check(self.packing == "tokens" and not self.pack_rows, "microbatch_tokens",
+                   "needs train.packing: tokens and train.pack_rows: 0 (it sizes the batch "
+                   "itself)")  # fmt: skip
+            _check(self.microbatches == 1, "microbatch_tokens",
+                   f"sets the microbatches itself: train.microbatches must be 1, got "
+                   f"{self.microbatches}")  # fmt: skip
         _check(
             self.compile_shapes in ("auto", "inline", "background"),
             "compile_shapes",

@@ -390,7 +390,7 @@ def build(
         del params, warmed  # version 0 lives on as the trainer's export (engines alias it)
     trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
     if _compiles_ahead(cfg, spanning=isinstance(trainer, LeadTrainer)):
-        trainer.compile_ahead()
+        trainer.compile_ahead(cfg.orchestrator.train_batch_prompts * cfg.train.group_size)
     grpo = GRPOTrainer(trainer, tokenizer, reward)
     if cluster is not None and not cluster.transfers.via_store:
         grpo.export_shardings = cluster.link.stage_shardings()

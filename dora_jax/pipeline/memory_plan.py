@@ -54,7 +54,7 @@ from dora_jax.model.params import abstract_params, dtype_of, param_axes
 from dora_jax.rollout.attention import resolve_impl
 from dora_jax.rollout.steps import lower_steps
 from dora_jax.sharding import rollout_rules, trainer_rules, tree_shardings
-from dora_jax.train.batch import choose_bucket, row_ladder
+from dora_jax.train.batch import choose_bucket, chunked_shape, row_ladder
 from dora_jax.train.state import init_state, state_shardings, uses_master
 from dora_jax.train.step import lower_train_step
 
@@ -412,11 +412,13 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     # train step temporaries at the longest bucket a batch can need
     S = o.train_batch_prompts * t.group_size
     tm = cfg.mesh.trainer
-    if t.packing == "tokens" and not t.pack_rows:  # the ladder's largest: one sample per row
+    T = longest_bucket(cfg)
+    if t.microbatch_tokens:  # room for one sample per row, in whole microbatches
+        rows = chunked_shape(t, T, tm.data * tm.expert, S)[0]
+    elif t.packing == "tokens" and not t.pack_rows:  # the ladder's largest: one sample per row
         rows = row_ladder(t.microbatches * tm.data * tm.expert, S)[-1]
     else:
         rows = t.pack_rows or S
-    T = longest_bucket(cfg)
     compiled = compiled_train_step(m, t, tmesh, cfg.mesh.trainer, S, rows, T)
     ma = compiled.memory_analysis()
     # the step's arguments are the state (counted above) and this device's part of the batch
@@ -424,7 +426,9 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     step = ma.temp_size_in_bytes + batch_bytes
     for d in trainer_ids:
         items.append(Item(d, f"train step temporaries ({rows} rows x {T} tokens, "
-                             f"{t.microbatches} microbatch(es))", step, TRANSIENT))  # fmt: skip
+                             + (f"microbatches of {t.microbatch_tokens} tokens per device)"
+                                if t.microbatch_tokens else
+                                f"{t.microbatches} microbatch(es))"), step, TRANSIENT))  # fmt: skip
 
     # evaluator: one engine on the first trainer device
     ev = min(trainer_ids, key=lambda d: _mesh_ids(tmesh).index(d))

@@ -79,6 +79,9 @@ class TrainBatch:
     staleness: Any  # int32[S]      trainer version - trajectory version
     response_lens: Any  # int32[S]
     routes: Any = None  # int16[B, T, L, k] MoE only: the engine's experts per token, -1 unknown
+    # train.microbatch_tokens only: bool[M], the microbatches that hold samples (a prefix); the
+    # step loops over those. Microbatch m is rows m, m + M, m + 2M, ...
+    chunk_mask: Any = None
 
     @property
     def num_rows(self) -> int:
@@ -115,6 +118,21 @@ def row_ladder(multiple: int, samples: int) -> list[int]:
         if k * multiple >= samples:
             return out
         k += 1 if k < 8 else 2 ** (k.bit_length() - 3)
+
+
+def chunk_rows(cfg: TrainConfig, seq_len: int, multiple: int) -> int:
+    """Rows of one microbatch of ``train.microbatch_tokens`` at rows of ``seq_len``: the budget
+    per device over the row length (at least one row) times ``multiple``, the data-parallel
+    devices the rows are spread over."""
+    return multiple * max(1, cfg.microbatch_tokens // seq_len)
+
+
+def chunked_shape(cfg: TrainConfig, seq_len: int, multiple: int, samples: int) -> tuple[int, int]:
+    """``(rows, microbatches)`` of a batch of ``samples`` under ``train.microbatch_tokens`` at
+    rows of ``seq_len``: room for one sample per row (the worst case), in whole microbatches."""
+    R = chunk_rows(cfg, seq_len, multiple)
+    M = -(-samples // R)
+    return M * R, M
 
 
 def _first_fit(lengths: Sequence[int], rows: int, capacity: int) -> list[tuple[int, int]] | None:
@@ -240,7 +258,10 @@ def pack_batch(
     else:
         n_rows = cfg.pack_rows if cfg.packing == "tokens" else 0
     choose_bucket(max(lengths), buckets)  # raises if one sample is too long
-    if rows is None and cfg.packing == "tokens" and n_rows == 0:
+    chunk_mask = None
+    if rows is None and cfg.microbatch_tokens:
+        B, T, place, chunk_mask = _pack_chunked(lengths, cfg, row_multiple, S, shapes)
+    elif rows is None and cfg.packing == "tokens" and n_rows == 0:
         if shapes is None:
             shapes = [(B, T) for T in buckets for B in row_ladder(row_multiple, S)]
         best = _smallest_shape(lengths, shapes)
@@ -323,4 +344,34 @@ def pack_batch(
         staleness=staleness,
         response_lens=response_lens,
         routes=routes,
+        chunk_mask=chunk_mask,
     )
+
+
+def _pack_chunked(
+    lengths: Sequence[int],
+    cfg: TrainConfig,
+    multiple: int,
+    samples: int,
+    shapes: Sequence[tuple[int, int]] | None,
+) -> tuple[int, int, list[tuple[int, int]], np.ndarray]:
+    """``train.microbatch_tokens`` packing: the bucket and number of microbatches with the fewest
+    positions that hold the samples (of the buckets of ``shapes`` if given), laid out so that
+    microbatch ``m`` is rows ``m, m + M, ...`` and the used ones come first."""
+    buckets = sorted({T for _, T in shapes}) if shapes is not None else cfg.length_buckets
+    cands = []
+    for T in buckets:
+        R = chunk_rows(cfg, T, multiple)
+        cands += [(k * R, T) for k in range(1, chunked_shape(cfg, T, multiple, samples)[1] + 1)]
+    best = _smallest_shape(lengths, cands)
+    if best is None:
+        raise NoShapeFits(
+            f"{len(lengths)} samples ({sum(lengths)} tokens, the longest {max(lengths)}) fit "
+            f"none of the buckets {list(buckets)}"
+        )
+    used, T, place = best
+    R = chunk_rows(cfg, T, multiple)
+    B, M = chunked_shape(cfg, T, multiple, samples)
+    # logical row r is row r % R of microbatch r // R
+    place = [((r % R) * M + r // R, o) for r, o in place]
+    return B, T, place, np.arange(M) < used // R

@@ -37,7 +37,13 @@ from dora_jax.config import ModelConfig, TrainConfig, TrainerMeshConfig
 from dora_jax.model.params import Params, abstract_params, init_params
 from dora_jax.sharding import Rules, constrain, spec_for, trainer_rules, use_rules
 from dora_jax.train.advantages import group_advantages
-from dora_jax.train.batch import NoShapeFits, TrainBatch, pack_batch
+from dora_jax.train.batch import (
+    NoShapeFits,
+    TrainBatch,
+    chunk_rows,
+    chunked_shape,
+    pack_batch,
+)
 from dora_jax.train.compile_ahead import ShapeCompiler
 from dora_jax.train.logprobs import token_logprobs
 from dora_jax.train.losses import aggregate, clipped_surrogate, kl_k3, token_weights
@@ -195,6 +201,8 @@ def train_step_with_grads(
     }
     if batch.routes is not None:
         per_token["routes"] = batch.routes
+    if batch.chunk_mask is not None:  # train.microbatch_tokens: loop over the used ones only
+        M = batch.chunk_mask.shape[0]
     mbs = {k: _split_microbatches(v, M) for k, v in per_token.items()}
 
     grad_fn = jax.value_and_grad(_microbatch_loss, has_aux=True)
@@ -213,7 +221,13 @@ def train_step_with_grads(
         return (g_acc, loss_acc + loss, sums_acc), None
 
     init = (zero_grads, jnp.zeros((), jnp.float32), zero_sums)
-    if M == 1:  # no loop to compile
+    if batch.chunk_mask is not None:
+        pick = lambda m: jax.tree.map(  # noqa: E731
+            lambda x: jax.lax.dynamic_index_in_dim(x, m, keepdims=False), mbs
+        )
+        used = jnp.sum(batch.chunk_mask.astype(jnp.int32))
+        grads, loss, sums = jax.lax.fori_loop(0, used, lambda m, c: body(c, pick(m))[0], init)
+    elif M == 1:  # no loop to compile
         (grads, loss, sums), _ = body(init, jax.tree.map(lambda x: x[0], mbs))
     else:
         (grads, loss, sums), _ = jax.lax.scan(body, init, mbs)
@@ -289,8 +303,17 @@ def _metrics(
         # every token of a sample (prompt and response) over the batch's positions: the share
         # of the step's work that is not padding
         "real_tokens": jnp.sum(batch.segment_ids > 0).astype(jnp.int32),
-        "real_token_share": jnp.mean(batch.segment_ids > 0),
+        "real_token_share": jnp.sum(batch.segment_ids > 0) / _positions_trained(batch),
     }
+
+
+def _positions_trained(batch: TrainBatch) -> jax.Array:
+    """The positions the step computes: the whole batch, or the microbatches it loops over."""
+    B, T = batch.segment_ids.shape
+    if batch.chunk_mask is None:
+        return jnp.asarray(B * T, jnp.float32)
+    M = batch.chunk_mask.shape[0]
+    return jnp.sum(batch.chunk_mask.astype(jnp.float32)) * (B // M) * T
 
 
 def default_rules(mesh: Mesh) -> Rules:
@@ -308,9 +331,11 @@ def routes_shape(cfg: ModelConfig) -> tuple[int, int] | None:
     return (cfg.num_layers, cfg.num_experts_per_tok) if cfg.is_moe else None
 
 
-def batch_shardings(mesh: Mesh, rules: Rules, with_routes: bool = False) -> TrainBatch:
+def batch_shardings(
+    mesh: Mesh, rules: Rules, with_routes: bool = False, with_chunks: bool = False
+) -> TrainBatch:
     """Token arrays ``[B, T]`` (and MoE routes ``[B, T, L, k]``) split over ``data``,
-    per-sample arrays replicated."""
+    per-sample arrays (and the microbatch mask) replicated."""
     tok = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
     rep = NamedSharding(mesh, PartitionSpec())
     return TrainBatch(
@@ -326,14 +351,20 @@ def batch_shardings(mesh: Mesh, rules: Rules, with_routes: bool = False) -> Trai
         staleness=rep,
         response_lens=rep,
         routes=tok if with_routes else None,
+        chunk_mask=rep if with_chunks else None,
     )
 
 
 def abstract_batch(
-    num_samples: int, rows: int, seq_len: int, routes: tuple[int, int] | None = None
+    num_samples: int,
+    rows: int,
+    seq_len: int,
+    routes: tuple[int, int] | None = None,
+    chunks: int | None = None,
 ) -> TrainBatch:
     """A :class:`TrainBatch` of ``jax.ShapeDtypeStruct`` leaves (``rows x seq_len`` tokens,
-    ``num_samples`` samples): what :func:`lower_train_step` compiles for."""
+    ``num_samples`` samples, ``chunks`` microbatches of ``train.microbatch_tokens``): what
+    :func:`lower_train_step` compiles for."""
     tok = lambda dt: jax.ShapeDtypeStruct((rows, seq_len), dt)  # noqa: E731
     smp = lambda dt: jax.ShapeDtypeStruct((num_samples,), dt)  # noqa: E731
     return TrainBatch(
@@ -351,7 +382,21 @@ def abstract_batch(
         routes=None
         if routes is None
         else jax.ShapeDtypeStruct((rows, seq_len, *routes), jnp.int16),
+        chunk_mask=None if chunks is None else jax.ShapeDtypeStruct((chunks,), jnp.bool_),
     )
+
+
+def batch_chunks(train_cfg: TrainConfig, rows: int, seq_len: int, multiple: int) -> int | None:
+    """The microbatch count of a batch of ``rows x seq_len`` under ``train.microbatch_tokens``
+    (None without it); ``multiple``: the data-parallel devices the rows are spread over."""
+    if not train_cfg.microbatch_tokens:
+        return None
+    return rows // chunk_rows(train_cfg, seq_len, multiple)
+
+
+def data_multiple(mesh: Mesh) -> int:
+    """The devices a batch's rows are spread over: data x expert."""
+    return mesh.shape["data"] * mesh.shape.get("expert", 1)
 
 
 def lower_train_step(
@@ -374,7 +419,8 @@ def lower_train_step(
     state = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, st_sh
     )
-    batch = abstract_batch(num_samples, rows, seq_len, routes_shape(model_cfg))
+    chunks = batch_chunks(train_cfg, rows, seq_len, data_multiple(mesh))
+    batch = abstract_batch(num_samples, rows, seq_len, routes_shape(model_cfg), chunks)
 
     def traced(state: TrainState, batch: TrainBatch):
         with use_rules(mesh, rules):
@@ -383,7 +429,10 @@ def lower_train_step(
     rep = NamedSharding(mesh, PartitionSpec())
     step = jax.jit(
         traced,
-        in_shardings=(st_sh, batch_shardings(mesh, rules, routes_shape(model_cfg) is not None)),
+        in_shardings=(
+            st_sh,
+            batch_shardings(mesh, rules, routes_shape(model_cfg) is not None, chunks is not None),
+        ),
         out_shardings=(st_sh, rep),
         donate_argnums=0,
     )
@@ -437,7 +486,8 @@ class Trainer:
         st_sh = state_shardings(model_cfg, train_cfg, mesh, rules)
         self._init = jax.jit(make_state, out_shardings=st_sh)
         self.state = self._init(params)
-        self._batch_sh = batch_shardings(mesh, rules, routes_shape(model_cfg) is not None)
+        self._batch_sh = batch_shardings(mesh, rules, routes_shape(model_cfg) is not None,
+                                         bool(train_cfg.microbatch_tokens))  # fmt: skip
         rep = NamedSharding(mesh, PartitionSpec())
         self._step = jax.jit(
             self._traced_step,
@@ -455,11 +505,13 @@ class Trainer:
         samples = compiled.args_info[0][1].rewards.shape[0]  # the batch's sample count
         self._aot[(samples, rows, seq_len)] = compiled
 
-    def compile_ahead(self) -> None:
+    def compile_ahead(self, num_samples: int | None = None) -> None:
         """From now on compile new batch shapes on a worker thread and run a batch whose shape
         is not compiled yet in the smallest compiled shape that holds it
         (:mod:`dora_jax.train.compile_ahead`; for the wall clock: which shape a batch gets
-        depends on timing). Only packed batches without a fixed row count change shape."""
+        depends on timing). Only packed batches without a fixed row count change shape. Under
+        ``train.microbatch_tokens`` with ``num_samples`` given, every bucket's shape is queued
+        now (they are known in advance: one per bucket)."""
         if self._ahead is not None:
             return
         abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
@@ -467,7 +519,8 @@ class Trainer:
         routes = routes_shape(self.model_cfg)
 
         def compile_shape(key: tuple[int, int, int]) -> Any:
-            batch = abstract_batch(*key, routes)
+            mult = 1 if self.mesh is None else data_multiple(self.mesh)
+            batch = abstract_batch(*key, routes, batch_chunks(self.train_cfg, *key[1:], mult))
             if self._batch_sh is not None:
                 batch = jax.tree.map(
                     lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
@@ -476,6 +529,12 @@ class Trainer:
             return self._step.lower(state, batch).compile()
 
         self._ahead = ShapeCompiler(compile_shape)
+        if num_samples is not None and self.train_cfg.microbatch_tokens:
+            for T in reversed(self.train_cfg.length_buckets):
+                key = (num_samples, chunked_shape(self.train_cfg, T, self.row_multiple,
+                                                  num_samples)[0], T)  # fmt: skip
+                if key not in self._aot:
+                    self._ahead.request(key)
 
     def close(self) -> None:
         """Stop compiling ahead (a compilation under way finishes on its own)."""
