@@ -2,9 +2,12 @@
 
     python benchmarks/bench_train_step.py [--steps 40] [--big-steps 3]
 
-Two cases, each timed with ``train.packing=rows`` (one trajectory per row, padded to the batch's
-bucket) and ``train.packing=tokens`` (several per row, the row count from the ladder) on the same
-batches, one after the other in this process:
+Two cases, each timed on the same batches, one after the other in this process, three ways:
+``padded`` (``train.packing=rows``: one trajectory per row, padded to the batch's bucket),
+``packed_ladder`` (``train.packing=tokens``: several per row, the row count from the ladder, a
+compilation per shape met) and ``packed`` (the same packing in microbatches of
+``train.microbatch_tokens`` per device, the step looping over those that hold samples: one
+compilation per bucket; the default config's path):
 
 - ``default_task``: the default config's policy, trainer mesh (data 2 x model 2 on fake CPU
   devices), batch (8 prompt groups x 8 samples) and buckets (96, 192), on the built-in task's
@@ -14,11 +17,12 @@ batches, one after the other in this process:
   4864) with 2 of its 24 layers and a 16,384-token vocabulary (the full 151,936 would make the
   LM head most of a CPU step), blockwise attention as the GPU presets use, on one device, 2
   prompt groups x 4 samples with long-tailed response lengths (lognormal, p99/median > 10,
-  capped at 1,000 tokens) and buckets 256/512/1024.
+  capped at 1,000 tokens), buckets 256/512/1024 and microbatches of 1,024 tokens.
 
 Every batch shape is compiled once before the timing; the step's seconds are from dispatch to
 the metrics on the host. Reported per case and packing: ``real_token_share`` (real tokens over
-padded positions), ``real_tokens_per_s`` (the median over the timed steps), the shapes met, and
+the positions the step computes), ``real_tokens_per_s`` (the median over the timed steps), the
+shapes met, and
 ``model_tflops`` per second: 6 x (params) x (real tokens) / seconds, the useful FLOP rate,
 against ``matmul_peak_tflops``, a float32 matmul measured on the same machine. Then
 ``speedup_packed_over_padded`` in real tokens per second. Writes
@@ -154,15 +158,19 @@ def run_case(name, model_cfg, train_cfg, mesh, batches, steps) -> dict:
     from dora_jax.model import init_params
 
     params = init_params(model_cfg, jax.random.key(0))
+    variants = {
+        "padded": dataclasses.replace(train_cfg, packing="rows", microbatch_tokens=0),
+        "packed_ladder": dataclasses.replace(train_cfg, packing="tokens", microbatch_tokens=0),
+        "packed": dataclasses.replace(train_cfg, packing="tokens"),
+    }
+    if not train_cfg.microbatch_tokens:  # the config's packed path is the ladder
+        del variants["packed_ladder"]
     out = {}
-    for packing in ("rows", "tokens"):
+    for kind, tcfg in variants.items():
         t0 = time.perf_counter()
-        tcfg = dataclasses.replace(train_cfg, packing=packing)
-        out["padded" if packing == "rows" else "packed"] = time_case(
-            model_cfg, tcfg, mesh, batches, params, steps
-        )
-        print(f"{name}: {packing}: {out['padded' if packing == 'rows' else 'packed']} "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+        out[kind] = time_case(model_cfg, tcfg, mesh, batches, params, steps)
+        out[kind]["microbatch_tokens"] = tcfg.microbatch_tokens
+        print(f"{name}: {kind}: {out[kind]} ({time.perf_counter() - t0:.0f} s)", flush=True)
     out["speedup_packed_over_padded"] = (
         out["packed"]["real_tokens_per_s"] / out["padded"]["real_tokens_per_s"]
     )
@@ -198,13 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         num_layers=2, num_heads=14, num_kv_heads=2, attention="blockwise",
         attention_block=256, tie_word_embeddings=True,
     )  # fmt: skip
-    big_train = TrainConfig(group_size=4, length_buckets=(256, 512, 1024))
+    big_train = TrainConfig(group_size=4, length_buckets=(256, 512, 1024), microbatch_tokens=1024)
     figures["qwen2.5-0.5b_shape"] = run_case(
         "qwen2.5-0.5b_shape", big, big_train, make_mesh(jax.devices()[:1], 1, 1),
         long_tail_batches(big.vocab_size, 2, 4, a.big_steps), a.big_steps,
     )  # fmt: skip
     for case in ("default_task", "qwen2.5-0.5b_shape"):
-        for kind in ("padded", "packed"):
+        for kind in ("padded", "packed_ladder", "packed"):
+            if kind not in figures[case]:
+                continue
             c = figures[case][kind]
             c["share_of_matmul_peak"] = c["model_tflops"] / figures["matmul_peak_tflops"]
     figures.update(quiet.provenance(load0))
