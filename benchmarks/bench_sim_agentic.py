@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
             f"{v['tokens_per_s']:.2f}x   step time {v['step_time']:.2f}x"
         )
     data = {
-        "command": "python benchmarks/bench_sim_agentic.py " + " ".join(argv),
+        "command": " ".join(["python benchmarks/bench_sim_agentic.py", *argv]),
         "units": "modeled seconds; model_tokens_per_s: model tokens of consumed trajectories per "
         "modeled second (the agentic throughput); tokens_per_s counts observation tokens too; "
         "*_frac: fractions of group-seconds; waiting_*: requests waiting on their environment "
