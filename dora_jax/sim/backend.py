@@ -25,6 +25,22 @@ only (each migrated request brings its own KV).
 training (no rollout progress, no transfer): the trainer calls it when rollout and training share
 the devices.
 
+**Conversations** (``conversations`` given: :mod:`dora_jax.sim.conversations`). A request
+decodes model turn after model turn. At the end of one (its ``target``) it frees its decode slot
+and waits its environment's latency, in modeled time that runs on whatever the group does (or
+does not do), while its KV, all its tokens so far, stays counted on the group (admission,
+parking, ``kv_pages_used``); the group decodes its other requests meanwhile. When the
+observation arrives its tokens are prefilled as an extend of the cached context (only they cost
+prefill), and the next model turn decodes. A turn ends at the time its last token was sampled
+within the tick (the group's decode step times the tokens it took); an observation arrives at
+the tick boundary nearest its time, so waits are not biased by the tick. A waiting request is
+one of the group's requests for the control plane (it pins the group's version, it can migrate
+with its KV and its turn state, ``interrupt`` returns it with both) but takes no slot: a group
+may hold more requests than slots, and decodes (and prefills) at most ``max_slots`` at a time,
+oldest first. ``waiting_requests``, ``waiting_kv`` and ``env_wait_s`` record, per tick and group,
+the requests waiting on their environment, the KV tokens they hold, and the seconds the group
+idled while they waited (its ``env_wait`` activity on the simulator's timeline).
+
 Response lengths come from :class:`~dora_jax.sim.workload.ResponseLengths`, a pure function of
 ``(seed, prompt group, request id mod G)``, so every mode gets the same workload.
 """
@@ -44,17 +60,21 @@ from dora_jax.orchestrator.backend import (
     Source,
     StepEvents,
 )
+from dora_jax.sim.conversations import US, Conversations
 from dora_jax.sim.cost_model import CostModel
+from dora_jax.sim.waiting import WaitingRequests
 from dora_jax.sim.workload import ResponseLengths
 
 # group-seconds accounting, per tick (summed over groups)
 CATEGORIES = ("transfer", "migrate", "prefill", "reprefill", "decode", "idle", "train")
 TRANSFER, MIGRATE, PREFILL, REPREFILL, DECODE, IDLE, TRAIN = range(len(CATEGORIES))
 _ACTIVITY = ("idle", "prefill", "decode", "transfer", "migrate")
-_FIELDS = ("rid", "pg", "plen", "target", "gen", "pf", "rp", "vflag")
+_FIELDS = ("rid", "pg", "plen", "target", "gen", "pf", "rp", "vflag",
+           "turn", "wake", "obs", "otok", "envus")  # fmt: skip
+_GEN, _PF, _RP, _VFLAG = (_FIELDS.index(f) for f in ("gen", "pf", "rp", "vflag"))
 
 
-class SimBackend:
+class SimBackend(WaitingRequests):
     """Simulated rollout groups; see the module docstring for the time and memory model."""
 
     def __init__(
@@ -70,6 +90,7 @@ class SimBackend:
         admit_watermark: float = 0.85,
         admit_reserve_tokens: int = 2048,
         kv_capacity_tokens: int | None = None,
+        conversations: Conversations | None = None,
     ):
         if num_groups < 1 or max_slots < 1 or tick_s <= 0 or page_size < 1:
             raise ValueError("need num_groups, max_slots, page_size >= 1 and tick_s > 0")
@@ -82,37 +103,65 @@ class SimBackend:
         self.capacity = kv_capacity_tokens or cost.kv_capacity_tokens
         self.admit_limit = admit_watermark * self.capacity
         self.admit_reserve = admit_reserve_tokens
+        self.conversations = conversations
         # one int64 array per request field, rows in admission order, packed so that moving
-        # requests between rows or groups is one fancy-index per call
+        # requests between rows or groups is one fancy-index per call (rows grow past
+        # max_slots only when requests waiting on their environment hold no slot)
         self._data = np.zeros((len(_FIELDS), num_groups, max_slots), np.int64)
-        (
-            self.rid,
-            self.pg,
-            self.plen,
-            self.target,
-            self.gen,
-            self.pf,  # context tokens still to prefill
-            self.rp,  # of which computed before an interrupt (re-prefill)
-            self.vflag,  # 1: sampled a token under the group's version
-        ) = self._data
+        self._bind()
         self.n = np.zeros(num_groups, np.int64)
         self.version = np.zeros(num_groups, np.int64)
         self.busy = np.zeros(num_groups)  # seconds of weight transfer left
         self.mig = np.zeros(num_groups)  # seconds of incoming KV left
         self.carry = np.zeros(num_groups)
-        self._col = np.arange(max_slots)
         self._frozen_until = 0
         self._published = 0
         self._tick = 0
         self._where: dict[int, int] = {}
         self._seen: set[int] = set()
-        self._interrupted: dict[int, tuple[int, int]] = {}  # id -> (target length, cached)
+        self._interrupted: dict[int, np.ndarray] = {}  # id -> its row (rp: tokens cached)
         self._base_versions: dict[int, tuple[int, ...]] = {}
         self._payload: dict[int, object] = {}
         self.seconds: list[np.ndarray] = []  # per tick: group-seconds by CATEGORIES
         self.weight_transfers = 0
         self.migrated_requests = 0
         self.migrated_tokens = 0
+        # conversations: per tick and group, requests waiting on their environment, the KV
+        # tokens they hold, and seconds idle while they wait; per finished conversation, its
+        # (request id, model turns, model tokens, observation tokens, environment microseconds)
+        self.waiting_requests: list[np.ndarray] = []
+        self.waiting_kv: list[np.ndarray] = []
+        self.env_wait_s: list[np.ndarray] = []
+        self._done_conversations: list[tuple[int, int, int, int, int]] = []
+
+    def _bind(self) -> None:
+        """Name the rows of ``_data`` (after it was allocated or grown)."""
+        (
+            self.rid,
+            self.pg,
+            self.plen,
+            self.target,  # response tokens at the end of the current model turn
+            self.gen,  # response tokens so far (observations included)
+            self.pf,  # context tokens still to prefill
+            self.rp,  # of which computed before an interrupt (re-prefill)
+            self.vflag,  # 1: sampled a token under the group's version
+            self.turn,  # conversations: index of the current model turn
+            self.wake,  # microseconds of modeled time its observation arrives (0: not waiting)
+            self.obs,  # observation tokens it is waiting for
+            self.otok,  # observation tokens among gen
+            self.envus,  # environment microseconds so far
+        ) = self._data
+        self._col = np.arange(self._data.shape[2])
+
+    def _grow(self, rows: int) -> None:
+        """Room for ``rows`` requests in every group."""
+        have = self._data.shape[2]
+        if rows <= have:
+            return
+        data = np.zeros((len(_FIELDS), self.num_groups, max(rows, 2 * have)), np.int64)
+        data[:, :, :have] = self._data
+        self._data = data
+        self._bind()
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -130,18 +179,19 @@ class SimBackend:
         plen, gen = self.plen[g, cols], self.gen[g, cols]
         return np.maximum(plen + gen, plen + self.admit_reserve)
 
-    def _free(self, reserved: np.ndarray) -> np.ndarray:
+    def _free(self, reserved: np.ndarray, held: np.ndarray) -> np.ndarray:
         """Requests each group may admit now: free slots, and room under the watermark for
         ``admit_reserve_tokens`` each (an empty group may always admit one)."""
         by_kv = np.floor((self.admit_limit - reserved) / self.admit_reserve).astype(np.int64)
         by_kv = np.maximum(by_kv, (self.n == 0).astype(np.int64))
-        return np.maximum(0, np.minimum(self.max_slots - self.n, by_kv))
+        return np.maximum(0, np.minimum(self.max_slots - held, by_kv))
 
     def _free_one(self, g: int) -> int:
         k = int(self.n[g])
         reserved = float(self._reserved(g, k).sum())
         by_kv = max(int(np.floor((self.admit_limit - reserved) / self.admit_reserve)), int(k == 0))
-        return max(0, min(self.max_slots - k, by_kv))
+        held = k if self.conversations is None else k - int((self.wake[g, :k] > 0).sum())
+        return max(0, min(self.max_slots - held, by_kv))
 
     def groups(self) -> list[GroupInfo]:
         w = int(self.n.max())
@@ -149,7 +199,8 @@ class SimBackend:
         full = np.where(valid, self.plen[:, :w] + self.gen[:, :w], 0)
         pages = -(-full // self.page_size)
         used = pages.sum(axis=1)
-        free = self._free(np.where(valid, self._reserved(slice(None), w), 0).sum(axis=1))
+        reserved = np.where(valid, self._reserved(slice(None), w), 0).sum(axis=1)
+        free = self._free(reserved, self._slots_held(w))
         total = self.capacity // self.page_size
         busy = np.ceil(self.busy / self.tick_s - 1e-9).astype(np.int64)
         out = []
@@ -230,24 +281,28 @@ class SimBackend:
                 raise BackendError(f"submit: request {spec.request_id} was not interrupted")
         if len({s.request_id for s in requests}) < len(requests):
             raise BackendError("submit: duplicate request ids")
-        rid = np.array([s.request_id for s in requests], np.int64)
-        pg = np.array([s.prompt_group for s in requests], np.int64)
-        plen = np.array([s.prompt_len for s in requests], np.int64)
-        target = self.lengths.lengths(pg, rid % self.lengths.group_size)
-        gen = np.zeros(len(requests), np.int64)
-        rp = np.zeros(len(requests), np.int64)
+        rows = np.zeros((len(_FIELDS), len(requests)), np.int64)
+        rid, pg, plen, target = rows[:4]
+        rid[:] = [s.request_id for s in requests]
+        pg[:] = [s.prompt_group for s in requests]
+        plen[:] = [s.prompt_len for s in requests]
+        members = rid % self.lengths.group_size
+        conv = self.conversations
+        target[:] = (conv.first_target if conv else self.lengths.lengths)(pg, members)
         for i, spec in enumerate(requests):
-            if spec.resume is not None:
-                target[i], rp[i] = self._interrupted.pop(spec.request_id)
-                gen[i] = spec.resume.generated
+            if spec.resume is not None:  # its row as interrupted: progress and turn state
+                rows[3:, i] = self._interrupted.pop(spec.request_id)[3:]
+                rows[_GEN, i] = spec.resume.generated
+                rows[_VFLAG, i] = 0
                 self._base_versions[spec.request_id] = tuple(spec.resume.versions)
             if spec.payload is not None:
                 self._payload[spec.request_id] = spec.payload
             self._seen.add(spec.request_id)
             self._where[spec.request_id] = g
+        rows[_PF] = plen + rows[_GEN]  # a resumed request prefills its whole context again
         a, b = int(self.n[g]), int(self.n[g]) + len(requests)
-        zero = np.zeros(len(requests), np.int64)
-        self._data[:, g, a:b] = np.stack([rid, pg, plen, target, gen, plen + gen, rp, zero])
+        self._grow(b)
+        self._data[:, g, a:b] = rows
         self.n[g] = b
 
     def _rows(self, g: int, ids: list[int]) -> np.ndarray:
@@ -283,13 +338,18 @@ class SimBackend:
             raise BackendError(f"migrate: request {bad} is not on group {src}")
         if len(set(request_ids)) < len(request_ids):
             raise BackendError("migrate: duplicate request ids")
-        room = self.max_slots - int(self.n[d])
-        if len(request_ids) > room:
+        room, need = self.max_slots - int(self.n[d]), len(request_ids)
+        if self.conversations is not None and request_ids:  # waiting requests take no slot
+            w = int(self.n.max())
+            room = self.max_slots - int(self._slots_held(w)[d])
+            need -= int((self.wake[s, self._rows(s, request_ids)] > 0).sum())
+        if need > room:
             raise BackendError(f"migrate: group {dst} has {room} free slots")
         if not request_ids:
             return
         rows = self._rows(s, request_ids)
         a, b = int(self.n[d]), int(self.n[d]) + len(rows)
+        self._grow(b)
         self._data[:, d, a:b] = self._data[:, s, rows]
         self.n[d] = b
         cached = int((self.plen[s, rows] + self.gen[s, rows] - self.pf[s, rows]).sum())
@@ -314,8 +374,9 @@ class SimBackend:
             rows = self._rows(g, ids)
             for r, i in zip(ids, rows.tolist(), strict=True):
                 gen, plen = int(self.gen[g, i]), int(self.plen[g, i])
-                cached = plen + gen - int(self.pf[g, i])
-                self._interrupted[r] = (int(self.target[g, i]), cached)
+                row = self._data[:, g, i].copy()
+                row[_RP] = plen + gen - int(self.pf[g, i])  # cached: re-prefilled on resume
+                self._interrupted[r] = row
                 versions = self._versions(r, g, bool(self.vflag[g, i]))
                 out[r] = PartialRequest(
                     r, int(self.pg[g, i]), plen, gen, versions, self._payload.pop(r, None)
@@ -326,12 +387,22 @@ class SimBackend:
 
     # -- the tick --------------------------------------------------------------------------------
 
-    def _prefill(self, w: int, budget: np.ndarray, secs: np.ndarray, counts: np.ndarray) -> None:
+    def _prefill(
+        self,
+        w: int,
+        budget: np.ndarray,
+        secs: np.ndarray,
+        counts: np.ndarray,
+        sched: np.ndarray | None = None,
+    ) -> None:
         """Prefill every group's waiting context, oldest request first, within its ``budget``
         (updated in place); a group's first request that does not fit gets the rest as a chunk.
-        Vectorized over groups: cumulative tokens and pairs per group, one cost-model call."""
+        Vectorized over groups: cumulative tokens and pairs per group, one cost-model call.
+        ``sched``: only these rows (conversations: those holding a slot)."""
         G = self.num_groups
         todo = (self.pf[:, :w] > 0) & (self._col[None, :w] < self.n[:, None])
+        if sched is not None:
+            todo &= sched
         todo &= (budget > 0)[:, None]
         gi, ri = np.nonzero(todo)  # group-major: admission order within each group
         if not len(gi):
@@ -378,6 +449,7 @@ class SimBackend:
         tokens = np.zeros(G, np.int64)
         held = self.n.copy()
         finished: list[FinishedRequest] = []
+        sched = self._wake_up() if self.conversations is not None else None
         if t < self._frozen_until:  # colocated: the devices train; the carry waits
             secs[:, TRAIN] = dt
         else:
@@ -388,9 +460,11 @@ class SimBackend:
                 budget -= use
                 secs[:, c] = use
             w = int(self.n.max())
-            self._prefill(w, budget, secs, counts)
-            tokens, finished = self._decode(w, budget, secs)
+            self._prefill(w, budget, secs, counts, sched)
+            tokens, finished = self._decode(w, budget, secs, sched)
         self.seconds.append(secs.sum(axis=0))
+        if self.conversations is not None:
+            self._record_waits(secs[:, IDLE])
         busy = secs[:, TRANSFER] + secs[:, MIGRATE]
         fill = secs[:, PREFILL] + secs[:, REPREFILL]
         dec = secs[:, DECODE]
@@ -417,14 +491,18 @@ class SimBackend:
         return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
 
     def _decode(
-        self, w: int, budget: np.ndarray, secs: np.ndarray
+        self, w: int, budget: np.ndarray, secs: np.ndarray, sched: np.ndarray | None = None
     ) -> tuple[np.ndarray, list[FinishedRequest]]:
         """Decode steps within each group's remaining budget (rows ``< w`` only: no group holds
-        more); returns tokens per group and the requests that finished."""
+        more); returns tokens per group and the requests that finished (conversations: the
+        others that reached their turn's end start waiting on their environment). ``sched``:
+        only these rows decode."""
         valid = self._col[None, :w] < self.n[:, None]
         gen, target = self.gen[:, :w], self.target[:, :w]
         full = self.plen[:, :w] + gen
         runnable = valid & (self.pf[:, :w] == 0)
+        if sched is not None:
+            runnable &= sched
         over = np.nonzero(np.where(valid, full, 0).sum(axis=1) > self.capacity)[0]
         if len(over):  # park the newest requests of groups whose KV overflows
             cum = np.cumsum(np.where(valid[over], full[over], 0), axis=1)
@@ -458,9 +536,16 @@ class SimBackend:
         done = runnable & (gen >= target)
         gi, ri = np.nonzero(done)
         finished: list[FinishedRequest] = []
+        if len(gi) and self.conversations is not None:  # turn ends: when its last token came
+            into = np.clip(self.tick_s - b[gi] + m[gi, ri] * s[gi], 0.0, self.tick_s)
+            at = np.rint((self._tick * self.tick_s + into) * US).astype(np.int64)
+            last = self._end_turns(gi, ri, at)
+            gi, ri = gi[last], ri[last]
         if len(gi):
             fields = self._data[:, gi, ri]
             cols = zip(gi.tolist(), *fields[[0, 1, 2, 4]].tolist(), strict=True)
+            if self.conversations is not None:
+                self._log_conversations(gi, ri)
             for g, r, p, pl, ng in cols:
                 finished.append(
                     FinishedRequest(

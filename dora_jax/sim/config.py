@@ -147,6 +147,65 @@ class ResponseConfig:
 
 
 @dataclass(frozen=True)
+class ObservationConfig:
+    """Tokens of one environment turn (a tool's answer, a game's reply) appended to a
+    conversation: log-normal (``median``, ``p99_ratio`` = p99 / median), clipped to
+    ``[1, max_tokens]``."""
+
+    median: float = 200.0
+    p99_ratio: float = 5.0
+    max_tokens: int = 4096
+
+    def __post_init__(self):
+        _positive(self, "median", "max_tokens")
+        _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
+
+
+@dataclass(frozen=True)
+class LatencyConfig:
+    """Seconds one environment call takes (modeled time). ``lognormal``: ``median_s`` and
+    ``p99_ratio``; ``file``: measured seconds, one number per line, at ``path``. Capped at
+    ``max_s`` (the environment's per-call timeout)."""
+
+    kind: Literal["lognormal", "file"] = "lognormal"
+    median_s: float = 1.0
+    p99_ratio: float = 30.0
+    max_s: float = 600.0
+    path: str | None = None
+
+    def __post_init__(self):
+        _positive(self, "median_s", "max_s")
+        _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
+        _check(self.kind != "file" or bool(self.path), "path", "kind 'file' needs a path")
+
+
+@dataclass(frozen=True)
+class TurnsConfig:
+    """Multi-turn (agentic) conversations: a trajectory alternates model turns and environment
+    turns. Model turns per trajectory: log-normal (``median``, ``p99_ratio``), rounded, in
+    ``[1, max_turns]``; ``prompt_corr`` is the share of its log-variance that is the prompt's
+    difficulty (the same difficulty that lengthens responses: hard prompts get more and longer
+    turns). Each model turn's length is drawn from ``response`` (per turn); each environment
+    turn takes ``latency`` seconds and appends ``observation`` tokens. A trajectory whose
+    response (model and observation tokens) reaches ``max_total_tokens`` ends there."""
+
+    median: float = 4.0
+    p99_ratio: float = 10.0
+    max_turns: int = 64
+    prompt_corr: float = 0.5
+    max_total_tokens: int = 32768
+    observation: ObservationConfig = field(default_factory=ObservationConfig)
+    latency: LatencyConfig = field(default_factory=LatencyConfig)
+
+    def __post_init__(self):
+        _check(self.median >= 1, "median", f"must be >= 1 (turns), got {self.median}")
+        _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
+        _check(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
+        _check(0 <= self.prompt_corr <= 1, "prompt_corr", "must be in [0, 1]")
+        _positive(self, "max_total_tokens")
+
+
+@dataclass(frozen=True)
 class PromptConfig:
     """Prompt lengths (tokens): log-normal, clipped to ``[min_tokens, max_tokens]``."""
 
@@ -240,6 +299,7 @@ class SimConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    turns: TurnsConfig | None = None  # multi-turn conversations (None: one turn per request)
     # hardware 'cpu': the calibrate_cpu.json whose measured constants give every cost
     # (benchmarks/calibrate_cpu.py; a relative path is taken from the repository root)
     calibration: str | None = None

@@ -74,6 +74,30 @@ def table(metrics: list[SimMetrics]) -> str:
     return "\n".join(lines)
 
 
+def conversation_table(metrics: list[SimMetrics]) -> str:
+    """One row per run with conversations: model tokens per second, turns and environment
+    seconds per trajectory, requests waiting on their environment and the KV they hold, the
+    share of group time idle while they wait, re-prefilled tokens, version span."""
+    head = (
+        f"{'mode':<15}{'model tok/s':>12}{'turns':>7}{'p99':>6}{'env s':>7}{'p99':>7}"
+        f"{'waiting':>9}{'max':>7}{'wait KV Mtok':>13}{'max':>7}{'KV%':>6}{'envidle':>8}"
+        f"{'reprefill':>11}{'span':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for m in metrics:
+        c = m.conversations
+        if c is None:
+            continue
+        lines.append(
+            f"{_label(m):<15}{c.model_tokens_per_s:>12.0f}{c.turns_mean:>7.2f}{c.turns_p99:>6.0f}"
+            f"{c.env_s_mean:>7.1f}{c.env_s_p99:>7.1f}{c.waiting_mean:>9.1f}{c.waiting_max:>7}"
+            f"{c.waiting_kv_tokens_mean / 1e6:>13.2f}{c.waiting_kv_tokens_max / 1e6:>7.2f}"
+            f"{100 * c.waiting_kv_frac_mean:>6.1f}{c.env_wait_frac:>8.3f}"
+            f"{c.reprefill_tokens:>11}{m.max_version_span:>5}"
+        )
+    return "\n".join(lines)
+
+
 DECOMPOSITION = (
     ("gpu_rollout_full_s", "full batch"),
     ("gpu_rollout_tail_s", "tail"),
@@ -309,7 +333,13 @@ def timeline_png(run: SimRun, path: Path) -> Path:
     :func:`dora_jax.report.plot_timeline` (the real runs' timeline: colour = version, light =
     prefill or requests waiting (also while a colocated trainer holds the devices), grey =
     weight transfer, near-black = KV move, white = idle; the trainer and migrations lanes on
-    top), x in modeled seconds."""
+    top), x in modeled seconds. A run with conversations is drawn by
+    :func:`dora_jax.sim.timeline.conversation_timeline_png`: the same picture, with environment
+    waits in their own colour."""
+    if run.backend.conversations is not None:
+        from dora_jax.sim.timeline import conversation_timeline_png
+
+        return conversation_timeline_png(run, path)
     cfg, rec = run.cfg, run.result.records
     w, k = cfg.run.warmup_steps, cfg.run.timeline_steps
     t0 = rec.steps[w - 1].end if w else 0

@@ -20,6 +20,9 @@ from an empty cluster): from the end of step ``warmup`` to the end of step ``ste
   nothing waits (``gpu_rollout_tail_s``: the batch drains, finished requests are not replaced),
   re-prefill (``gpu_reprefill_s``), training (``gpu_train_s``), weight and KV moves
   (``gpu_moves_s``), and idle rollout or trainer GPUs (``gpu_idle_s``).
+- with a ``turns`` section, ``conversations``: turns, environment time, requests waiting on their
+  environment and the KV they hold, model tokens per second
+  (:class:`~dora_jax.sim.conversations.ConversationFigures`); None otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator.runtime import RunResult, Runtime
 from dora_jax.sim.backend import CATEGORIES, DECODE, PREFILL, SimBackend
 from dora_jax.sim.config import SimConfig
+from dora_jax.sim.conversations import ConversationFigures, Conversations, conversation_figures
 from dora_jax.sim.cost_model import CostModel, MeasuredCost
 from dora_jax.sim.hardware import get_hardware
 from dora_jax.sim.models import get_model
@@ -78,6 +82,7 @@ class SimMetrics:
     plans_by_trigger: dict = field(default_factory=dict)
     plans_moving: int = 0
     plan_ms_max: float = 0.0
+    conversations: ConversationFigures | None = None  # runs with a turns section
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,6 +188,7 @@ def build(
     cost = cost_model(cfg)
     r, o = cfg.run, cfg.orchestration
     lengths = ResponseLengths(cfg.response, o.group_size, r.seed)
+    conversations = Conversations(cfg.turns, lengths, r.seed) if cfg.turns else None
     backend = SimBackend(
         cost,
         cfg.cluster.rollout_groups(placement),
@@ -193,6 +199,7 @@ def build(
         max_prompt_len=cfg.prompt.max_tokens,
         admit_watermark=o.kv_admit_watermark,
         admit_reserve_tokens=o.kv_admit_reserve_tokens,
+        conversations=conversations,
     )
     colocated = backend if placement == "colocated" else None
     trainer = SimTrainer(
@@ -308,4 +315,7 @@ def metrics(
         plans_by_trigger=by_trigger,
         plans_moving=sum(1 for p in plans if p.transfers or p.migrated),
         plan_ms_max=max((p.ms for p in plans), default=0.0),
+        conversations=conversation_figures(backend, rec, consumed, t0, t1, span)
+        if backend.conversations is not None
+        else None,
     )

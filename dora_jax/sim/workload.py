@@ -64,9 +64,11 @@ class ResponseLengths:
         self.group_size = group_size
         self.seed = seed
         self._blocks: dict[int, np.ndarray] = {}
+        self._difficulty: dict[int, np.ndarray] = {}  # block -> z_prompt, shape (_BLOCK,)
         self._empirical = load_lengths(cfg.path) if cfg.kind == "file" else None
 
     def _map(self, z: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Lengths of standard normals ``z`` (``u``: uniforms that pick the mixture's tail)."""
         c = self.cfg
         if c.kind == "file":
             q = _phi(z)
@@ -90,7 +92,24 @@ class ResponseLengths:
             z = math.sqrt(c) * zp + math.sqrt(1.0 - c) * zo
             arr = self._map(z, u)
             self._blocks[b] = arr
+            self._difficulty[b] = zp[:, 0]
         return arr
+
+    def difficulty(self, prompt_groups: np.ndarray) -> np.ndarray:
+        """``z_prompt`` of each prompt group: the standard normal its members' lengths share."""
+        pg = np.asarray(prompt_groups, dtype=np.int64)
+        out = np.empty(pg.shape, dtype=np.float64)
+        blocks = pg // _BLOCK
+        for b in np.unique(blocks):
+            sel = blocks == b
+            self._block(int(b))
+            out[sel] = self._difficulty[int(b)][pg[sel] % _BLOCK]
+        return out
+
+    def from_normal(self, z: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Lengths of the configured distribution at standard normals ``z`` (``u``: uniforms in
+        [0, 1) that pick the mixture's tail), capped: the map every drawn length goes through."""
+        return self._map(np.asarray(z, dtype=np.float64), np.asarray(u, dtype=np.float64))
 
     def lengths(self, prompt_groups: np.ndarray, members: np.ndarray) -> np.ndarray:
         """Lengths of the requests ``(prompt_groups[i], members[i])``."""
