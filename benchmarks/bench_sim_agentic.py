@@ -24,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import quiet  # noqa: E402
 
 from dora_jax.config.loading import to_dict  # noqa: E402
 from dora_jax.config.schema import ConfigError  # noqa: E402
@@ -37,13 +40,9 @@ OUT = ROOT / "benchmarks" / "results" / "sim_agentic.json"
 CONFIG = ROOT / "configs" / "sim" / "qwen32b_h800_64_agentic.yaml"
 
 
-def label(m) -> str:
-    return f"{m.mode}/{'co' if m.placement == 'colocated' else 'dis'}"
-
-
 def ratios(metrics) -> dict[str, dict[str, float]]:
     """dora (disaggregated) over each baseline: model tokens/s and all tokens/s."""
-    by = {label(m): m for m in metrics}
+    by = {report._label(m): m for m in metrics}
     dora = by.get("dora/dis")
     if dora is None:
         return {}
@@ -67,7 +66,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--plots-dir", type=Path)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10")
+    quiet.add_arguments(p)
     args = p.parse_args(argv)
+    load0 = quiet.wait_for_quiet(args.max_load, args.wait)
     try:
         cfg = resolve(load_sim_config(args.config, args.overrides))
     except ConfigError as e:
@@ -123,6 +124,7 @@ def main(argv: list[str]) -> int:
         "runs": [m.to_dict() for m in metrics],
         "dora_over": sp,
     }
+    data.update({k: v for k, v in quiet.provenance(load0).items() if k != "command"})
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=2, default=float) + "\n")
     print(f"\nwrote {args.json}")

@@ -151,18 +151,20 @@ def _first_fit(lengths: Sequence[int], rows: int, capacity: int) -> list[tuple[i
 
 
 def _smallest_shape(
-    lengths: Sequence[int], shapes: Sequence[tuple[int, int]]
-) -> tuple[int, int, list[tuple[int, int]]] | None:
+    lengths: Sequence[int], shapes: Sequence[tuple[int, int]], offered: str
+) -> tuple[int, int, list[tuple[int, int]]]:
     """``(rows, bucket, placement)``: of the ``(rows, bucket)`` ``shapes``, the one with the
     fewest positions ``rows x bucket`` (ties: the longer rows) that first-fit-decreasing fills;
-    None if none does."""
+    :class:`NoShapeFits` naming ``offered`` (what the shapes came from) if none does."""
     longest, total = max(lengths), sum(lengths)
     fitting = [(B, T) for B, T in shapes if T >= longest and B * T >= total]
     for B, T in sorted(set(fitting), key=lambda s: (s[0] * s[1], -s[1])):
         place = _first_fit(lengths, B, T)
         if place is not None:
             return B, T, place
-    return None
+    raise NoShapeFits(
+        f"{len(lengths)} samples ({total} tokens, the longest {longest}) fit none of {offered}"
+    )
 
 
 class NoShapeFits(ValueError):
@@ -264,13 +266,7 @@ def pack_batch(
     elif rows is None and cfg.packing == "tokens" and n_rows == 0:
         if shapes is None:
             shapes = [(B, T) for T in buckets for B in row_ladder(row_multiple, S)]
-        best = _smallest_shape(lengths, shapes)
-        if best is None:
-            raise NoShapeFits(
-                f"{len(samples)} samples ({sum(lengths)} tokens, the longest {max(lengths)}) fit "
-                f"none of the shapes {sorted(set(shapes))}"
-            )
-        B, T, place = best
+        B, T, place = _smallest_shape(lengths, shapes, f"the shapes {sorted(set(shapes))}")
     elif n_rows == 0:
         B = S
         T = choose_bucket(max(lengths), buckets)
@@ -363,13 +359,7 @@ def _pack_chunked(
     for T in buckets:
         R = chunk_rows(cfg, T, multiple)
         cands += [(k * R, T) for k in range(1, chunked_shape(cfg, T, multiple, samples)[1] + 1)]
-    best = _smallest_shape(lengths, cands)
-    if best is None:
-        raise NoShapeFits(
-            f"{len(lengths)} samples ({sum(lengths)} tokens, the longest {max(lengths)}) fit "
-            f"none of the buckets {list(buckets)}"
-        )
-    used, T, place = best
+    used, T, place = _smallest_shape(lengths, cands, f"the buckets {list(buckets)}")
     R = chunk_rows(cfg, T, multiple)
     B, M = chunked_shape(cfg, T, multiple, samples)
     # logical row r is row r % R of microbatch r // R
