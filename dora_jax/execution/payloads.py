@@ -21,6 +21,9 @@ class PromptPayload:
     answer: str
     max_new_tokens: int | None = None  # None: the backend's default
     metadata: dict | None = None  # the dataset row's other fields, for the reward function
+    # a multi-turn episode (execution.turns): the environment's seed, task and first observation,
+    # plain data the turn driver reads; None for a single-turn prompt
+    conversation: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -34,3 +37,11 @@ class Completion:
     prefill_tokens: int
     migrations: int
     routes: Any = None  # MoE: int16[P + R - 1, L, k], each fed token's experts (engine-recorded)
+    # Multi-turn episodes: ``tokens`` holds model and environment turns alternating;
+    # ``loss_mask[i]`` is true where ``tokens[i]`` was sampled by the model (None: all were);
+    # ``env_reward`` is the episode's reward from its environment (None: score it with the
+    # reward function); ``conversation`` its figures (turns, environment seconds, end reason,
+    # error kind, ``info/<name>``) for the metrics.
+    loss_mask: tuple[bool, ...] | None = None
+    env_reward: float | None = None
+    conversation: dict | None = None
