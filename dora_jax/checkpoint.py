@@ -54,8 +54,9 @@ from dora_jax.config import ConfigError, ExperimentConfig, to_dict
 log = logging.getLogger(__name__)
 ITEMS = ("train_state", "versions", "host", "config", "meta")
 # Format of the host item: 1 was a pickle (no ``meta`` item); 2 is JSON text plus arrays; 3 is
-# ``{component: state}`` with the run's history in files beside the checkpoints.
-HOST_FORMAT = 3
+# ``{component: state}`` with the run's history in files beside the checkpoints; 4 records each
+# request's computed KV length and conversation state (multi-turn episodes).
+HOST_FORMAT = 4
 TMP_MARK = ".orbax-checkpoint-tmp"
 UNUSABLE_DIR = "unusable_checkpoints"
 

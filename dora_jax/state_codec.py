@@ -55,7 +55,7 @@ RECORD_TYPES = (
     "dora_jax.rollout.requests:Request",
     "dora_jax.rollout.requests:FinishedRequest",
     "dora_jax.rollout.requests:ExportedRequests",
-    "dora_jax.rollout.engine:EngineSnapshot",
+    "dora_jax.rollout.moves:EngineSnapshot",
 )
 
 

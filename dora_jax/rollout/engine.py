@@ -1,23 +1,30 @@
 """The host-side rollout engine of one group: continuous batching over fixed slots, one version.
 
 Method names mirror JetStream's Engine API (``load_params``, ``prefill``, ``generate``,
-``free_resource``, ``max_concurrent_decodes``; see docs/jetstream.md), extended with what DORA
-needs: a policy version, behavior logprobs, and moving requests out and in with their KV pages
-(``export_requests`` / ``import_requests``, ``park`` to host memory, ``interrupt``).
+``max_concurrent_decodes``; see docs/jetstream.md), extended with what DORA needs: a policy
+version, behavior logprobs, moving requests out and in with their KV pages (``export_requests`` /
+``import_requests``, ``park`` to host memory, ``interrupt``: :mod:`dora_jax.rollout.moves`), and
+multi-turn conversations.
 
 One :meth:`step` gives every request in a slot exactly one new token: admitted requests get their
 first token from prefill, running ones from one decode step. A request that cannot get a page
 while decoding is parked in host memory (its KV kept, no re-prefill) and resumed first when pages
 free up.
+
+Conversations (``Request.multi_turn``): an EOS, a stop sequence or the token budget ends a model
+*turn*. The request then frees its slot and waits with its KV (``StepReport.turn_ends`` reports
+it) until :meth:`extend` appends the environment's turn, which is prefilled into the same KV
+(from where its cache ends: never a re-prefill of earlier turns) and sampled from, or :meth:`end`
+frees it. Waiting requests are the first parked to host memory when pages run short, and move,
+park, interrupt and snapshot like any other.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import jax
@@ -30,6 +37,7 @@ from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.kernels.kv_cache_ops import pack_pages, unpack_pages
 from dora_jax.model.params import Params, abstract_params, param_axes
 from dora_jax.rollout.attention import resolve_impl
+from dora_jax.rollout.moves import EngineError, EngineSnapshot, Handover, RequestMoves
 from dora_jax.rollout.page_allocator import PageAllocator
 from dora_jax.rollout.requests import ROUTE_DTYPE, ExportedRequests, FinishedRequest, Request
 from dora_jax.rollout.sampling import SamplingParams
@@ -42,13 +50,11 @@ from dora_jax.rollout.steps import (
     stop_ids,
 )
 
+__all__ = ["Engine", "EngineError", "EngineLoad", "EngineSnapshot", "Handover", "StepReport"]
+
 # Pack buffer [2, 1, K, L * n, Z, H]: the kernels' [2, L, K, n, Z, H] layout applied to the
 # layer-major cache viewed as one "layer" (see KVCache); page j of layer l sits at l * n + j.
 BUFFER_SPEC = P(None, None, "model", None, None, None)
-
-
-class EngineError(RuntimeError):
-    """A request or operation the engine refuses (wrong version, too long, no capacity)."""
 
 
 @dataclass(frozen=True)
@@ -60,31 +66,7 @@ class EngineLoad:
     free_slots: int
     pages_used: int
     pages_total: int
-
-
-@dataclass
-class EngineSnapshot:
-    version: int | None
-    running: ExportedRequests  # KV as host numpy
-    pending: list[Request]
-    parked: list[ExportedRequests]
-
-
-@dataclass
-class Handover:
-    """Requests leaving an engine for another of the same version: running ones with their KV
-    packed (``running``), queued ones as they are (``queued``, no KV yet), parked ones with their
-    KV in host memory (``parked``). Nothing is recomputed where they land."""
-
-    running: ExportedRequests | None
-    queued: list[Request]
-    parked: list[ExportedRequests]
-
-    @property
-    def ids(self) -> list[Hashable]:
-        out = [r.id for r in self.running.requests] if self.running else []
-        out += [r.id for r in self.queued]
-        return out + [r.id for p in self.parked for r in p.requests]
+    waiting: int = 0  # conversations waiting on their environment (not parked)
 
 
 @dataclass
@@ -96,6 +78,9 @@ class StepReport:
     decode_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # conversations whose model turn ended this step (each a record of the whole conversation
+    # so far); they now wait for extend() or end()
+    turn_ends: list[FinishedRequest] = field(default_factory=list)
 
 
 def _buckets(limit: int) -> list[int]:
@@ -135,7 +120,7 @@ def _unpack(cache: KVCache, buffer, page_ids, impl, interpret):
     return cache.replace(k=k[0], v=v[0])
 
 
-class Engine:
+class Engine(RequestMoves):
     """One rollout group's engine on ``mesh`` (axes ``("data", "expert", "model")``, data = 1).
 
     For a mixture of experts every request records the experts each fed token used in each layer
@@ -186,7 +171,11 @@ class Engine:
         self.cache = init_cache(cfg, rcfg, mesh)
         self.slots: list[Request | None] = [None] * rcfg.max_slots
         self.pending: deque[Request] = deque()
-        self.parked: deque[ExportedRequests] = deque()
+        self.parked: deque[ExportedRequests] = deque()  # one request each, KV on the host
+        # conversations waiting on their environment (KV kept, no slot), and those extended
+        # with its turn, queued for the prefill of it
+        self.waiting: dict[Hashable, Request] = {}
+        self.ready: deque[Request] = deque()
         # Batch-invariant decoding uses one batch shape, so a row's numerics never depend on
         # how many other requests share the step (bit-identical continuation after migration).
         # Otherwise batch rows and block-table widths (pages attended) are bucketed.
@@ -229,10 +218,13 @@ class Engine:
         self.version = version
 
     def submit(self, requests: Iterable[Request]) -> None:
-        """Queue requests for admission (prefill when a slot and pages are free)."""
+        """Queue requests for admission (prefill when a slot and pages are free); a conversation
+        submitted while it waits on its environment (resubmitted after an interrupt) waits."""
         for r in requests:
             self._check_admissible(r)
-            self.pending.append(r)
+            if r.kv_len:
+                raise EngineError(f"request {r.id!r} is submitted with KV (import it instead)")
+            self._queue(r)
 
     def prefill(self, requests: Sequence[Request]) -> list[FinishedRequest]:
         """Prefill ``requests`` into free slots now (chunked), sampling each first token."""
@@ -249,24 +241,71 @@ class Engine:
         self.alloc.free(r.id)
         self.slots[slot] = None
 
+    # -- conversations ---------------------------------------------------------------------------
+    def extend(self, rid: Hashable, tokens: Sequence[int]) -> None:
+        """Append the environment's turn to a conversation waiting on it; the next :meth:`step`
+        that has a slot for it prefills those tokens into its KV and samples the model's next
+        turn. Refused unless the request waits, or if its budget would leave no model token."""
+        r = self._waiting_request(rid)
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise EngineError(f"request {rid!r}: an environment turn needs at least one token")
+        room = r.max_new_tokens - len(r.tokens) - len(ids)
+        if room < 1:
+            raise EngineError(
+                f"request {rid!r}: {len(ids)} environment tokens leave {room} of its "
+                f"{r.max_new_tokens} tokens for the model (it needs at least one)"
+            )
+        r.append_env_turn(ids)
+        if r.id in self.waiting:
+            del self.waiting[r.id]
+            (self.ready if r.kv_len else self.pending).append(r)
+        # a parked one resumes (and is then fed) when pages allow
+
+    def end(self, ids: Iterable[Hashable]) -> None:
+        """Free conversations whose episode is over (they wait on their environment)."""
+        for rid in ids:
+            r = self._waiting_request(rid)
+            if r.id in self.waiting:
+                del self.waiting[r.id]
+                if r.kv_len:
+                    self.alloc.free(r.id)
+            else:
+                self.parked = deque(p for p in self.parked if p.requests[0].id != r.id)
+
+    def _waiting_request(self, rid: Hashable) -> Request:
+        if rid in self.waiting:
+            return self.waiting[rid]
+        for p in self.parked:
+            if p.requests[0].id == rid and p.requests[0].waiting:
+                return p.requests[0]
+        raise EngineError(f"request {rid!r} is not waiting on its environment here")
+
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> StepReport:
-        """Resume parked requests, admit pending ones (prefill), decode running ones."""
+        """Resume parked requests, feed (prefill) the admitted and extended ones, decode running
+        ones."""
         report = StepReport([])
-        running = [r for r in self.slots if r is not None]
+        running = [r for r in self.slots if r is not None and not r.needs_feed]
         self._resume_parked()
-        admitted: list[Request] = []
         free_slots = sum(r is None for r in self.slots)
         budget = self.alloc.pages_free
-        # Parked requests go first: no admission while any wait for pages (no starvation).
-        while self.pending and not self.parked and len(admitted) < free_slots:
-            need = self.alloc.pages_for(self.pending[0].cached_tokens + 1)
-            if need > budget:
-                break
-            budget -= need
-            admitted.append(self.pending.popleft())
-        if admitted:
-            self._prefill(admitted, report)
+        # Parked requests go first: no admission while any wait for pages (no starvation); then
+        # conversations extended by their environment, then new requests.
+        for queue in (self.ready, self.pending):
+            while queue and free_slots and not self._resumable_parked():
+                r = queue[0]
+                need = self.alloc.pages_for(r.feed_end + 1)
+                if r.kv_len:
+                    need -= len(self.alloc.table(r.id))
+                if need > budget:
+                    break
+                budget -= max(need, 0)
+                free_slots -= 1
+                self.slots[self._free_slot()] = queue.popleft()
+        feed = [r for r in self.slots if r is not None and r.needs_feed]
+        if feed:
+            self._prefill(feed, report)
         if running:
             self._decode(report, only={r.id for r in running})
         return report
@@ -275,173 +314,42 @@ class Engine:
         return EngineLoad(
             version=self.version,
             active=sum(r is not None for r in self.slots),
-            pending=len(self.pending),
+            pending=len(self.pending) + len(self.ready),
             parked=sum(len(p.requests) for p in self.parked),
             free_slots=sum(r is None for r in self.slots),
             pages_used=self.alloc.pages_used,
             pages_total=self.alloc.pages_total,
+            waiting=len(self.waiting),
         )
 
     @property
     def num_requests(self) -> int:
         ld = self.load()
-        return ld.active + ld.pending + ld.parked
+        return ld.active + ld.pending + ld.parked + ld.waiting
 
     @property
     def has_work(self) -> bool:
-        """Whether :meth:`step` would do anything (run, admit or resume a request)."""
-        return any(r is not None for r in self.slots) or bool(self.pending or self.parked)
+        """Whether :meth:`step` would do anything (run, admit or resume a request); requests
+        waiting on their environment need no step."""
+        busy = any(r is not None for r in self.slots) or bool(self.pending or self.ready)
+        return busy or self._resumable_parked()
 
     def request_ids(self) -> list[Hashable]:
         ids = [r.id for r in self.slots if r is not None] + [r.id for r in self.pending]
+        ids += [r.id for r in self.ready] + list(self.waiting)
         return ids + [r.id for p in self.parked for r in p.requests]
+
+    def waiting_ids(self) -> list[Hashable]:
+        """Conversations waiting on their environment (on the device, or parked)."""
+        parked = [p.requests[0].id for p in self.parked if p.requests[0].waiting]
+        return list(self.waiting) + parked
 
     def held_pages(self) -> dict[Hashable, int]:
         """Every request the engine holds and the device KV pages it holds now (0 for requests
-        queued for admission or parked in host memory)."""
-        out = {r.id: len(self.alloc.table(r.id)) for r in self.slots if r is not None}
-        out.update((r.id, 0) for r in self.pending)
+        queued without KV or parked in host memory)."""
+        out = {r.id: len(self.alloc.table(r.id)) for r in self._device_requests()}
+        out.update((r.id, 0) for r in self._without_kv())
         out.update((r.id, 0) for p in self.parked for r in p.requests)
-        return out
-
-    # -- moving requests -----------------------------------------------------------------------
-    def export_requests(self, ids: Sequence[Hashable]) -> ExportedRequests:
-        """Take running requests out with their KV pages packed into one buffer on this mesh.
-        Their slots and pages are freed here; nothing is recomputed at the destination."""
-        reqs = [self._running(i) for i in ids]
-        for r in reqs:
-            r.compact_routes()
-        page_counts, kv = self._pack_requests(reqs)
-        for r in reqs:
-            self.free_resource(self.slots.index(r))
-        return ExportedRequests(reqs, page_counts, kv)
-
-    def snapshot(self) -> EngineSnapshot:
-        """A host copy of everything in flight (request records and the KV pages of running
-        ones), taken without disturbing the engine: what a checkpoint stores."""
-        running = [r for r in self.slots if r is not None]
-        for r in running:
-            r.compact_routes()
-        counts, kv = self._pack_requests(running)
-        kv = np.asarray(kv)
-        return EngineSnapshot(
-            version=self.version,
-            running=ExportedRequests(copy.deepcopy(running), counts, kv),
-            pending=copy.deepcopy(list(self.pending)),
-            parked=copy.deepcopy(list(self.parked)),
-        )
-
-    def _pack_requests(self, reqs: Sequence[Request]) -> tuple[list[int], jax.Array]:
-        """(pages per request, pack buffer of their cached KV), in request order."""
-        counts = [self.alloc.pages_for(r.cached_tokens) for r in reqs]
-        pages = [p for r, n in zip(reqs, counts, strict=True) for p in self.alloc.table(r.id)[:n]]
-        return counts, _pack(self.cache, self._page_ids(pages), self.impl, self.interpret)
-
-    def restore(self, snap: EngineSnapshot) -> None:
-        """Continue from a snapshot: the engine must be empty and serve ``snap.version``. Running
-        requests get their KV back (no re-prefill); the rest queue as they were."""
-        if self.num_requests:
-            raise EngineError(f"restore needs an empty engine, this one holds {self.num_requests}")
-        if snap.version != self.version:
-            raise EngineError(f"snapshot of version {snap.version}, engine serves {self.version}")
-        if snap.running.requests:
-            migrations = [r.migrations for r in snap.running.requests]
-            self.import_requests(snap.running)
-            for r, m in zip(snap.running.requests, migrations, strict=True):
-                r.migrations = m  # a restore is not a migration
-        self.pending.extend(snap.pending)
-        self.parked.extend(snap.parked)
-
-    def can_import(self, exported: ExportedRequests) -> bool:
-        free = sum(r is None for r in self.slots)
-        pages = sum(self.alloc.pages_for(r.total_tokens) for r in exported.requests)
-        return free >= len(exported.requests) and pages <= self.alloc.pages_free
-
-    def import_requests(self, exported: ExportedRequests) -> None:
-        """Take requests exported by an engine of the same version (any mesh of the same shape,
-        or parked on the host) and continue them from their cached KV."""
-        self._check_version(exported.requests)
-        if not self.can_import(exported):
-            raise EngineError(
-                f"no room for {len(exported.requests)} imported request(s): "
-                f"{self.load().free_slots} free slot(s), {self.alloc.pages_free} free page(s)"
-            )
-        page_ids: list[int] = []
-        for r, n in zip(exported.requests, exported.page_counts, strict=True):
-            table = self.alloc.ensure(r.id, r.total_tokens)
-            page_ids.extend(table[:n])
-            r.migrations += 1
-            self.slots[self._free_slot()] = r
-        ids = self._page_ids(page_ids)
-        kv = exported.kv
-        if kv.shape[3] != ids.shape[0]:
-            raise EngineError(f"KV buffer holds {kv.shape[3]} pages, expected {ids.shape[0]}")
-        kv = jax.device_put(kv, self.buffer_sharding)
-        self.cache = _unpack(self.cache, kv, ids, self.impl, self.interpret)
-
-    def move_out(self, ids: Iterable[Hashable]) -> Handover:
-        """Take requests out for another engine of this version, wherever they are here: running
-        ones with their KV, queued ones as they are, parked ones with their host KV. Ids this
-        engine does not hold (finished meanwhile) are skipped; :attr:`Handover.ids` says which
-        were taken."""
-        wanted = set(ids)
-        running = [r.id for r in self.slots if r is not None and r.id in wanted]
-        exported = self.export_requests(running) if running else None
-        queued = [r for r in self.pending if r.id in wanted]
-        self.pending = deque(r for r in self.pending if r.id not in wanted)
-        parked = []
-        for p in list(self.parked):
-            mine = [r.id in wanted for r in p.requests]
-            if any(mine):
-                if not all(mine):
-                    raise EngineError("move_out must name all requests parked together")
-                self.parked.remove(p)
-                parked.append(p)
-        return Handover(exported, queued, parked)
-
-    def move_in(self, handover: Handover) -> None:
-        """Take a :class:`Handover` from an engine of the same version: running requests continue
-        from their KV when slots and pages allow, else wait parked (KV in host memory, resumed
-        before any new admission); queued ones wait for admission. Nothing is re-prefilled."""
-        for r in handover.queued:
-            self._check_admissible(r)
-        if handover.running is not None:
-            if self.can_import(handover.running):
-                self.import_requests(handover.running)
-            else:
-                self._check_version(handover.running.requests)
-                handover.running.kv = np.asarray(handover.running.kv)
-                self.parked.append(handover.running)  # counted as moved when it is resumed
-        for p in handover.parked:
-            self._check_version(p.requests)
-            self.parked.append(p)
-        self.pending.extend(handover.queued)
-
-    def park(self, ids: Sequence[Hashable]) -> ExportedRequests:
-        """Export requests with their KV copied to host memory (the hierarchical KV store)."""
-        out = self.export_requests(ids)
-        out.kv = np.asarray(out.kv)
-        return out
-
-    def interrupt(self, ids: Sequence[Hashable]) -> list[Request]:
-        """Stop requests (running, pending or parked) and return them without KV; what they
-        generated so far stays on the returned records."""
-        wanted, out = set(ids), []
-        for slot, r in enumerate(self.slots):
-            if r is not None and r.id in wanted:
-                self.free_resource(slot)
-                out.append(r)
-        out += [r for r in self.pending if r.id in wanted]
-        self.pending = deque(r for r in self.pending if r.id not in wanted)
-        for p in list(self.parked):
-            if any(r.id in wanted for r in p.requests):
-                if not all(r.id in wanted for r in p.requests):
-                    raise EngineError("interrupt must name all requests parked together")
-                self.parked.remove(p)
-                out += p.requests
-        missing = wanted - {r.id for r in out}
-        if missing:
-            raise EngineError(f"unknown request id(s) {sorted(map(str, missing))}")
         return out
 
     # -- internals -----------------------------------------------------------------------------
@@ -478,11 +386,11 @@ class Engine:
     def _free_slot(self) -> int | None:
         return next((i for i, r in enumerate(self.slots) if r is None), None)
 
-    def _running(self, rid: Hashable) -> Request:
-        for r in self.slots:
-            if r is not None and r.id == rid:
-                return r
-        raise EngineError(f"request {rid!r} is not running on this engine")
+    def _pack(self, pages: list[int]) -> jax.Array:
+        return _pack(self.cache, self._page_ids(pages), self.impl, self.interpret)
+
+    def _unpack(self, buffer: jax.Array, ids: jax.Array) -> None:
+        self.cache = _unpack(self.cache, buffer, ids, self.impl, self.interpret)
 
     def _page_ids(self, ids: list[int]) -> jax.Array:
         """Every layer's copy of pages ``ids`` (layer-major), padded to a power of two with the
@@ -506,24 +414,35 @@ class Engine:
     def _put(self, *arrays):
         return jax.device_put(arrays, self._rep)
 
-    def _finish_if_done(self, r: Request, out: list[FinishedRequest]) -> None:
-        if r.tokens[-1] in self.eos_ids or len(r.tokens) >= r.max_new_tokens:
-            reason = "eos" if r.tokens[-1] in self.eos_ids else "length"
-            out.append(
-                FinishedRequest(
-                    id=r.id,
-                    prompt=tuple(r.prompt),
-                    tokens=tuple(r.tokens),
-                    logprobs=tuple(r.logprobs),
-                    version=r.version,
-                    finish_reason=reason,
-                    prefill_tokens=r.prefill_tokens,
-                    migrations=r.migrations,
-                    latency_s=time.perf_counter() - r.submitted_at,
-                    routes=self._finished_routes(r),
-                )
-            )
-            self.free_resource(self.slots.index(r))
+    def _after_sample(self, r: Request, report: StepReport) -> None:
+        """A response that is over finishes (its slot and pages freed); a conversation whose
+        model turn is over waits on its environment (its slot freed, its pages kept)."""
+        reason = r.model_turn_ended(self.eos_ids)
+        if reason is None:
+            return
+        record = FinishedRequest(
+            id=r.id,
+            prompt=tuple(r.prompt),
+            tokens=tuple(r.tokens),
+            logprobs=tuple(r.logprobs),
+            version=r.version,
+            finish_reason=reason,
+            prefill_tokens=r.prefill_tokens,
+            migrations=r.migrations,
+            latency_s=time.perf_counter() - r.submitted_at,
+            routes=self._finished_routes(r),
+            turn_start=r.turn_start,
+            env_spans=tuple(tuple(s) for s in r.env_spans),
+        )
+        slot = self.slots.index(r)
+        if r.multi_turn:
+            self.slots[slot] = None
+            r.waiting = True
+            self.waiting[r.id] = r
+            report.turn_ends.append(record)
+        else:
+            self.free_resource(slot)
+            report.finished.append(record)
 
     def _finished_routes(self, r: Request) -> np.ndarray | None:
         """``int16[len(prompt) + len(tokens), L, k]``: the recorded routes of the fed tokens and
@@ -532,21 +451,27 @@ class Engine:
             return None
         L, k = self.cfg.num_layers, self.cfg.num_experts_per_tok
         fed = r.fed_routes(L, k)
-        if len(fed) != r.cached_tokens:
+        if len(fed) != r.kv_len:
             raise EngineError(f"request {r.id!r}: {len(fed)} tokens' routes recorded for "
-                              f"{r.cached_tokens} fed tokens")  # fmt: skip
+                              f"{r.kv_len} fed tokens")  # fmt: skip
         return np.concatenate([fed, np.full((1, L, k), -1, ROUTE_DTYPE)])
 
     def _prefill(self, reqs: list[Request], report: StepReport) -> list[FinishedRequest]:
+        """Feed each request's tokens from ``kv_len`` to ``feed_end`` in chunks (a new prompt, a
+        re-prefill after an interrupt, or an environment turn appended to a conversation),
+        sampling a token after the feed when it ends with one the model did not sample."""
         t0 = time.perf_counter()
         for r in reqs:
-            self._check_admissible(r)
-            slot = self._free_slot()
-            if slot is None:
-                raise EngineError("no free slot to prefill into")
-            self.alloc.ensure(r.id, r.cached_tokens + 1)
-            self.slots[slot] = r
-        seqs = [list(r.prompt) + list(r.tokens[:-1]) for r in reqs]
+            if r not in self.slots:
+                self._check_admissible(r)
+                slot = self._free_slot()
+                if slot is None:
+                    raise EngineError("no free slot to prefill into")
+                self.slots[slot] = r
+            self.alloc.ensure(r.id, r.feed_end + 1)
+        starts0 = [r.kv_len for r in reqs]
+        seqs = [(r.prompt + r.tokens)[r.kv_len : r.feed_end] for r in reqs]
+        sample = [r.needs_sample for r in reqs]
         C = self.rcfg.prefill_chunk
         B = _bucket(len(reqs), self.buckets)
         tables = self._block_tables(reqs, B)
@@ -555,16 +480,18 @@ class Engine:
             keys[i] = r.key
         tables_d, keys_d = self._put(tables, keys)
         moe = self.cfg.is_moe
-        for r in reqs:  # a prefill (re)computes the routes of every fed token
-            r.routes = []
+        for r in reqs:  # a prefill from the start (re)computes the routes of every fed token
+            if not r.kv_len:
+                r.routes = []
         longest = max(len(s) for s in seqs)
         for start in range(0, longest, C):
             chunk = np.zeros((B, C), np.int32)
-            starts = np.full(B, start, np.int32)
+            starts = np.zeros(B, np.int32)
             valid = np.zeros(B, np.int32)
             for i, s in enumerate(seqs):
                 piece = s[start : start + C]
                 chunk[i, : len(piece)] = piece
+                starts[i] = starts0[i] + start
                 valid[i] = len(piece)
             self.cache, tok, lp, _, routes = _prefill_jit(
                 self.params,
@@ -584,18 +511,20 @@ class Engine:
                 tok, lp = np.asarray(tok), np.asarray(lp)
                 for i in ends:
                     r = reqs[i]
+                    end = starts0[i] + len(seqs[i])
                     r.prefill_tokens += len(seqs[i])
-                    if r.tokens:  # re-prefilled (partial-rollout baseline)
-                        report.reprefill_tokens += len(seqs[i])
-                    else:  # a fresh request: its first token comes from prefill
+                    report.reprefill_tokens += max(0, min(end, r.kv_peak) - starts0[i])
+                    r.kv_len, r.kv_peak = end, max(r.kv_peak, end)
+                    if sample[i]:
                         report.sampled_tokens += 1
                         r.tokens.append(int(tok[i]))
                         r.logprobs.append(float(lp[i]))
-                        r.first_token_at = time.perf_counter()
+                        if r.first_token_at is None:
+                            r.first_token_at = time.perf_counter()
         report.prefill_tokens += sum(len(s) for s in seqs)
-        for r in reqs:
-            if len(r.tokens) and r.first_token_at is not None:
-                self._finish_if_done(r, report.finished)
+        for r, sampled in zip(reqs, sample, strict=True):
+            if sampled:
+                self._after_sample(r, report)
         report.prefill_s += time.perf_counter() - t0
         return report.finished
 
@@ -633,10 +562,12 @@ class Engine:
                     r.routes.append(routes[j, i][None])
                 r.tokens.append(int(tok[j, i]))
                 r.logprobs.append(float(lp[j, i]))
+                r.kv_len += 1
                 sampled += 1
-                if r.tokens[-1] in self.eos_ids:
-                    break
-            self._finish_if_done(r, report.finished)
+                if r.model_turn_ended(self.eos_ids) in ("eos", "stop"):
+                    break  # (the device went on past a stop sequence: those tokens are dropped)
+            r.kv_peak = max(r.kv_peak, r.kv_len)
+            self._after_sample(r, report)
         report.decode_tokens += sampled
         report.sampled_tokens += sampled
         report.decode_s += time.perf_counter() - t0
@@ -644,8 +575,9 @@ class Engine:
 
     def _reserve_pages(self, rows: list[Request]) -> list[Request]:
         """Make sure each row has a page for the token it is about to write. When pages run out,
-        park the requests with the least work done, one at a time, to host memory (their KV is
-        kept: no re-prefill) until the rest fit."""
+        park conversations waiting on their environment first, then the requests with the least
+        work done, one at a time, to host memory (their KV is kept: no re-prefill) until the
+        rest fit."""
         queue = sorted(rows, key=lambda r: -r.total_tokens)
         kept: list[Request] = []
         while queue:
@@ -654,11 +586,25 @@ class Engine:
             if self.alloc.can_hold(r.id, need):
                 self.alloc.ensure(r.id, need)
                 kept.append(queue.pop(0))
+                continue
+            idle = [w for w in self.waiting.values() if w.kv_len]
+            if idle:  # the one holding the most pages
+                victim = max(idle, key=lambda w: len(self.alloc.table(w.id)))
             else:
                 victim = queue.pop()  # the least advanced (possibly r itself)
-                self.parked.append(self.park([victim.id]))
+            self.parked.append(self.park([victim.id]))
         return kept
 
+    def _resumable_parked(self) -> bool:
+        return any(not p.requests[0].waiting for p in self.parked)
+
     def _resume_parked(self) -> None:
-        while self.parked and self.can_import(self.parked[0]):
-            self.import_requests(self.parked.popleft())
+        """Resume parked requests, oldest first, while they fit (those still waiting on their
+        environment stay parked)."""
+        for p in list(self.parked):
+            if p.requests[0].waiting:
+                continue
+            if not self.can_import(p):
+                break
+            self.parked.remove(p)
+            self.import_requests(p)

@@ -40,15 +40,68 @@ class Request:
     # but the last) used in each layer, as chunks int16[n, L, k] in token order (routing
     # replay); empty for dense models.
     routes: list[np.ndarray] = field(default_factory=list)
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens whose K/V are in the cache: the prompt and all but the last generated one."""
-        return len(self.prompt) + max(len(self.tokens) - 1, 0)
+    # Leading tokens of prompt + tokens whose K/V are computed (in the cache, or in an export's
+    # buffer); 0 for a request that has none (new, or interrupted: its KV was dropped).
+    kv_len: int = 0
+    # The most tokens that ever had K/V computed: what a later prefill recomputes counts as
+    # re-prefill.
+    kv_peak: int = 0
+    # Multi-turn conversations (a driver alternates model and environment turns). An EOS, one of
+    # ``stop_seqs`` (token ids) or the token budget ends a model *turn*: the request then waits
+    # (``waiting``), keeping its KV and freeing its slot, until the engine is told to extend it
+    # with the environment's tokens or to end it. ``env_spans``: the ``[start, end)`` ranges of
+    # ``tokens`` that came from the environment (logprob 0); ``turn_start``: where the current
+    # model turn began in ``tokens``. ``max_new_tokens`` bounds every token after the prompt.
+    multi_turn: bool = False
+    stop_seqs: tuple[tuple[int, ...], ...] = ()
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    turn_start: int = 0
+    waiting: bool = False
 
     @property
     def total_tokens(self) -> int:
         return len(self.prompt) + len(self.tokens)
+
+    @property
+    def needs_sample(self) -> bool:
+        """Whether its next feed ends by sampling a token: a new prompt, or an environment turn
+        just appended (the last token is not one the model sampled)."""
+        return not self.tokens or bool(self.env_spans and self.env_spans[-1][1] == len(self.tokens))
+
+    @property
+    def feed_end(self) -> int:
+        """Tokens with K/V once the request is ready to decode: all of them when the feed ends
+        with a sample, else all but the last (sampled, fed by the next decode step)."""
+        return self.total_tokens if self.needs_sample else self.total_tokens - 1
+
+    @property
+    def needs_feed(self) -> bool:
+        """Whether it must be prefilled (from ``kv_len`` to ``feed_end``) before it decodes."""
+        return self.needs_sample or self.kv_len < self.feed_end
+
+    def model_turn_ended(self, eos_ids: tuple[int, ...]) -> str | None:
+        """Why its response or model turn is over after the last sampled token: ``eos``,
+        ``stop`` (multi-turn: the turn ends with one of ``stop_seqs``), ``length`` (the budget
+        is spent), or None."""
+        if self.tokens[-1] in eos_ids:
+            return "eos"
+        if self.multi_turn:
+            turn = self.tokens[self.turn_start :]
+            for s in self.stop_seqs:
+                if len(turn) >= len(s) and tuple(turn[len(turn) - len(s) :]) == tuple(s):
+                    return "stop"
+        if len(self.tokens) >= self.max_new_tokens:
+            return "length"
+        return None
+
+    def append_env_turn(self, ids: list[int]) -> None:
+        """Append the environment's turn (it waited on it); the next model turn starts after."""
+        start = len(self.tokens)
+        self.tokens.extend(ids)
+        self.logprobs.extend([0.0] * len(ids))
+        self.env_spans.append((start, len(self.tokens)))
+        self.turn_start = len(self.tokens)
+        self.waiting = False
 
     def fed_routes(self, layers: int, k: int) -> np.ndarray:
         """The recorded routes as one array ``[n, layers, k]`` (empty when none)."""
@@ -72,7 +125,7 @@ class FinishedRequest:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     version: int
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" (multi-turn turn ends: also "stop")
     prefill_tokens: int
     migrations: int
     latency_s: float
@@ -80,6 +133,10 @@ class FinishedRequest:
     # in each layer when it was fed to the model; the last token was never fed: its row is -1
     # (the router's own choice, if replayed). None for dense models.
     routes: np.ndarray | None = None
+    # multi-turn: where the model turn that just ended starts in ``tokens``, and the ranges of
+    # ``tokens`` the environment wrote
+    turn_start: int = 0
+    env_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
