@@ -615,6 +615,12 @@ class ExperimentConfig:
             f"train.packing=rows, got {self.train.packing!r}; use attention: blockwise for "
             "packed rows",
         )
+        _check(
+            self.env.max_tokens == 0 or self.env.max_tokens > self.rollout.max_prompt_len,
+            "env.max_tokens",
+            f"must be > rollout.max_prompt_len ({self.rollout.max_prompt_len}) so that a prompt "
+            f"leaves room for the model, or 0, got {self.env.max_tokens}",
+        )
         kv, tp = self.model.num_kv_heads, self.mesh.rollout.tp
         _check(
             kv % tp == 0,
