@@ -98,6 +98,7 @@ def test_every_preset_loads(preset):
         ("env.kwargs={1: 2}", r"^env\.kwargs: must be a mapping of argument names to values"),
         ("env.spec=", r"^env\.spec: must be a built-in name"),
         ("env.workers.x=1", r"^env\.workers: is not a section"),
+        ("env.max_tokens=64", r"^env\.max_tokens: must be > rollout\.max_prompt_len \(64\)"),
     ],
 )
 def test_bad_values_name_the_field(override, message):
