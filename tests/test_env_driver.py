@@ -16,7 +16,7 @@ from dora_jax.envs import EnvPool, EnvPoolError
 from dora_jax.envs.builtin.calculator import ToolArithmetic
 from dora_jax.envs.conversation import Limits
 from dora_jax.execution.payloads import PromptPayload
-from dora_jax.model.tokenizer import CharTokenizer
+from dora_jax.model.tokenizer import CharTokenizer, TokenizerError
 from dora_jax.pipeline.conversations import EnvPrompts, EnvTurnDriver, build_env
 from dora_jax.pipeline.grpo import PromptTooLong
 
@@ -29,8 +29,8 @@ SCRIPTED = textwrap.dedent("""
 
     class Scripted:
         '''Says "go:"; a turn "ok." is answered "more." (twice), then the episode ends with
-        reward 1; "raise.", "hang." and "junk." misbehave. Reset of task index 7 fails; a
-        task {"long": n} gives a first observation of n characters.'''
+        reward 1; "raise.", "hang." and "junk." misbehave, "caps." is answered in capitals.
+        The reset of task 7 fails; task 3's first observation has 100 characters.'''
 
         stop_strings = (".",)
 
@@ -53,6 +53,8 @@ SCRIPTED = textwrap.dedent("""
                 time.sleep(60)
             if action_text == "junk.":
                 return "more.", float("nan"), False, False, {}
+            if action_text == "caps.":
+                return "MORE.", 0.0, False, False, {}
             return "more.", float(self.n >= 3), self.n >= 3, False, {"n": self.n}
 """)
 
@@ -223,6 +225,12 @@ def test_failing_calls_end_their_conversation_with_reward_zero_counted_once(scri
     assert figures["env/end/env_error"] == 2 and figures["env/end/env_timeout"] == 1
     assert figures["env/conversations"] == 5 and figures["env/end/terminated"] == 2
     assert figures["env/failures/exception"] >= 1 and figures["env/failures/timeout"] >= 1
+    # an observation the tokenizer cannot encode stops the run, naming the request
+    engine.submit(9, spec.payload)
+    engine.turn(9, "caps.")
+    with pytest.raises(TokenizerError, match=r"^request 9: env .*Scripted: character 'M'"):
+        engine.settle(wait=True)
+    driver.drop(9)
 
 
 def test_a_saved_driver_goes_on_to_the_same_end_in_a_fresh_pool(arith_pool):

@@ -33,7 +33,7 @@ from dora_jax.config.schema import EnvConfig
 from dora_jax.envs import ERROR_KINDS, EnvOutcome, EnvPool, EnvPoolError, Step, resolve_spec
 from dora_jax.envs.conversation import END_REASONS, Conversation, Limits
 from dora_jax.envs.protocol import as_messages
-from dora_jax.envs.rendering import TurnRenderer
+from dora_jax.envs.rendering import RenderDriftError, TurnRenderer
 from dora_jax.execution.payloads import PromptPayload
 from dora_jax.execution.turns import TurnOutcome
 from dora_jax.model.tokenizer import Tokenizer, TokenizerError
@@ -314,8 +314,9 @@ class EnvTurnDriver:
             self._env_seconds += answer.seconds
             try:
                 conv.add_env_outcome(answer)
-            except (ValueError, TokenizerError) as e:  # RenderDriftError is a ValueError
-                raise type(e)(f"request {rid}: env {self.pool.spec}: {e}") from e
+            except ValueError as e:  # RenderDriftError, TokenizerError: name the request
+                kind = type(e) if isinstance(e, RenderDriftError | TokenizerError) else ValueError
+                raise kind(f"request {rid}: env {self.pool.spec}: {e}") from e
             if conv.done:
                 out.append(self._end(rid, live))
             else:
