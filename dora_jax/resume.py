@@ -80,6 +80,35 @@ RULES: tuple[tuple[str, str, str], ...] = (
     ("eval.", REFUSE, "earlier evaluations in eval.jsonl used this held-out set"),
     ("checkpoint.", APPLY, "the checkpoint cadence and retention from now on"),
     ("logging.", APPLY, "logging from now on"),
+    (
+        "env.workers",
+        APPLY,
+        "the environment worker pool is started afresh from the config; episodes in flight "
+        "are rebuilt on it from their seed, task and actions",
+    ),  # fmt: skip
+    (
+        "env.timeout_s",
+        APPLY,
+        "the environment worker pool is started afresh from the config; episodes in flight "
+        "are rebuilt on it from their seed, task and actions",
+    ),  # fmt: skip
+    (
+        "env.max_turns",
+        APPLY,
+        "the episode limits of conversations from now on, those in flight included",
+    ),  # fmt: skip
+    (
+        "env.max_env_seconds",
+        APPLY,
+        "the episode limits of conversations from now on, those in flight included",
+    ),  # fmt: skip
+    ("env.reward", APPLY, "rewards are computed when conversations end"),
+    (
+        "env.",
+        REFUSE,
+        "the episodes in flight, their token budgets and the prompt cursor belong to this "
+        "environment",
+    ),  # fmt: skip
 )
 
 

@@ -89,6 +89,16 @@ def test_every_preset_loads(preset):
             r"^orchestrator\.rollout_batch_prompts: must be >= train_batch_prompts",
         ),
         ("data.task=jsonl", r"^data\.path: must be set when task is 'jsonl'"),
+        ("env.workers=0", r"^env\.workers: must be > 0, got 0 \(from"),
+        ("env.timeout_s=0", r"^env\.timeout_s: must be > 0, got 0\.0 \(from"),
+        ("env.max_turns=0", r"^env\.max_turns: must be > 0, got 0 \(from"),
+        ("env.max_tokens=1", r"^env\.max_tokens: must be >= 2, or 0 \(rollout\.max_prompt_len"),
+        ("env.reward=mean", r"^env\.reward: expected one of 'sum', 'last', 'function'"),
+        ("env.kwargs=[1, 2]", r"^env\.kwargs: expected a mapping, got \[1, 2\]"),
+        ("env.kwargs={1: 2}", r"^env\.kwargs: must be a mapping of argument names to values"),
+        ("env.spec=", r"^env\.spec: must be a built-in name"),
+        ("env.workers.x=1", r"^env\.workers: is not a section"),
+        ("env.max_tokens=64", r"^env\.max_tokens: must be > rollout\.max_prompt_len \(64\)"),
     ],
 )
 def test_bad_values_name_the_field(override, message):
@@ -168,3 +178,27 @@ def test_the_largest_seed_works_where_the_seed_is_used():
     for bad in ("-1", str(SEED_MAX + 1), "true"):
         with pytest.raises(ConfigError, match="^seed: "):
             load_config(None, [f"seed={bad}"])
+
+
+def test_env_section_loads_kwargs_and_keeps_the_config_hashable(tmp_path):
+    from dora_jax.config import EnvConfig
+
+    assert load_config().env == EnvConfig() and EnvConfig().spec is None  # single-turn
+    p = tmp_path / "env.yaml"
+    p.write_text("env:\n  spec: tool_arithmetic\n  kwargs: {median_steps: 2, sigma: 0.5}\n")
+    cfg = load_config(p, ["env.kwargs.max_steps=9", "env.reward=last"])
+    assert cfg.env.spec == "tool_arithmetic" and cfg.env.reward == "last"
+    assert cfg.env.kwargs == {"median_steps": 2, "sigma": 0.5, "max_steps": 9}
+    assert load_config(None, ["env.kwargs={start: 5}"]).env.kwargs == {"start": 5}
+    assert load_config(None, ["env.kwargs.game.level=2"]).env.kwargs == {"game": {"level": 2}}
+    # the config is hashed (sections as jit static arguments, cache keys): kwargs are left out
+    # of the hash, equality still sees them
+    other = load_config(p, ["env.reward=last"])
+    assert hash(cfg) == hash(other) and cfg != other and cfg == load_config(p, [
+        "env.kwargs.max_steps=9", "env.reward=last"])  # fmt: skip
+    dump_yaml(cfg, tmp_path / "again.yaml")
+    assert load_config(tmp_path / "again.yaml") == cfg
+    assert cfg.env.resolved_max_tokens(64, 128) == 192
+    assert load_config(None, ["env.max_tokens=100"]).env.resolved_max_tokens(64, 128) == 100
+    with pytest.raises(ConfigError, match=r"^kwargs: must be plain JSON data"):
+        EnvConfig(kwargs={"x": float("nan")})

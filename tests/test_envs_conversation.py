@@ -217,3 +217,50 @@ def test_reward_modes_failures_and_the_token_budget():
     long_prompt = Conversation.start(TurnRenderer(CharTokenizer()), EnvOutcome(Step("x" * 10)),
                                      Limits(max_tokens=10))  # fmt: skip
     assert long_prompt.end_reason == "max_tokens"
+
+
+def test_a_conversation_saved_at_any_point_goes_on_to_the_same_end():
+    import json
+
+    tok, env = CharTokenizer(), ToolArithmetic()
+    renderer = TurnRenderer(tok)
+    actions = env.ideal_actions(0, 3)
+    assert len(actions) >= 3
+
+    def play(save_at):
+        conv = Conversation.start(renderer, local_reset(env, 0, {"index": 3}), ROOMY)
+        saved = 0
+        for turn, action in enumerate(actions):
+            ids = tok.encode(action)
+            text = conv.add_model_turn(ids, fake_logprobs(ids, turn))
+            if turn == save_at:  # awaiting the environment
+                state = json.loads(json.dumps(conv.state_dict()))
+                conv = Conversation.from_state(renderer, ROOMY, state)
+                assert conv.awaiting == "env"
+                saved += 1
+            conv.add_env_outcome(local_step(env, text))
+            if turn == save_at + 1 and not conv.done:  # awaiting the model
+                conv = Conversation.from_state(renderer, ROOMY, conv.state_dict())
+                assert conv.awaiting == "model"
+                saved += 1
+        assert saved == (0 if save_at < 0 else 1 if save_at == len(actions) - 2 else 2)
+        return conv
+
+    plain = play(-5)
+    for save_at in range(len(actions) - 1):
+        conv = play(save_at)
+        timeless = {**conv.state_dict(), "env_seconds": plain.env_seconds}  # (wall seconds)
+        assert timeless == plain.state_dict()
+        assert conv.end_reason == "terminated" and conv.reward() == 1.0
+        np.testing.assert_array_equal(conv.loss_mask, plain.loss_mask)
+    with pytest.raises(ValueError, match="one mask entry and logprob per token"):
+        Conversation.from_state(renderer, ROOMY, {**plain.state_dict(), "model": [True]})
+
+
+def test_a_model_turn_over_the_budget_can_end_the_conversation():
+    conv = scripted([], Limits(max_tokens=10))
+    tok_ids = CharTokenizer().encode("abcdefgh")
+    text = conv.add_model_turn(tok_ids, [-0.1] * 8, over_budget="end")
+    assert text == "abcdefgh" and conv.end_reason == "max_tokens" and conv.turns == 1
+    assert conv.ids[conv.prompt_len :] == tok_ids and conv.loss_mask.sum() == 8
+    assert conv.reward() == 0.0 and conv.summary()["model_tokens"] == 8

@@ -2,6 +2,7 @@
 and dying environment each end their own episode, counted once by kind, while the pool and the
 other episodes go on, including episodes that shared the killed worker (rebuilt by replay)."""
 
+import json
 import os
 import textwrap
 import time
@@ -156,3 +157,79 @@ def test_workers_that_cannot_start_fail_the_pool_with_one_line(tmp_path):
     path.write_text(FLAKY)
     with pytest.raises(EnvPoolError, match=r"flaky_env\.py:Broken\(\) raised OSError: the game"):
         EnvPool(f"{path}:Broken", None, workers=1, timeout_s=1.0)
+
+
+def test_episode_state_forks_an_episode_and_moves_it_to_another_pool(flaky):
+    pool = EnvPool(flaky, None, workers=2, timeout_s=5.0)
+    other = None
+    try:
+        eid, fut = pool.reset(7, {"tag": "x"})
+        assert fut.result(timeout=30).step.observation == "start 7"
+        assert pool.step(eid, "ok").result(timeout=30).step.observation == "ok 1"
+        state = pool.episode_state(eid)
+        assert set(state) == {"seed", "task", "actions", "digest"}
+        assert state["seed"] == 7 and state["task"] == {"tag": "x"} and state["actions"] == ["ok"]
+        assert json.loads(json.dumps(state)) == state and state["digest"]
+        forks = [pool.adopt(state) for _ in range(3)]
+        pool.finish(eid)
+        assert pool.live_episodes() == 3 and len(set(forks)) == 3
+        outs = [pool.step(f, f"go{i}").result(timeout=30) for i, f in enumerate(forks)]
+        assert [o.step.observation for o in outs] == ["go0 2", "go1 2", "go2 2"]
+        assert len({o.step.info["pid"] for o in outs}) == 2  # spread over both workers
+        assert pool.episode_state(forks[1])["actions"] == ["ok", "go1"]
+        # a checkpoint's episode, restored into a fresh pool
+        moved = pool.episode_state(forks[2])
+        other = EnvPool(flaky, None, workers=1, timeout_s=5.0)
+        again = other.adopt(moved)
+        assert other.step(again, "ok").result(timeout=30).step.observation == "ok 3"
+        assert dict(pool.errors) == {} and dict(other.errors) == {}
+        # an episode that does not replay to its digest ends crash on its next call
+        bad = other.adopt({**moved, "digest": "0" * 40})
+        lost = other.step(bad, "ok").result(timeout=30)
+        assert lost.error == "crash" and "not a pure function" in lost.message
+    finally:
+        pool.close()
+        if other is not None:
+            other.close()
+
+
+def test_episode_state_is_refused_while_a_call_runs_or_after_the_end(flaky):
+    pool = EnvPool(flaky, None, workers=1, timeout_s=5.0)
+    try:
+        eid, fut = pool.reset(0, {})
+        fut.result(timeout=30)
+        napping = pool.step(eid, "nap")
+        with pytest.raises(EnvPoolError, match="has a call running"):
+            pool.episode_state(eid)
+        napping.result(timeout=30)
+        assert pool.episode_state(eid)["actions"] == ["nap"]
+        assert pool.step(eid, "raise").result(timeout=30).error == "exception"
+        with pytest.raises(EnvPoolError, match=r"has ended \(exception\)"):
+            pool.episode_state(eid)
+        with pytest.raises(EnvPoolError, match="episode 99 is unknown"):
+            pool.episode_state(99)
+        with pytest.raises(EnvPoolError, match="not an episode state"):
+            pool.adopt({"seed": 0, "task": {}})
+    finally:
+        pool.close()
+
+
+def test_an_episode_finished_while_its_call_waits_is_not_run(flaky):
+    pool = EnvPool(flaky, None, workers=1, timeout_s=5.0)
+    try:
+        eid, fut = pool.reset(0, {})
+        fut.result(timeout=30)
+        fork = pool.adopt(pool.episode_state(eid))
+        napping = pool.step(eid, "nap")  # the one worker is busy for a second
+        queued = pool.step(fork, "ok")
+        waiting, reset_fut = pool.reset(2, {})
+        pool.finish(fork)
+        pool.finish(waiting)
+        assert napping.result(timeout=30).step.observation == "nap 1"
+        assert queued.result(timeout=30).error == "crash"
+        assert reset_fut.result(timeout=30).error == "crash"
+        assert dict(pool.errors) == {}  # not counted: nobody waits for these
+        assert pool.step(eid, "ok").result(timeout=30).step.observation == "ok 2"
+        assert pool.reset(3, {})[1].result(timeout=30).error is None
+    finally:
+        pool.close()

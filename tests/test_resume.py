@@ -88,6 +88,9 @@ OTHER = {
     "rollout.num_pages": 300,
     "model.norm_topk_prob": True,
     "model.mlp_only_layers": [1],
+    "env.spec": "tool_arithmetic",
+    "env.kwargs": {"median_steps": 4},
+    "env.max_tokens": 256,
 }
 
 

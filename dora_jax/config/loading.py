@@ -29,6 +29,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is tuple:
         return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if origin is dict or tp is dict:
+        return "a mapping"
     if tp is type(None):
         return "null"
     if dataclasses.is_dataclass(tp):
@@ -66,6 +68,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
         (item,) = typing.get_args(tp)[:1]
         return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:  # free-form (a constructor's keyword arguments)
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {value!r}")
+        return dict(value)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -172,6 +178,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> di
         parts, value = parse_override(text)
         node, node_cls, path = out, cls, ""
         for i, part in enumerate(parts):
+            if node_cls is dict:  # inside a free-form mapping (env.kwargs.start=5): any key
+                path = _join(path, part)
+                if i == len(parts) - 1:
+                    if isinstance(value, _Unparsed):
+                        raise value.error
+                    node[part] = value
+                    break
+                if not isinstance(node.get(part), dict):
+                    node[part] = {}
+                node = node[part]
+                continue
             if node_cls is None or not dataclasses.is_dataclass(node_cls):
                 raise ConfigError(path, f"is not a section; cannot set {'.'.join(parts[i:])!r}")
             if part not in {f.name for f in dataclasses.fields(node_cls)}:
@@ -191,7 +208,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> di
                 child = {}
                 node[part] = child
             node = child
-            node_cls = _dataclass_in(typing.get_type_hints(node_cls)[part])
+            hint = typing.get_type_hints(node_cls)[part]
+            node_cls = dict if _is_dict(hint) else _dataclass_in(hint)
     return out
 
 
@@ -199,6 +217,10 @@ def _is_str_field(tp: Any) -> bool:
     """``str`` or ``str | None`` (not ``tuple[str, ...]``, whose values are YAML lists)."""
     origin = typing.get_origin(tp)
     return tp is str or (origin in (Union, types.UnionType) and str in typing.get_args(tp))
+
+
+def _is_dict(tp: Any) -> bool:
+    return tp is dict or typing.get_origin(tp) is dict
 
 
 def _is_optional(tp: Any) -> bool:

@@ -9,10 +9,12 @@ dotted command-line overrides and prefixes every error with the full field path
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from dora_jax.config.errors import ConfigError  # noqa: F401  (re-exported)
+from dora_jax.config.errors import ConfigError
 from dora_jax.config.errors import check as _check
 from dora_jax.config.model import (  # noqa: F401  (re-exported)
     MOE_FAMILIES,
@@ -510,6 +512,77 @@ class EvalConfig:
         _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")
 
 
+ENV_REWARDS = ("sum", "last", "function")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn environments (docs/agentic.md): each prompt is an episode of the environment
+    ``spec`` names, played by the model's turns and the environment's answers. ``spec`` None:
+    single-turn prompts from ``data`` (no environment)."""
+
+    # a built-in (tool_arithmetic, guess_numbers, reasoning_gym, gem),
+    # 'path/to/file.py:Class' or 'package.module:Class'
+    spec: str | None = None
+    # the class's constructor keyword arguments (plain JSON data: they go to worker processes).
+    # Left out of the config's hash (a dict has none); equality still compares them.
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    workers: int = 2  # worker processes running the environment's calls
+    timeout_s: float = 30.0  # a call past it is stopped (its worker killed) and ends the episode
+    max_turns: int = 16  # model turns per episode
+    # tokens of a whole episode, prompt included; 0: rollout.max_prompt_len +
+    # rollout.max_new_tokens (each request's budget after its prompt is at most max_new_tokens)
+    max_tokens: int = 0
+    max_env_seconds: float = 300.0  # environment seconds per episode, all its calls together
+    # the episode's reward: its step rewards summed, or the last one; "function": data.reward
+    # scores the whole conversation's text instead
+    reward: Literal["sum", "last", "function"] = "sum"
+
+    def __post_init__(self):
+        _check(
+            self.spec is None or (isinstance(self.spec, str) and self.spec.strip() != ""),
+            "spec",
+            f"must be a built-in name, 'file.py:Class' or 'package.module:Class', or null, got "
+            f"{self.spec!r}",
+        )
+        _check(
+            isinstance(self.kwargs, dict) and all(isinstance(k, str) for k in self.kwargs),
+            "kwargs",
+            f"must be a mapping of argument names to values, got {self.kwargs!r}",
+        )
+        try:
+            json.dumps(self.kwargs, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("kwargs", f"must be plain JSON data ({e})") from None
+        _check(self.workers > 0, "workers", f"must be > 0, got {self.workers}")
+        _check(
+            self.timeout_s > 0 and math.isfinite(self.timeout_s),
+            "timeout_s",
+            f"must be > 0, got {self.timeout_s}",
+        )
+        _check(self.max_turns > 0, "max_turns", f"must be > 0, got {self.max_turns}")
+        _check(
+            self.max_tokens == 0 or self.max_tokens >= 2,
+            "max_tokens",
+            f"must be >= 2, or 0 (rollout.max_prompt_len + rollout.max_new_tokens), got "
+            f"{self.max_tokens}",
+        )
+        _check(
+            self.max_env_seconds > 0 and math.isfinite(self.max_env_seconds),
+            "max_env_seconds",
+            f"must be > 0, got {self.max_env_seconds}",
+        )
+        _check(
+            self.reward in ENV_REWARDS,
+            "reward",
+            f"must be one of {', '.join(ENV_REWARDS)}, got {self.reward!r}",
+        )
+
+    def resolved_max_tokens(self, max_prompt_len: int, max_new_tokens: int) -> int:
+        """``max_tokens``, or ``max_prompt_len + max_new_tokens`` when it is 0."""
+        return self.max_tokens or max_prompt_len + max_new_tokens
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """The whole experiment; written, resolved, next to every run."""
@@ -526,6 +599,7 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self):
         seed_ok = isinstance(self.seed, int) and not isinstance(self.seed, bool)
@@ -540,6 +614,12 @@ class ExperimentConfig:
             "cudnn takes one sequence per row (no packed segments), so it needs "
             f"train.packing=rows, got {self.train.packing!r}; use attention: blockwise for "
             "packed rows",
+        )
+        _check(
+            self.env.max_tokens == 0 or self.env.max_tokens > self.rollout.max_prompt_len,
+            "env.max_tokens",
+            f"must be > rollout.max_prompt_len ({self.rollout.max_prompt_len}) so that a prompt "
+            f"leaves room for the model, or 0, got {self.env.max_tokens}",
         )
         kv, tp = self.model.num_kv_heads, self.mesh.rollout.tp
         _check(

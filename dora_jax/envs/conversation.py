@@ -15,7 +15,12 @@ logprob. :class:`Limits` bound an episode; whatever ends it is recorded in ``end
   ``exception``, ``invalid`` or ``crash``); the episode's reward is then 0.
 
 The environment sees every model turn, even the last one a limit allows: a limit ends the
-episode only after that turn's step, so a final answer is always judged.
+episode only after that turn's step, so a final answer is always judged. (The one exception: a
+model turn longer than the tokens left, taken with ``over_budget="end"``, ends it ``max_tokens``
+unseen; an engine that limits its turns to :attr:`Conversation.tokens_left` never gives one.)
+
+:meth:`Conversation.state_dict` is the whole conversation as plain JSON data, and
+:meth:`Conversation.from_state` builds it again (a checkpoint).
 """
 
 from __future__ import annotations
@@ -152,18 +157,76 @@ class Conversation:
                 out[f"info/{k}"] = float(v)
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """The conversation as plain JSON data (its renderer and limits are the caller's)."""
+        return {
+            "messages": [dict(m) for m in self.messages],
+            "ids": list(self.ids),
+            "model": list(self._model),
+            "logprobs": list(self._logprobs),
+            "prompt_len": self.prompt_len,
+            "turns": self.turns,
+            "rewards": list(self.rewards),
+            "env_seconds": self.env_seconds,
+            "info": dict(self.info),
+            "end_reason": self.end_reason,
+            "error": self.error,
+            "message": self.message,
+            "last_model_ids": list(self._last_model_ids),
+            "turn": self._turn,
+        }
+
+    @classmethod
+    def from_state(
+        cls, renderer: TurnRenderer, limits: Limits, state: dict[str, Any]
+    ) -> Conversation:
+        """The conversation :meth:`state_dict` gave, rendered by ``renderer`` from now on."""
+        conv = cls(renderer, limits)
+        conv.messages = [{"role": str(m["role"]), "content": str(m["content"])}
+                         for m in state["messages"]]  # fmt: skip
+        conv.ids = [int(t) for t in state["ids"]]
+        conv._model = [bool(m) for m in state["model"]]
+        conv._logprobs = [float(x) for x in state["logprobs"]]
+        if not len(conv.ids) == len(conv._model) == len(conv._logprobs):
+            raise ValueError(f"a conversation state needs one mask entry and logprob per token, "
+                             f"got {len(conv.ids)} ids, {len(conv._model)} mask entries and "
+                             f"{len(conv._logprobs)} logprobs")  # fmt: skip
+        conv.prompt_len, conv.turns = int(state["prompt_len"]), int(state["turns"])
+        conv.rewards = [float(r) for r in state["rewards"]]
+        conv.env_seconds = float(state["env_seconds"])
+        conv.info = dict(state["info"])
+        conv.end_reason, conv.error = state["end_reason"], state["error"]
+        conv.message = str(state["message"])
+        conv._last_model_ids = [int(t) for t in state["last_model_ids"]]
+        if state["turn"] not in ("model", "env") or (
+            conv.end_reason is not None and conv.end_reason not in END_REASONS
+        ):
+            raise ValueError(f"not a conversation state: turn {state['turn']!r}, end reason "
+                             f"{conv.end_reason!r}")  # fmt: skip
+        conv._turn = state["turn"]
+        return conv
+
     # -- turns -----------------------------------------------------------------------------------
 
-    def add_model_turn(self, ids: Sequence[int], logprobs: Sequence[float]) -> str:
+    def add_model_turn(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        *,
+        over_budget: Literal["raise", "end"] = "raise",
+    ) -> str:
         """Append the sampled ``ids`` with their behavior ``logprobs``; the turn's text (what
-        the environment's ``step`` gets)."""
+        the environment's ``step`` gets). A turn longer than :attr:`tokens_left` is refused, or
+        with ``over_budget="end"`` appended and the episode ended ``max_tokens`` (the
+        environment does not see it)."""
         if self.awaiting != "model":
             raise ValueError(f"the conversation is not waiting for the model ({self._state()})")
         ids, logprobs = [int(t) for t in ids], [float(x) for x in logprobs]
         if len(ids) != len(logprobs) or not ids:
             raise ValueError(f"a model turn needs one logprob per token and at least one token, "
                              f"got {len(ids)} ids and {len(logprobs)} logprobs")  # fmt: skip
-        if len(ids) > self.tokens_left:
+        over = len(ids) > self.tokens_left
+        if over and over_budget != "end":
             raise ValueError(f"the model turn has {len(ids)} tokens, only {self.tokens_left} "
                              "are left (limit the turn to tokens_left)")  # fmt: skip
         self._append(ids, model=True, logprobs=logprobs)
@@ -172,6 +235,8 @@ class Conversation:
         self._turn = "env"
         text = self.renderer.model_text(ids)
         self.messages.append({"role": "assistant", "content": text})
+        if over:
+            self._end("max_tokens")
         return text
 
     def add_env_outcome(self, outcome: EnvOutcome) -> None:

@@ -13,6 +13,9 @@ other episodes go on.
 Episodes that shared a killed worker are not lost: their next call carries their seed, task and
 actions, and the fresh worker replays them first (the call's timeout grows by one ``timeout_s``
 per replayed call); a replay that gives other results than before ends the episode ``crash``.
+:meth:`EnvPool.episode_state` gives that same seed, task, actions and digest as plain data, and
+:meth:`EnvPool.adopt` makes a new episode of it, held by no worker yet, so its next call rebuilds
+it: one reset forked into the members of a prompt group, or episodes restored from a checkpoint.
 ``spans`` records each call as ``(op, kind, t0, t1)`` on the ``now`` clock; deadlines use
 ``time.monotonic``.
 """
@@ -144,8 +147,7 @@ class EnvPool:
     def reset(self, seed: int, task: dict[str, Any]) -> tuple[int, Future]:
         """Start an episode: its id, and a future of the first observation."""
         with self._lock:
-            load = Counter(e.worker for e in self._episodes.values() if e.ended is None)
-            w = min(range(len(self._workers)), key=lambda i: (load[i], i))
+            w = self._least_loaded()
             eid = self._next_episode
             self._next_episode += 1
             self._episodes[eid] = _Episode(w, int(seed), dict(task), busy=True)
@@ -155,10 +157,7 @@ class EnvPool:
     def step(self, episode: int, action: str) -> Future:
         """Send ``action`` to the episode; a future of its result."""
         with self._lock:
-            ep = self._episodes.get(episode)
-            if ep is None or ep.ended is not None:
-                why = "is unknown" if ep is None else f"has ended ({ep.ended})"
-                raise EnvPoolError(f"episode {episode} {why}")
+            ep = self._live(episode)
             if ep.busy:
                 raise EnvPoolError(f"episode {episode} already has a call running")
             ep.busy = True
@@ -174,6 +173,36 @@ class EnvPool:
                 w.queue.append(_Job(-1, "close", episode, {"op": "close", "episode": episode},
                                     Future()))  # fmt: skip
         os.write(self._wake_w, b"x")
+
+    def episode_state(self, episode: int) -> dict[str, Any]:
+        """What rebuilds the episode elsewhere, as plain JSON data: ``seed``, ``task``,
+        ``actions`` (the steps answered so far) and ``digest`` (of their results). Refused while
+        a call runs on it (its state is not settled) and after it ended."""
+        with self._lock:
+            ep = self._live(episode)
+            if ep.busy:
+                raise EnvPoolError(f"episode {episode} has a call running: its state is not "
+                                   "settled")  # fmt: skip
+            state = {"seed": ep.seed, "task": ep.task, "actions": ep.actions, "digest": ep.digest}
+            return json.loads(json.dumps(state))
+
+    def adopt(self, state: dict[str, Any]) -> int:
+        """A new episode from :meth:`episode_state`'s ``state`` (of this pool or another): no
+        worker holds it yet, so its next :meth:`step` first replays ``seed``, ``task`` and
+        ``actions`` on the worker holding the fewest episodes (checking ``digest``). Adopting
+        one state several times forks the episode; a pool restored from a checkpoint adopts
+        the saved episodes."""
+        try:
+            seed, task, digest = int(state["seed"]), dict(state["task"]), str(state["digest"])
+            actions = [str(a) for a in state["actions"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise EnvPoolError(f"not an episode state ({type(e).__name__}: {e}): "
+                               f"{state!r:.120}") from None  # fmt: skip
+        with self._lock:
+            eid = self._next_episode
+            self._next_episode += 1
+            self._episodes[eid] = _Episode(self._least_loaded(), seed, task, actions, digest)
+            return eid
 
     def live_episodes(self) -> int:
         with self._lock:
@@ -193,6 +222,17 @@ class EnvPool:
         if not self._thread.is_alive():
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+    def _live(self, episode: int) -> _Episode:
+        ep = self._episodes.get(episode)
+        if ep is None or ep.ended is not None:
+            why = "is unknown" if ep is None else f"has ended ({ep.ended})"
+            raise EnvPoolError(f"episode {episode} {why}")
+        return ep
+
+    def _least_loaded(self) -> int:
+        load = Counter(e.worker for e in self._episodes.values() if e.ended is None)
+        return min(range(len(self._workers)), key=lambda i: (load[i], i))
 
     def _submit(self, w: int, op: str, eid: int, msg: dict) -> Future:
         fut: Future = Future()
@@ -242,6 +282,10 @@ class EnvPool:
                     if job.episode in w.holds:
                         w.holds.discard(job.episode)
                         self._send(w, job.msg)
+                    continue
+                if ep is None:  # finished while its call waited: nothing to run or count
+                    why = f"episode {job.episode} was finished before its call ran"
+                    job.fut.set_result(EnvOutcome(None, "crash", why))
                     continue
                 job.limit = self.timeout_s
                 if job.op == "step" and job.episode not in w.holds:
