@@ -50,9 +50,10 @@ TRANSFER_RGB = np.array([0.42, 0.42, 0.42])
 TINT = 0.5  # prefill / waiting cells: the version colour blended this much toward white
 MAX_COLS = 2400  # image columns; longer runs are area-averaged down to this many
 MIGRATE_RGB = np.array([0.15, 0.15, 0.15])
+ENV_WAIT_RGB = np.array([0.95, 0.76, 0.05])  # gold: no tab10 version colour is near it
 _ACT = {a: i for i, a in enumerate(ACTIVITIES)}
-_IDLE, _PREFILL, _DECODE, _TRANSFER, _MIGRATE = (
-    _ACT[a] for a in ("idle", "prefill", "decode", "transfer", "migrate")
+_IDLE, _PREFILL, _DECODE, _TRANSFER, _MIGRATE, _ENV_WAIT = (
+    _ACT[a] for a in ("idle", "prefill", "decode", "transfer", "migrate", "env_wait")
 )
 
 
@@ -90,10 +91,12 @@ def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
     """``[groups, ncols, 3]`` RGB: each column the time-weighted mean colour of what it spans."""
     p = len(PALETTE)
     lut = np.concatenate(
-        [[IDLE_RGB, TRANSFER_RGB], PALETTE, PALETTE * (1 - TINT) + TINT, [MIGRATE_RGB]]
-    )
+        [[IDLE_RGB, TRANSFER_RGB], PALETTE, PALETTE * (1 - TINT) + TINT, [MIGRATE_RGB],
+         [ENV_WAIT_RGB]]
+    )  # fmt: skip
     busy = (act == _DECODE) | (act == _PREFILL) | ((act == _IDLE) & (active > 0))
     idx = np.where(act == _TRANSFER, 1, np.where(act == _MIGRATE, 2 + 2 * p, 0))
+    idx = np.where(act == _ENV_WAIT, 3 + 2 * p, idx)
     idx = np.where(busy, 2 + version % p + p * (act != _DECODE), idx)
     dt = np.diff(edges)
     cols = np.linspace(edges[0], edges[-1], ncols + 1)
@@ -131,7 +134,7 @@ def _span_image(records: Records, end: float, ncols: int, start: float = 0.0) ->
             base = PALETTE[x.version % p]
             rgb = {
                 "decode": base, "prefill": base * (1 - TINT) + TINT, "transfer": TRANSFER_RGB,
-                "migrate": MIGRATE_RGB,
+                "migrate": MIGRATE_RGB, "env_wait": ENV_WAIT_RGB,
             }.get(x.activity, IDLE_RGB)  # fmt: skip
             edges.append(b)
             colors.append(rgb)
@@ -267,6 +270,7 @@ def _legend(versions: list[int]) -> list[Any]:
         Patch(color=tuple(PALETTE[0] * (1 - TINT) + TINT), label="light: prefill / waiting"),
         Patch(color=tuple(TRANSFER_RGB), label="weight transfer"),
         Patch(color=tuple(MIGRATE_RGB), label="KV move"),
+        Patch(color=tuple(ENV_WAIT_RGB), label="environment wait"),
         Patch(facecolor="white", edgecolor="0.6", label="idle"),
         Line2D([], [], marker=">", color="black", ls="", ms=5, label="transfer start"),
         Line2D([], [], marker="v", color="black", ls="", ms=5, label="migration (size: n)"),

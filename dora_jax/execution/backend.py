@@ -15,10 +15,20 @@ Weights move trainer -> group by ``jax.device_put`` into the group's rollout sha
 -> group between meshes of identical shape and PartitionSpecs (shard to shard). A migration packs
 the requests' KV pages on the source mesh, copies the buffer to the destination mesh and unpacks
 it there: no request is prefilled twice.
+
+Multi-turn conversations (a :class:`~dora_jax.execution.turns.TurnDriver`, ``turns``): a request
+whose payload carries a conversation runs as one; each model turn it ends goes to the driver
+(its environment answers off the control loop), the answer comes back as an ``extend`` of the
+request on whichever group holds it then, or as its end, which makes it a finished request
+(reward, loss mask and figures in its :class:`Completion`). While it waits the request holds its
+KV and pins its version, but no decode slot (``GroupInfo.waiting``). On the logical clock the
+answers to the turns of one tick are applied at the start of the next (waiting for them), so a
+run with a deterministic environment is reproducible.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -31,6 +41,7 @@ from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.execution.group import FromTrainer, GroupEvent, SyncGroup, ThreadGroup
 from dora_jax.execution.payloads import Completion, PromptPayload
+from dora_jax.execution.turns import TurnDriver, TurnOutcome
 from dora_jax.model.params import Params
 from dora_jax.orchestrator.backend import (
     TRAINER,
@@ -45,6 +56,7 @@ from dora_jax.orchestrator.backend import (
 )
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.rollout import Engine, Request, request_key
+from dora_jax.rollout import FinishedRequest as EngineFinished
 
 
 @dataclass
@@ -88,6 +100,7 @@ class EngineBackend:
         max_new_tokens: int | None = None,
         interpret: bool | None = None,
         cluster: Any = None,
+        turns: TurnDriver | None = None,
     ):
         self.clock = clock or LogicalClock()
         self.wall = self.clock.kind == "wall"
@@ -131,6 +144,15 @@ class EngineBackend:
         self._meta: dict[int, tuple[int, PromptPayload, list[int]]] = {}  # pg, prompt, versions
         self._held: list[GroupEvent] = []  # reports pulled while pausing, for the next step()
         self._closed = False
+        # multi-turn conversations: the driver; requests waiting on their environment; each
+        # one's last turn-end record; environment turns (and ends) that came while a request was
+        # interrupted, applied when it is resubmitted; conversations ended, for the next step()
+        self.turns = turns
+        self._waiting: set[int] = set()
+        self._last_turn: dict[int, EngineFinished] = {}
+        self._held_turns: dict[int, list[tuple[int, ...]]] = {}
+        self._over: dict[int, TurnOutcome] = {}
+        self._ended: list[FinishedRequest] = []
 
     # -- queries ---------------------------------------------------------------------------------
     def groups(self) -> list[GroupInfo]:
@@ -144,15 +166,22 @@ class EngineBackend:
                     version=self._version[g],
                     busy_ticks=0 if h.params.done() else 1,
                     max_slots=self.max_slots,
-                    free_slots=max(self.max_slots - len(ids), 0),
+                    free_slots=self._free_slots(g),
                     kv_pages_used=st.pages_used,
                     kv_pages_total=st.pages_total,
                     requests=ids,
                     request_pages=tuple(st.pages.get(r, 0) for r in ids),
                     host=self._hosts[g],
+                    waiting=tuple(r for r in ids if r in self._waiting),
                 )
             )
         return out
+
+    def _free_slots(self, group: int) -> int:
+        """Decode slots left: requests waiting on their environment hold none."""
+        members = self._members[group]
+        busy = len(members) - sum(1 for r in members if r in self._waiting)
+        return max(self.max_slots - busy, 0)
 
     def live_requests(self) -> int:
         return len(self._where)
@@ -188,10 +217,10 @@ class EngineBackend:
     # -- requests --------------------------------------------------------------------------------
     def submit(self, group: int, requests: list[RequestSpec]) -> None:
         self._check_group(group)
-        free = self.max_slots - len(self._members[group])
+        free = self._free_slots(group)
         if len(requests) > free:
             raise BackendError(f"{len(requests)} requests, group {group} has {free} free slots")
-        reqs = []
+        reqs, over = [], []
         for spec in requests:
             if spec.version != self._version[group]:
                 raise BackendError(
@@ -202,6 +231,11 @@ class EngineBackend:
                 if spec.request_id not in self._meta or spec.request_id in self._where:
                     raise BackendError(f"request {spec.request_id} was not interrupted")
                 r: Request = spec.resume.payload
+                for obs in self._held_turns.pop(r.id, ()):  # its environment answered meanwhile
+                    r.append_env_turn(list(obs))
+                if r.id in self._over:  # its episode ended meanwhile: it finishes now
+                    over.append(r.id)
+                    continue
                 r.version = spec.version
                 self._meta[spec.request_id][2].append(spec.version)
             else:
@@ -219,11 +253,21 @@ class EngineBackend:
                     request_key(self.seed, spec.request_id),
                     prompt.max_new_tokens or self.max_new_tokens,
                 )
+                if prompt.conversation is not None:
+                    if self.turns is None:
+                        raise BackendError(f"request {spec.request_id} is a conversation and the "
+                                           "backend has no turn driver")  # fmt: skip
+                    r.multi_turn, r.stop_seqs = True, self.turns.stop_sequences
                 self._meta[spec.request_id] = (spec.prompt_group, prompt, [spec.version])
+                if r.multi_turn:
+                    self.turns.begin(spec.request_id, prompt)
             reqs.append(r)
+        for rid in over:
+            self._ended.append(self._conversation_over(rid, self._over.pop(rid)))
         for r in reqs:
             self._join(r.id, group)
-        self.handles[group].submit(reqs)
+        if reqs:
+            self.handles[group].submit(reqs)
 
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         self._check_group(src)
@@ -238,7 +282,7 @@ class EngineBackend:
         for rid in request_ids:
             if self._where.get(rid) != src:
                 raise BackendError(f"request {rid} is not on group {src}")
-        free = self.max_slots - len(self._members[dst])
+        free = self._free_slots(dst)
         if len(request_ids) > free:
             raise BackendError(f"group {dst} has {free} free slots for {len(request_ids)}")
         for rid in request_ids:
@@ -248,7 +292,7 @@ class EngineBackend:
         self.overheads.migrated_requests += len(request_ids)
         self.handles[src].migrate(list(request_ids), self.handles[dst])
 
-    def interrupt(self, request_ids: list[int]) -> list[PartialRequest]:
+    def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]:
         by_group: dict[int, list[int]] = {}
         for rid in request_ids:
             if rid not in self._where:
@@ -263,7 +307,74 @@ class EngineBackend:
                 out.append(
                     PartialRequest(r.id, pg, len(prompt.tokens), len(r.tokens), tuple(versions), r)
                 )
+        if discard:  # never resubmitted: forget them (and end their episodes)
+            for p in out:
+                self._meta.pop(p.request_id, None)
+                self._forget_conversation(p.request_id)
         return out
+
+    # -- conversations ---------------------------------------------------------------------------
+    def _turn_ended(self, rec: EngineFinished) -> None:
+        """A conversation ended a model turn: it waits while its environment answers."""
+        if rec.id not in self._meta:  # discarded while its turn ended (wall clock)
+            return
+        self._last_turn[rec.id] = rec
+        self._waiting.add(rec.id)
+        self.turns.turn_ended(rec.id, rec.tokens, rec.logprobs, rec.turn_start)
+
+    def _take_outcomes(self, wait: bool) -> None:
+        """Apply the environment's answers: extend each request where it is now (or hold the
+        turn until an interrupted one is resubmitted), or end its conversation."""
+        extend: dict[int, list] = {}
+        end: dict[int, list[int]] = {}
+        for o in self.turns.outcomes(wait):
+            rid = o.request_id
+            self._waiting.discard(rid)
+            g = self._where.get(rid)
+            if not o.over:
+                if g is None:
+                    self._held_turns.setdefault(rid, []).append(o.observation)
+                else:
+                    extend.setdefault(g, []).append((rid, o.observation))
+            elif g is None:
+                self._over[rid] = o  # it finishes when resubmitted
+            else:
+                end.setdefault(g, []).append(rid)
+                self._leave(rid)
+                self._ended.append(self._conversation_over(rid, o))
+        for g, items in extend.items():
+            self.handles[g].extend(items)
+        for g, ids in end.items():
+            self.handles[g].end(ids)
+
+    def _conversation_over(self, rid: int, o: TurnOutcome) -> FinishedRequest:
+        rec = self._last_turn.pop(rid)
+        pg, prompt, versions = self._meta.pop(rid)
+        if len(o.loss_mask) != len(rec.tokens):
+            raise BackendError(
+                f"request {rid}: the driver's loss mask covers {len(o.loss_mask)} tokens, the "
+                f"engine's conversation has {len(rec.tokens)}"
+            )
+        figures = dict(o.figures or {})
+        comp = Completion(
+            prompt, rec.tokens, rec.logprobs, str(figures.get("end_reason") or "env"),
+            rec.prefill_tokens, rec.migrations, rec.routes, loss_mask=o.loss_mask,
+            env_reward=o.reward if self.turns.env_rewards else None, conversation=figures,
+        )  # fmt: skip
+        if self.on_finished is not None:
+            self.on_finished(rid, comp)
+        return FinishedRequest(rid, pg, len(prompt.tokens), len(rec.tokens), tuple(versions), comp)
+
+    def _forget_conversation(self, rid: int) -> None:
+        if self.turns is not None:
+            self.turns.drop(rid)
+        for d in (self._last_turn, self._held_turns, self._over):
+            d.pop(rid, None)
+        self._waiting.discard(rid)
+
+    def waiting_requests(self) -> int:
+        """Conversations waiting on their environment (in a group or interrupted)."""
+        return len(self._waiting)
 
     # -- progress --------------------------------------------------------------------------------
     def step(self) -> StepEvents:
@@ -271,11 +382,14 @@ class EngineBackend:
         call (waiting at most ``WAIT_S`` for the first)."""
         if self.cluster is not None:
             self.cluster.flush()  # this round's calls to other processes, one message each
+        if self.turns is not None:  # logical: the answers to the last tick's turns, all of them
+            self._take_outcomes(wait=not self.wall)
         if self.wall:
             events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
         else:
             events = [e for h in self.handles for e in h.step()]
-        ticks, finished = [], []
+        ticks, finished = [], self._ended
+        self._ended = []
         for e in events:
             if e.error is not None:
                 where = "".join(traceback.format_exception(e.error)[-6:])
@@ -284,7 +398,9 @@ class EngineBackend:
                 self._account(e.span)
                 if self.wall or e.span.activity not in ("transfer", "migrate"):
                     ticks.append(e.span)  # logical: one record per group and tick
-            finished += [self._finished(f) for f in e.finished]
+            finished += [self._finished(f) for f in e.finished if f.id in self._meta]
+            for rec in e.turn_ends:
+                self._turn_ended(rec)
         out = StepEvents(self._tick, tuple(finished), tuple(ticks))
         self._tick += 1
         return out
@@ -336,6 +452,18 @@ class EngineBackend:
             "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
             "overheads": self.overheads,
             "engines": [h.snapshot_state() for h in self.handles],
+            "conversations": None
+            if self.turns is None
+            else {
+                "driver": self.turns.state_dict(),
+                "waiting": sorted(self._waiting),
+                "last_turn": dict(self._last_turn),
+                "held_turns": {
+                    rid: [list(o) for o in obs] for rid, obs in self._held_turns.items()
+                },
+                "over": {rid: dataclasses.asdict(o) for rid, o in self._over.items()},
+                "ended": list(self._ended),
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any], params_for: Callable[[int], Params]) -> None:
@@ -350,6 +478,20 @@ class EngineBackend:
         self._members = [dict.fromkeys(m) for m in state["members"]]
         self._where = {rid: g for g, m in enumerate(self._members) for rid in m}
         self._version = list(state["versions"])
+        conv = state.get("conversations")
+        if (conv is None) != (self.turns is None):
+            raise BackendError(
+                "the checkpoint's conversations and this run's env section disagree (a run "
+                "with multi-turn environments resumes with the same env.spec)"
+            )
+        if conv is not None:
+            self.turns.load_state_dict(conv["driver"])
+            self._waiting = set(conv["waiting"])
+            self._last_turn = dict(conv["last_turn"])
+            self._held_turns = {rid: [tuple(o) for o in obs]
+                                for rid, obs in conv["held_turns"].items()}  # fmt: skip
+            self._over = {rid: _outcome(o) for rid, o in conv["over"].items()}
+            self._ended = list(conv["ended"])
         for g, (h, snap) in enumerate(zip(self.handles, state["engines"], strict=True)):
             if snap.version != self._version[g]:
                 raise BackendError(
@@ -401,3 +543,10 @@ class EngineBackend:
         if self.on_finished is not None:
             self.on_finished(f.id, comp)
         return FinishedRequest(f.id, pg, len(prompt.tokens), len(f.tokens), tuple(versions), comp)
+
+
+def _outcome(d: dict) -> TurnOutcome:
+    obs = None if d["observation"] is None else tuple(d["observation"])
+    return TurnOutcome(
+        d["request_id"], obs, float(d["reward"]), tuple(d["loss_mask"]), d["figures"]
+    )

@@ -78,13 +78,15 @@ class GroupStatus:
 
 @dataclass(frozen=True)
 class GroupEvent:
-    """What a group did: one span (engine step, weight load, KV move) and its finished requests,
-    or the error that stopped its worker."""
+    """What a group did: one span (engine step, weight load, KV move) and its finished requests
+    and ended model turns (conversations, now waiting on their environment), or the error that
+    stopped its worker."""
 
     group: int
     span: GroupTick | None = None
     finished: tuple[EngineFinished, ...] = ()
     error: BaseException | None = None
+    turn_ends: tuple[EngineFinished, ...] = ()
 
 
 class _Core:
@@ -193,7 +195,7 @@ class _Core:
             kind, t0, ld.active + ld.pending + ld.parked, tokens=rep.sampled_tokens,
             prefill=rep.prefill_tokens, reprefill=rep.reprefill_tokens,
         )  # fmt: skip
-        return GroupEvent(self.group, span, tuple(rep.finished))
+        return GroupEvent(self.group, span, tuple(rep.finished), turn_ends=tuple(rep.turn_ends))
 
     def snapshot_state(self):
         """A host copy of everything the engine holds (checkpoints), on the group's thread."""
@@ -264,6 +266,17 @@ class SyncGroup(_Core):
         self.status = self.snapshot()
         return out
 
+    def extend(self, items: list[tuple[Hashable, tuple[int, ...]]]) -> None:
+        """Conversations waiting on their environment: append its turns (``(id, tokens)``)."""
+        for rid, tokens in items:
+            self.engine.extend(rid, tokens)
+        self.status = self.snapshot()
+
+    def end(self, ids: list[Hashable]) -> None:
+        """Conversations whose episode is over: free them."""
+        self.engine.end(ids)
+        self.status = self.snapshot()
+
     def call(self, fn: Callable[[Engine], Any]) -> Any:
         """``fn(engine)`` now (snapshots and restores for checkpoints)."""
         out = fn(self.engine)
@@ -274,8 +287,10 @@ class SyncGroup(_Core):
         events, self.events = self.events, []
         if self.engine.has_work:  # an empty engine's step is free: skip the call
             events.append(self.do_step())
-        else:
-            events.append(GroupEvent(self.group, self._span("idle", self.now())))
+        else:  # idle, or waiting on the environment of the conversations it holds
+            kind = "env_wait" if self.engine.waiting_ids() else "idle"
+            span = self._span(kind, self.now(), self.engine.num_requests)
+            events.append(GroupEvent(self.group, span))
         self.status = self.snapshot()
         return events
 
@@ -343,6 +358,19 @@ class ThreadGroup(_Core):
     def interrupt(self, ids: list[Hashable]) -> list[Request]:
         return self.call(lambda engine: self.do_interrupt(ids))
 
+    def extend(self, items: list[tuple[Hashable, tuple[int, ...]]]) -> None:
+        """Queue environment turns for conversations waiting on them (``(id, tokens)``)."""
+
+        def run():
+            for rid, tokens in items:
+                self.engine.extend(rid, tokens)
+
+        self._q.put(run)
+
+    def end(self, ids: list[Hashable]) -> None:
+        """Queue the end of conversations whose episode is over."""
+        self._q.put(lambda: self.engine.end(ids))
+
     def call(self, fn: Callable[[Engine], Any]) -> Any:
         """``fn(engine)`` on the worker thread, in order with the other calls; waits for it (also
         while paused: snapshots and restores for checkpoints)."""
@@ -389,14 +417,23 @@ class ThreadGroup(_Core):
             self.post(e)
 
     def _loop(self) -> None:
+        waiting_since = None  # idle while conversations wait on their environment, since then
         try:
             while not self._stop:
                 idle = self._pausing or not self.engine.has_work
+                if idle and waiting_since is None and self.engine.waiting_ids():
+                    waiting_since = self.now()
                 try:
                     call = self._q.get(timeout=self.POLL_S) if idle else self._q.get_nowait()
                 except queue.Empty:
                     call = None
                 if call is not None:
+                    if waiting_since is not None:  # the environment wait ends with this call
+                        n = self.engine.num_requests
+                        self._emit(
+                            [GroupEvent(self.group, self._span("env_wait", waiting_since, n))]
+                        )
+                        waiting_since = None
                     call()
                     self.status = self.snapshot()
                     continue

@@ -48,6 +48,9 @@ class TurnDriver(Protocol):
     # token id sequences that end a model turn besides the tokenizer's EOS ids (the tokenized
     # stop strings the environment declares, e.g. the end of a tool call)
     stop_sequences: tuple[tuple[int, ...], ...]
+    # whether ``TurnOutcome.reward`` is the episode's reward (False: the run's reward function
+    # scores the conversation's text instead)
+    env_rewards: bool
 
     def begin(self, request_id: int, payload: PromptPayload) -> None:
         """A conversation's request was submitted (its episode starts from ``payload``)."""

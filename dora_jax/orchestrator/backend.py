@@ -22,9 +22,10 @@ from typing import Literal, NamedTuple, Protocol, runtime_checkable
 TRAINER: Literal["trainer"] = "trainer"
 Source = int | Literal["trainer"]
 
-# "transfer": receiving weights; "migrate": packing or unpacking the KV of moving requests
-Activity = Literal["idle", "prefill", "decode", "transfer", "migrate"]
-ACTIVITIES: tuple[Activity, ...] = ("idle", "prefill", "decode", "transfer", "migrate")
+# "transfer": receiving weights; "migrate": packing or unpacking the KV of moving requests;
+# "env_wait": nothing to decode while conversations it holds wait on their environment
+Activity = Literal["idle", "prefill", "decode", "transfer", "migrate", "env_wait"]
+ACTIVITIES: tuple[Activity, ...] = ("idle", "prefill", "decode", "transfer", "migrate", "env_wait")
 
 
 class BackendError(RuntimeError):
@@ -46,6 +47,10 @@ class GroupInfo(NamedTuple):
     requests: tuple[int, ...] = ()
     request_pages: tuple[int, ...] = ()
     host: int = 0  # the process whose devices hold the group (multi-process runs)
+    # the requests of ``requests`` that wait on their environment (multi-turn conversations):
+    # they hold KV pages and pin their version but no decode slot (``free_slots`` counts them
+    # out)
+    waiting: tuple[int, ...] = ()
 
     @property
     def num_requests(self) -> int:
@@ -181,10 +186,12 @@ class RolloutBackend(Protocol):
         """
         ...
 
-    def interrupt(self, request_ids: list[int]) -> list[PartialRequest]:
+    def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]:
         """Take unfinished requests out of their groups and return their state.
 
         For the partial-rollout baseline (resubmit under a new version) and the oversampling
-        baseline (abort and discard). Their slots and KV pages are freed at once.
+        baseline (abort and discard: ``discard``, they will not be resubmitted and the backend
+        forgets them, a conversation's episode included). Their slots and KV pages are freed at
+        once.
         """
         ...

@@ -249,7 +249,7 @@ class FakeBackend:
             d.reserved += r.reserve
             self._where[rid] = d
 
-    def interrupt(self, request_ids: list[int]) -> list[PartialRequest]:
+    def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]:
         for rid in request_ids:
             if rid not in self._where:
                 raise BackendError(f"interrupt: request {rid} is not running")

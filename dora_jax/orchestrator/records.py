@@ -255,7 +255,8 @@ class Records:
             live = set()
             rolling = False
             for g in row:
-                if g.activity == "idle" and g.active == 0:
+                # (a group waiting on its conversations' environment idles as well)
+                if (g.activity == "idle" and g.active == 0) or g.activity == "env_wait":
                     idle += 1
                     idle_by_group[g.group] += 1
                 elif g.activity == "prefill":
@@ -298,7 +299,7 @@ class Records:
         tokens = reprefill = engine_steps = 0
         for g in spans:
             dt = min(g.t1, end) - g.t0
-            if g.activity != "idle":
+            if g.activity not in ("idle", "env_wait"):
                 busy[g.group] += dt
             if g.activity in cat:
                 cat[g.activity] += dt

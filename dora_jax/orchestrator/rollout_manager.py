@@ -287,7 +287,7 @@ class RolloutManager:
             if self.status[rid] == RUNNING
         ]  # fmt: skip
         if running:
-            backend.interrupt(running)
+            backend.interrupt(running, discard=True)
         for v, q in self.pending.items():
             if any(s.prompt_group in drop for s in q):
                 self.pending[v] = deque(s for s in q if s.prompt_group not in drop)

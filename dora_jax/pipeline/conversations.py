@@ -28,9 +28,22 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dora_jax.config import ExperimentConfig
 from dora_jax.config.schema import EnvConfig
-from dora_jax.envs import ERROR_KINDS, EnvOutcome, EnvPool, EnvPoolError, Step, resolve_spec
+from dora_jax.envs import (
+    ERROR_KINDS,
+    EnvOutcome,
+    EnvPool,
+    EnvPoolError,
+    Step,
+    check_reset,
+    check_step,
+    load_environment,
+    resolve_spec,
+    stop_strings,
+)
 from dora_jax.envs.conversation import END_REASONS, Conversation, Limits
 from dora_jax.envs.protocol import as_messages
 from dora_jax.envs.rendering import RenderDriftError, TurnRenderer
@@ -39,6 +52,7 @@ from dora_jax.execution.turns import TurnOutcome
 from dora_jax.model.tokenizer import Tokenizer, TokenizerError
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.pipeline.grpo import PromptTooLong
+from dora_jax.pipeline.warm_start import Demonstration
 
 # resets that may fail in a row before the prompt source gives up
 MAX_RESET_FAILURES = 20
@@ -480,3 +494,56 @@ def build_env(
         pool.close()
         raise
     return EnvRun(pool, driver, prompts, limits)
+
+
+# -- the warm start's teacher ---------------------------------------------------------------------
+
+
+def env_demonstrations(
+    cfg: ExperimentConfig, tokenizer: Tokenizer, seed: int
+) -> Callable[[int], Demonstration] | None:
+    """The warm-start teacher of an environment that knows its ideal play (the built-ins'
+    ``ideal_actions(seed, index)``): episode ``index`` of ``seed`` played by it in this
+    process, as the token sequence a run would see (the same renderer and limits), the model's
+    turns to learn. With probability ``warm_start.direct_frac`` (a pure function of ``seed`` and
+    ``index``) the teacher skips to its last action (for ``tool_arithmetic``: the bare answer,
+    no tool calls). A model turn that does not end with a stop string ends with the tokenizer's
+    EOS, as a sampled one does. None for an environment without ``ideal_actions``."""
+    env = load_environment(cfg.env.spec, cfg.env.kwargs)
+    if not callable(getattr(env, "ideal_actions", None)):
+        return None
+    renderer = TurnRenderer(tokenizer)
+    limits = env_limits(cfg.env, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens)
+    stops = stop_strings(env)
+    direct_frac = cfg.warm_start.direct_frac
+
+    def example(index: int) -> Demonstration:
+        actions = list(env.ideal_actions(seed, index))
+        if np.random.default_rng((seed, index, 1)).random() < direct_frac:
+            actions = actions[-1:]
+        first = check_reset(env.reset(seed, {"index": index}))
+        conv = Conversation.start(renderer, EnvOutcome(first), limits)
+        for action in actions:
+            if conv.done:
+                break
+            ids = list(tokenizer.encode(action))
+            if not any(action.endswith(s) for s in stops):
+                ids.append(tokenizer.eos_id)
+            text = conv.add_model_turn(ids, [0.0] * len(ids), over_budget="end")
+            if not conv.done:
+                conv.add_env_outcome(EnvOutcome(check_step(env.step(text))))
+        return Demonstration(tuple(conv.ids), tuple(bool(m) for m in conv.loss_mask))
+
+    return example
+
+
+def held_out_episodes(
+    run: EnvRun, cfg: ExperimentConfig, tokenizer: Tokenizer, seed: int
+) -> tuple[list[PromptPayload], EnvTurnDriver]:
+    """``eval.num_prompts`` held-out episodes of ``seed`` (their first observations, reset once
+    through the run's pool) and a turn driver of their own, for the held-out evaluation."""
+    r = cfg.rollout
+    prompts = EnvPrompts(run.pool, tokenizer, run.limits, r.max_prompt_len, r.max_new_tokens, seed,
+                         skip=cfg.data.long_prompts == "skip")  # fmt: skip
+    payloads = [prompts.next_prompt().payload for _ in range(cfg.eval.num_prompts)]
+    return payloads, EnvTurnDriver(run.pool, tokenizer, run.limits, cfg.env.reward)

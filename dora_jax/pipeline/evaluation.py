@@ -12,6 +12,11 @@ samples of k (Chen et al., 2021), averaged over problems.
 
 It owns a small engine on one device of the trainer submesh and runs between train steps, so it
 never touches the rollout groups, their requests or any random stream of the run.
+
+A multi-turn run evaluates on held-out episodes of its environment (``conversations``: their
+first observations as prompt payloads, and a turn driver of its own over the run's environment
+pool): each sample plays its episode to the end, the environment answering every model turn;
+its reward is the episode's.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.data.examples import Example
 from dora_jax.data.scoring import Scorer
+from dora_jax.execution.payloads import PromptPayload
+from dora_jax.execution.turns import TurnDriver
 from dora_jax.mesh import make_mesh
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt, eos_ids, response_ids
@@ -102,7 +109,11 @@ class Evaluator:
         *,
         encode: Callable[[object], list[int]] | None = None,  # prompt -> ids (chat template)
         samples_per_prompt: int = 1,
+        conversations: tuple[Sequence[PromptPayload], TurnDriver] | None = None,
     ):
+        self.payloads, self.driver = conversations if conversations else (None, None)
+        if self.payloads is not None:
+            problems = [Example(p.tokens, p.answer, p.metadata or {}) for p in self.payloads]
         if not problems:
             raise ValueError("an evaluation needs at least one problem")
         if samples_per_prompt < 1:
@@ -113,7 +124,10 @@ class Evaluator:
         self.references = [ex.answer for ex in examples]
         self.metadata = [ex.metadata or None for ex in examples]
         encode = encode or (lambda p: encode_prompt(tokenizer, p))
-        self.prompts = [encode(ex.prompt) for ex in examples]
+        if self.payloads is not None:
+            self.prompts = [list(p.tokens) for p in self.payloads]
+        else:
+            self.prompts = [encode(ex.prompt) for ex in examples]
         longest = max(len(p) for p in self.prompts)
         if longest > rollout_cfg.max_prompt_len:
             raise ValueError(
@@ -137,6 +151,8 @@ class Evaluator:
     def __call__(self, params: Params, step: int) -> EvalResult:
         t0 = time.perf_counter()
         self.engine.load_params(params, step)
+        if self.payloads is not None:
+            return self._conversations(step, t0)
         n = len(self.prompts)
         # sample j of problem i is request j * n + i; the first sample's key is the one a
         # single-sample evaluation uses, so k = 1 is unchanged
@@ -161,6 +177,53 @@ class Evaluator:
             reward=float(scores.mean()),
             solved=float(np.mean(scores >= 1.0)),
             response_len=float(np.mean([len(r) for r in responses.values()])),
+            seconds=time.perf_counter() - t0,
+            at_k=at_k_metrics(scores) if self.k > 1 else {},
+            scores=tuple(tuple(row) for row in scores.tolist()),
+        )
+
+    def _conversations(self, step: int, t0: float) -> EvalResult:
+        """Play every held-out episode to its end (``k`` samples each), the driver answering
+        each model turn; rewards are the episodes' (or the reward function's of the text)."""
+        n, driver = len(self.prompts), self.driver
+        requests = []
+        for j in range(self.k):
+            for i, payload in enumerate(self.payloads):
+                r = Request(j * n + i, list(payload.tokens), step, self._key(i, j),
+                            payload.max_new_tokens or self.max_new_tokens, multi_turn=True,
+                            stop_seqs=driver.stop_sequences)  # fmt: skip
+                driver.begin(r.id, payload)
+                requests.append(r)
+        self.engine.submit(requests)
+        ended: dict[int, tuple] = {}  # id -> (turn-end record, outcome)
+        last: dict[int, object] = {}
+        faults.point("eval")
+        while self.engine.num_requests:
+            if self.engine.has_work:
+                for rec in self.engine.step().turn_ends:
+                    last[rec.id] = rec
+                    driver.turn_ended(rec.id, rec.tokens, rec.logprobs, rec.turn_start)
+            for o in driver.outcomes(wait=True):
+                if o.over:
+                    self.engine.end([o.request_id])
+                    ended[o.request_id] = (last.pop(o.request_id), o)
+                else:
+                    self.engine.extend(o.request_id, o.observation)
+        order = [(i, j) for i in range(n) for j in range(self.k)]
+        if driver.env_rewards:
+            flat = [ended[j * n + i][1].reward for i, j in order]
+        else:
+            flat = [o.score for o in self.scorer.score_many([
+                (self.tokenizer.decode(ended[j * n + i][0].tokens), self.references[i],
+                 self.metadata[i]) for i, j in order
+            ])]  # fmt: skip
+        scores = np.array(flat, np.float64).reshape(n, self.k)
+        model_tokens = [sum(o.loss_mask) for _, o in ended.values()]
+        return EvalResult(
+            step=step,
+            reward=float(scores.mean()),
+            solved=float(np.mean(scores >= 1.0)),
+            response_len=float(np.mean(model_tokens)),
             seconds=time.perf_counter() - t0,
             at_k=at_k_metrics(scores) if self.k > 1 else {},
             scores=tuple(tuple(row) for row in scores.tolist()),

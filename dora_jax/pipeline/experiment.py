@@ -28,6 +28,7 @@ from dora_jax.data.reward_functions import RewardSpecError, load_reward_function
 from dora_jax.data.reward_pool import RewardPool
 from dora_jax.data.rewards import exact_reward
 from dora_jax.distributed.spanning_trainer import LeadTrainer
+from dora_jax.envs import EnvPoolError, EnvSpecError
 from dora_jax.execution.backend import EngineBackend
 from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes, processes
@@ -45,6 +46,12 @@ from dora_jax.model.tokenizer import (
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.orchestrator.modes import policy_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
+from dora_jax.pipeline.conversations import (
+    EnvRun,
+    build_env,
+    env_demonstrations,
+    held_out_episodes,
+)
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
 from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts, encode_chat
 from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
@@ -76,6 +83,7 @@ class Experiment:
     stopped: bool = False  # the last run() ended early on a stop request
     prompts: TokenizedPrompts | None = None  # the runtime's prompt source
     long_prompt_lines: list[int] = field(default_factory=list)  # JSONL lines left out as too long
+    env: EnvRun | None = None  # multi-turn environments (env.spec): pool, turn driver, prompts
 
     @property
     def trainer(self) -> Trainer:
@@ -87,6 +95,8 @@ class Experiment:
         if isinstance(self.runtime.trainer, ThreadedTrainer):
             self.runtime.trainer.close()
         self.reward.close()
+        if self.env is not None:
+            self.env.close()
         if isinstance(self.trainer, Trainer):
             self.trainer.close()
 
@@ -353,7 +363,10 @@ def build(
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     reward, eval_reward = _scorers(cfg, reward_fn, clock.now)
     stops = eos_ids(tokenizer)
-    evaluator = _evaluator(cfg, meshes, tokenizer, eval_reward, encode)
+    env = _env(cfg, tokenizer, clock.now)
+    if env is not None:  # the teacher plays the environment's episodes
+        example = env_demonstrations(cfg, tokenizer, cfg.seed + 1_000_003)
+    evaluator = _evaluator(cfg, meshes, tokenizer, eval_reward, encode, env)
     if on_checked is not None:  # nothing above writes; everything below may
         on_checked()
     # the other processes build their groups' engines (and their part of a spanning trainer)
@@ -364,6 +377,8 @@ def build(
     warm_key = repr((cfg.model, cfg.seed)) + (
         "" if cfg.data.median_steps == 3 else f" median_steps={cfg.data.median_steps}"
     )
+    if env is not None:
+        warm_key += f" env={cfg.env.spec} {sorted(cfg.env.kwargs.items())} {cfg.rollout}"
     losses: list[float] = []
     warmed: Params | None = None
     if warm:
@@ -405,17 +420,29 @@ def build(
         clock=clock,
         bus=bus,
         cluster=cluster,
+        turns=env.driver if env is not None else None,
     )
     if reward.pool is not None:  # score each request as it finishes, in the workers
         backend.on_finished = grpo.prefetch
     skip = d.long_prompts == "skip"
-    prompts = TokenizedPrompts(source, tokenizer, cfg.rollout.max_prompt_len,
-                               d.system_prompt, d.prompt_template, skip=skip)  # fmt: skip
+    prompts = (
+        env.prompts
+        if env is not None
+        else TokenizedPrompts(
+            source,
+            tokenizer,
+            cfg.rollout.max_prompt_len,
+            d.system_prompt,
+            d.prompt_template,
+            skip=skip,
+        )
+    )
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
     return Experiment(
         cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses,
         evaluator=evaluator, memory_plan=plan, prompts=prompts, long_prompt_lines=long_skipped,
+        env=env,
     )  # fmt: skip
 
 
@@ -432,10 +459,25 @@ def _compiles_ahead(cfg: ExperimentConfig, spanning: bool) -> bool:
     return mode == "background"
 
 
-def _evaluator(cfg: ExperimentConfig, meshes: Meshes, tokenizer, scorer, encode):
-    """The held-out evaluation on the trainer's first device (None without problems)."""
-    problems = _eval_problems(cfg, encode)
-    if not problems:
+def _env(cfg: ExperimentConfig, tokenizer, now) -> EnvRun | None:
+    """The environment side of a multi-turn run (None without ``env.spec``); a spec or class
+    that cannot load is one ``env:`` line."""
+    try:
+        return build_env(cfg, tokenizer, now=now)
+    except (EnvSpecError, EnvPoolError) as e:
+        raise ExperimentError(str(e)) from None
+
+
+def _evaluator(cfg: ExperimentConfig, meshes: Meshes, tokenizer, scorer, encode, env=None):
+    """The held-out evaluation on the trainer's first device (None without problems): a
+    multi-turn run's on held-out episodes of its environment."""
+    conversations = None
+    if env is not None and cfg.eval.num_prompts:
+        conversations = held_out_episodes(env, cfg, tokenizer, cfg.seed + 2_000_003)
+        problems = []
+    else:
+        problems = _eval_problems(cfg, encode)
+    if not problems and conversations is None:
         return None
     try:
         return Evaluator(
@@ -448,6 +490,7 @@ def _evaluator(cfg: ExperimentConfig, meshes: Meshes, tokenizer, scorer, encode)
             cfg.seed,
             encode=encode,
             samples_per_prompt=cfg.eval.samples_per_prompt,
+            conversations=conversations,
         )
     except ValueError as e:
         raise ExperimentError(f"eval: {e}") from None

@@ -93,6 +93,22 @@ def encode_chat(
     return encode_prompt(tokenizer, chat_messages(prompt, system_prompt, template))
 
 
+def conversation_metrics(comp: Completion) -> dict[str, float]:
+    """A multi-turn trajectory's figures, averaged over the step's trajectories:
+    ``env/turns_mean``, ``env/env_seconds_mean``, ``env/model_tokens_mean``,
+    ``env/env_tokens_mean``, ``env/failed_share`` (a failed environment call ended it) and
+    ``env/info/<name>`` (numeric fields of the environment's info); none for a single-turn
+    one."""
+    c = comp.conversation
+    if c is None:
+        return {}
+    names = ("turns", "env_seconds", "model_tokens", "env_tokens")
+    out = {f"env/{k}_mean": float(c[k]) for k in names if isinstance(c.get(k), int | float)}
+    out["env/failed_share"] = float(c.get("error") is not None)
+    out.update((f"env/{k}", float(v)) for k, v in c.items() if k.startswith("info/"))
+    return out
+
+
 @dataclass
 class StepLog:
     version: int
@@ -150,8 +166,10 @@ class GRPOTrainer:
 
     def prefetch(self, request_id: int, comp: Completion) -> None:
         """Start scoring a request the moment it finishes (returns at once); its train step
-        then finds the score ready, or waits at most the reward timeout for it."""
-        self.scorer.prefetch(request_id, self.item(comp))
+        then finds the score ready, or waits at most the reward timeout for it. A conversation
+        rewarded by its environment needs no scoring."""
+        if comp.env_reward is None:
+            self.scorer.prefetch(request_id, self.item(comp))
 
     def step(self, batch: list[ReadyGroup]) -> int:
         trajectories, rewards, ids = [], [], []
@@ -160,16 +178,22 @@ class GRPOTrainer:
         self.undecodable_tokens += sum(
             undecodable(self.tokenizer, response_ids(self.tokenizer, c.tokens)) for _, c in found
         )
+        scored = [(rid, c) for rid, c in found if c.env_reward is None]
         outcomes = iter(self.scorer.score_many(
-            [self.item(c) for _, c in found], keys=[rid for rid, _ in found]
+            [self.item(c) for _, c in scored], keys=[rid for rid, _ in scored]
         ))  # fmt: skip
         extra: dict[str, list[float]] = {}
         for rg in batch:
             for t in rg.trajectories:
                 comp: Completion = t.payload
-                out = next(outcomes)
-                reward = out.score
-                for k, v in out.metrics.items():
+                if comp.env_reward is None:
+                    out = next(outcomes)
+                    reward = out.score
+                    for k, v in out.metrics.items():
+                        extra.setdefault(k, []).append(v)
+                else:
+                    reward = comp.env_reward
+                for k, v in conversation_metrics(comp).items():
                     extra.setdefault(k, []).append(v)
                 rewards.append(reward)
                 ids.append(t.request_id)
@@ -184,6 +208,7 @@ class GRPOTrainer:
                         version=rg.version,
                         group_id=rg.prompt_group,
                         routes=comp.routes,
+                        loss_mask=comp.loss_mask,
                     )
                 )
         # a broken policy may have sampled non-finite logprobs: the step's guard skips the step
@@ -200,6 +225,7 @@ class GRPOTrainer:
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - t0
         real = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in trajectories)
+        # (a conversation's environment turns are real tokens too: the step computes them)
         # fallback_shape 1: run in a bigger compiled shape while its own compiled
         # (train.compile_shapes)
         fallback = getattr(self.trainer, "fallback_batches", 0) - fallbacks

@@ -72,7 +72,11 @@ class MetricsLog:
         elapsed = time.perf_counter() - self.t0
         scorer = self.exp.reward
         errors = {f"reward_errors/{k}": v for k, v in scorer.error_counts().items()}
-        extra = {f"reward/{k}": v for k, v in log.reward_metrics.items()}
+        # the reward function's extra metrics; a multi-turn run's per-trajectory means (env/...)
+        extra = {(k if k.startswith("env/") else f"reward/{k}"): v
+                 for k, v in log.reward_metrics.items()}  # fmt: skip
+        if self.exp.env is not None:  # cumulative: failures by kind, conversations, turns
+            extra |= self.exp.env.figures()
         self.writer.write(
             log.version,
             {**m, "reward": reward, "solved": solved, "elapsed_s": elapsed,

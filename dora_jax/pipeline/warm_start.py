@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -25,7 +26,18 @@ from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt
 from dora_jax.model.transformer import default_positions
 
-Example = Callable[[int], tuple[str, str]]  # index -> (prompt, worked solution)
+
+@dataclass(frozen=True)
+class Demonstration:
+    """A worked example already as tokens (a multi-turn episode: model and environment turns):
+    ``train[i]`` says whether token ``i`` is one the policy should learn to produce."""
+
+    ids: tuple[int, ...]
+    train: tuple[bool, ...]
+
+
+# index -> (prompt, worked solution) or a Demonstration
+Example = Callable[[int], tuple[str, str] | Demonstration]
 
 
 def make_batch(
@@ -44,16 +56,21 @@ def make_batch(
     mask = np.zeros((B, T), np.float32)
     row, col, index = 0, 0, start
     while row < B:
-        prompt, solution = example(index)
-        p = encode_prompt(tokenizer, prompt)
-        seq = (p + tokenizer.encode(solution) + [tokenizer.eos_id])[:T]
+        demo = example(index)
+        if isinstance(demo, Demonstration):
+            seq, train = list(demo.ids)[:T], list(demo.train)[:T]
+        else:
+            prompt, solution = demo
+            p = encode_prompt(tokenizer, prompt)
+            seq = (p + tokenizer.encode(solution) + [tokenizer.eos_id])[:T]
+            train = [False] * len(p) + [True] * (len(seq) - len(p))
         if col and col + len(seq) > T:  # a cut example always fits an empty row
             row, col = row + 1, 0
             continue
         n = int(seg[row, col - 1]) + 1 if col else 1
         tokens[row, col : col + len(seq)] = seq
         seg[row, col : col + len(seq)] = n
-        mask[row, col + len(p) - 1 : col + len(seq) - 1] = 1.0
+        mask[row, col : col + len(seq) - 1] = np.asarray(train[1:], np.float32)  # predicts i + 1
         col += len(seq)
         index += 1
     return (tokens, seg, mask), index

@@ -360,7 +360,7 @@ class SimBackend(WaitingRequests):
         self.migrated_requests += len(request_ids)
         self.migrated_tokens += cached
 
-    def interrupt(self, request_ids: list[int]) -> list[PartialRequest]:
+    def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]:
         for r in request_ids:
             if r not in self._where:
                 raise BackendError(f"interrupt: request {r} is not running")

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from dora_jax.report import (
+    ENV_WAIT_RGB,
     IDLE_RGB,
     MAX_COLS,
     MIGRATE_RGB,
@@ -27,7 +28,6 @@ from dora_jax.report import (
     version_color,
 )
 
-ENV_WAIT_RGB = np.array([0.95, 0.76, 0.05])  # gold: no tab10 version colour is near it
 ACTIVITIES = ("idle", "prefill", "decode", "transfer", "migrate", "env_wait")
 
 

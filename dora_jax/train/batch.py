@@ -15,7 +15,8 @@ Layout of a :class:`TrainBatch` (``B`` rows, ``T`` the length bucket, ``S = NG *
   a bounded set of shapes.
 - Per-token arrays are aligned with the position that *predicts* the token: at slot ``j`` of a
   sample, ``targets`` is the token at ``j + 1``; ``loss_mask`` is true exactly where that target is
-  a response token (so prompt tokens, the last token and padding never enter the loss), and
+  a response token the model sampled (so prompt tokens, a multi-turn conversation's environment
+  turns, the last token and padding never enter the loss), and
   ``behavior_logprobs`` holds the engine's log-probability of that response token there.
   ``sample_index`` names the sample of every slot (``S`` for padding).
 - Mixture-of-experts models also get ``routes int16[B, T, L, k]``: at slot ``j`` the experts the
@@ -61,6 +62,9 @@ class Trajectory:
     version: int  # the policy version that generated every token
     group_id: Hashable  # prompt group
     routes: Any = None  # MoE: int[P + R, L, k], the engine's experts per token (-1: not fed)
+    # multi-turn: bool[R], true at the response tokens the model sampled (the loss covers
+    # those; environment turns are context); None: all of them
+    loss_mask: Any = None
 
 
 @flax.struct.dataclass
@@ -306,7 +310,8 @@ def pack_batch(
         segment_ids[r, o : o + L] = next_segment[r]
         next_segment[r] += 1
         targets[r, o : o + L - 1] = seq[1:]
-        loss_mask[r, o + P - 1 : o + L - 1] = True
+        own = getattr(m, "loss_mask", None)
+        loss_mask[r, o + P - 1 : o + L - 1] = True if own is None else np.asarray(own, bool)
         behavior[r, o + P - 1 : o + L - 1] = np.asarray(m.behavior_logprobs, np.float32)
         sample_index[r, o : o + L] = s
         if routes is not None and getattr(m, "routes", None) is not None:
@@ -326,7 +331,7 @@ def pack_batch(
     staleness = np.zeros((S,), np.int32)
     staleness[:n] = [trainer_version - int(m.version) for m in samples]
     response_lens = np.zeros((S,), np.int32)
-    response_lens[:n] = [len(m.response_tokens) for m in samples]
+    response_lens[:n] = [_model_tokens(m) for m in samples]
     return TrainBatch(
         tokens=tokens,
         positions=positions,
@@ -365,3 +370,9 @@ def _pack_chunked(
     # logical row r is row r % R of microbatch r // R
     place = [((r % R) * M + r // R, o) for r, o in place]
     return B, T, place, np.arange(M) < used // R
+
+
+def _model_tokens(t: Trajectory) -> int:
+    """Response tokens the model sampled (all of them unless ``loss_mask`` says otherwise)."""
+    own = getattr(t, "loss_mask", None)
+    return len(t.response_tokens) if own is None else int(np.count_nonzero(own))
