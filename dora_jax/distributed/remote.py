@@ -195,6 +195,12 @@ class RemoteGroup:
     def interrupt(self, ids: list) -> list:
         return [wire.to_request(r) for r in self._send("interrupt", wait=True, ids=list(ids))]
 
+    def extend(self, items: list) -> None:
+        self._send("extend", items=[[rid, list(tokens)] for rid, tokens in items])
+
+    def end(self, ids: list) -> None:
+        self._send("end", ids=list(ids))
+
     def snapshot_state(self):
         return wire.to_snapshot(self._send("snapshot", wait=True))
 
@@ -301,6 +307,10 @@ class GroupHost:
             h.expect(msg["uid"])
         elif op == "interrupt":
             return [wire.request(r) for r in h.interrupt(msg["ids"])]
+        elif op == "extend":
+            h.extend([(rid, tuple(tokens)) for rid, tokens in msg["items"]])
+        elif op == "end":
+            h.end(msg["ids"])
         elif op == "snapshot":
             return wire.snapshot(h.snapshot_state())
         elif op == "restore":

@@ -36,15 +36,21 @@ def event(e: GroupEvent) -> dict:
         "span": list(e.span) if e.span is not None else None,
         "finished": [dataclasses.asdict(f) for f in e.finished],
         "error": None if e.error is None else f"{type(e.error).__name__}: {e.error}",
+        "turn_ends": [dataclasses.asdict(f) for f in e.turn_ends],
     }
 
 
 def to_event(d: dict, host: int) -> GroupEvent:
     span = GroupTick(*d["span"]) if d["span"] is not None else None
-    finished = tuple(FinishedRequest(**{k: tuple(v) if isinstance(v, list) else v
-                                        for k, v in f.items()}) for f in d["finished"])  # fmt: skip
     err = RemoteError(f"on process {host}: {d['error']}") if d["error"] else None
-    return GroupEvent(d["group"], span, finished, err)
+    finished = tuple(_finished(f) for f in d["finished"])
+    return GroupEvent(d["group"], span, finished, err, tuple(_finished(f) for f in d["turn_ends"]))
+
+
+def _finished(f: dict) -> FinishedRequest:
+    tuples = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+              for k, v in f.items() if isinstance(v, list)}  # fmt: skip
+    return FinishedRequest(**(f | tuples))
 
 
 def status(s: GroupStatus) -> dict:

@@ -148,6 +148,8 @@ class EngineBackend:
         # one's last turn-end record; environment turns (and ends) that came while a request was
         # interrupted, applied when it is resubmitted; conversations ended, for the next step()
         self.turns = turns
+        if turns is not None and self.wall and hasattr(turns, "on_answer"):
+            turns.on_answer = lambda: self.bus.post(None)  # step() stops waiting for reports
         self._waiting: set[int] = set()
         self._last_turn: dict[int, EngineFinished] = {}
         self._held_turns: dict[int, list[tuple[int, ...]]] = {}

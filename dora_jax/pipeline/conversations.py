@@ -240,6 +240,9 @@ class EnvTurnDriver:
         self._ended: Counter[str] = Counter()
         self._dropped = 0
         self._failures_base: Counter[str] = Counter()  # failures before this pool (a restore)
+        # called (on the pool's thread) when an environment call answers: a wall-clock control
+        # loop is woken to apply it at once
+        self.on_answer: Callable[[], None] | None = None
 
     @property
     def env_rewards(self) -> bool:
@@ -308,7 +311,7 @@ class EnvTurnDriver:
         if not conv.done:  # else over its budget: ended max_tokens, no call
             live.before = self.pool.episode_state(live.episode)
             live.action = text
-            live.future = self.pool.step(live.episode, text)
+            live.future = self._call(live.episode, text)
         self._calls[request_id] = None
 
     def outcomes(self, wait: bool) -> list[TurnOutcome]:
@@ -395,7 +398,7 @@ class EnvTurnDriver:
             rid = int(rid)
             live = self._live[rid]
             if live.action is not None:
-                live.future = self.pool.step(live.episode, live.action)
+                live.future = self._call(live.episode, live.action)
             self._calls[rid] = None
         c = state["counters"]
         self._turns, self._env_seconds = int(c["turns"]), float(c["env_seconds"])
@@ -426,6 +429,13 @@ class EnvTurnDriver:
     def live(self) -> int:
         """Conversations begun and not yet over or dropped."""
         return len(self._live)
+
+    def _call(self, episode: int, action: str) -> Future:
+        future = self.pool.step(episode, action)
+        if self.on_answer is not None:
+            on_answer = self.on_answer
+            future.add_done_callback(lambda _: on_answer())
+        return future
 
     def _end(self, rid: int, live: _Live) -> TurnOutcome:
         conv = live.conv

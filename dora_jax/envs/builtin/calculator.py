@@ -13,11 +13,17 @@ episode for ``"23-5="``::
 
 A turn that ends without a call is the final answer (reward 1 if the text after its last ``#``
 is the remainder, else 0). More than ``max_calls`` calls truncate the episode with reward 0.
+
+``latency_s`` (default 0) makes the tool slow, as real tools are: each call takes a lognormal
+time of median ``latency_s`` seconds and shape ``latency_sigma`` (a pure function of the seed,
+the problem and the call's number, so a replayed episode waits the same), for example
+``latency_s: 0.05, latency_sigma: 1.0`` (p99 / median about 10).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -43,10 +49,21 @@ class ToolArithmetic:
     stop_strings = ("</call>",)
 
     def __init__(
-        self, median_steps: int = 3, sigma: float = 1.2, max_steps: int = 40, max_calls: int = 0
+        self,
+        median_steps: int = 3,
+        sigma: float = 1.2,
+        max_steps: int = 40,
+        max_calls: int = 0,
+        latency_s: float = 0.0,
+        latency_sigma: float = 0.0,
     ):
         check_shape(median_steps, sigma, max_steps)
+        if not (latency_s >= 0 and latency_sigma >= 0):
+            raise ValueError(f"latency_s and latency_sigma must be >= 0, got {latency_s}, "
+                             f"{latency_sigma}")  # fmt: skip
         self.median_steps, self.sigma, self.max_steps = median_steps, sigma, max_steps
+        self.latency_s, self.latency_sigma = float(latency_s), float(latency_sigma)
+        self._key: tuple[int, int] = (0, 0)
         # 0: room for twice the longest problem's steps
         self.max_calls = max_calls or 2 * max_steps + 2
         self._problem: tuple[int, int] | None = None
@@ -75,7 +92,7 @@ class ToolArithmetic:
         if not isinstance(index, int):
             raise ValueError(f"task must have an integer 'index', got {task!r:.60}")
         n, s, q = self.numbers(seed, index)
-        self._problem, self.calls = (n, s), 0
+        self._problem, self.calls, self._key = (n, s), 0, (seed, index)
         return f"{n}-{s}=", {"steps": q}
 
     def step(self, action_text: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
@@ -84,6 +101,7 @@ class ToolArithmetic:
         call = _CALL.search(action_text)
         if call is not None:
             self.calls += 1
+            self._wait()
             if self.calls > self.max_calls:
                 return "", 0.0, False, True, {"calls": self.calls, "solved": 0.0}
             reply = [{"role": "tool", "content": calculate(call[1])}]
@@ -92,3 +110,9 @@ class ToolArithmetic:
         got = action_text.rsplit("#", 1)[1].strip() if "#" in action_text else None
         solved = float(got == str(n % s))
         return "", solved, True, False, {"calls": self.calls, "solved": solved}
+
+    def _wait(self) -> None:
+        """The tool's latency for this call (none by default)."""
+        if self.latency_s > 0:
+            rng = np.random.default_rng((*self._key, self.calls, 7))
+            time.sleep(self.latency_s * float(np.exp(self.latency_sigma * rng.standard_normal())))
