@@ -8,7 +8,10 @@ Process 0 runs the control plane and the trainer; the other processes host rollo
 ``throughput``: ``WARMUP`` train steps (everything compiles), then ``STEPS`` measured ones; writes
 the window's trajectories per second, the share of the trainer's busy time with some group
 decoding, each group's idle share, the control round's own time on process 0, and a timeline
-picture of the window (``run_dir/timeline_window.png``).
+picture of the window (``run_dir/timeline_window.png``). An override ``config=PATH`` reads
+that preset instead of ``configs/default.yaml``. In a multi-turn run (``env.spec``) it also
+writes the model tokens per second of the window's consumed conversations and, per consumed
+conversation, its figures to ``run_dir/conversations.jsonl``.
 
 ``migration``: a request with ``C`` tokens of context (for each C of ``CONTEXTS``, comma
 separated) on a group of process 0 moves with its KV to a group of process 1; the time is set
@@ -55,10 +58,27 @@ def throughput(proc, argv: list[str]) -> dict:
     from dora_jax.report import plot_timeline, window
 
     warmup, steps, overrides = int(argv[0]), int(argv[1]), argv[2:]
-    cfg = load_config(ROOT / "configs" / "default.yaml", overrides)
+    preset = ROOT / "configs" / "default.yaml"
+    for o in [o for o in overrides if o.startswith("config=")]:
+        preset = Path(o.removeprefix("config="))
+        overrides = [x for x in overrides if x != o]
+    cfg = load_config(preset, overrides)
     run_dir = Path(cfg.run_dir)  # runs beside each other share one cached warm start
     exp = build(cfg, run_dir, process=proc, warm_start_dir=run_dir.parent / "warm_start")
     rt = exp.runtime
+    conversations: dict[int, dict] = {}  # request id -> its figures (multi-turn runs)
+
+    def on_consume(rid, version, comp):
+        if comp.conversation is not None:
+            c = comp.conversation
+            turns = _model_turns(comp.loss_mask)
+            conversations[rid] = {
+                "turns": c["turns"], "model_tokens": sum(turns), "env_tokens": c["env_tokens"],
+                "env_seconds": c["env_seconds"], "prompt_tokens": len(comp.prompt.tokens),
+                "model_turn_tokens": turns, "reward": comp.env_reward,
+            }  # fmt: skip
+
+    exp.grpo.on_consume.append(on_consume)
     rounds: list[float] = []
     tick = rt.tick
 
@@ -96,6 +116,12 @@ def throughput(proc, argv: list[str]) -> dict:
     taken = [c for c in rec.consumed if first <= c.trainer_version < first + steps]
     consumed = len(taken)
     tokens = sum(c.response_len for c in taken)
+    model_tokens = sum(conversations[c.request_id]["model_tokens"] for c in taken
+                       if c.request_id in conversations)  # fmt: skip
+    if conversations:
+        with open(Path(cfg.run_dir) / "conversations.jsonl", "w") as f:
+            for c in taken:
+                f.write(json.dumps(conversations[c.request_id]) + "\n")
     spans = [g for g in rec.spans if g.t1 > t_a and g.t0 < t_b]
     rolling = [(max(g.t0, t_a), min(g.t1, t_b)) for g in spans
                if g.activity in ("prefill", "decode")]  # fmt: skip
@@ -125,6 +151,10 @@ def throughput(proc, argv: list[str]) -> dict:
         # dora's window favours prompt groups without a long tail (those finish first; the rest
         # are still in flight at the window's end): response tokens per second count the work
         "response_tokens_per_s": tokens / span,
+        # multi-turn: the model's tokens of the consumed conversations (their environment turns
+        # left out)
+        "model_tokens_per_s": model_tokens / span,
+        "conversations": len(conversations),
         "train_busy_share": busy_train / span,
         "overlap": intersection_length(train, rolling) / busy_train if busy_train else 0.0,
         "group_idle": idle,
@@ -143,6 +173,18 @@ def throughput(proc, argv: list[str]) -> dict:
         ),  # fmt: skip
         "compiled_ahead": len(exp.trainer.compiled_ahead),
     }
+
+
+def _model_turns(mask) -> list[int]:
+    """The lengths of the runs of true in a conversation's loss mask: its model turns."""
+    out, n = [], 0
+    for m in mask:
+        if m:
+            n += 1
+        elif n:
+            out.append(n)
+            n = 0
+    return out + ([n] if n else [])
 
 
 def migration(proc, argv: list[str]) -> dict:
