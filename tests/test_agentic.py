@@ -7,8 +7,6 @@ environment resumes exactly; an environment class in a file of the user's trains
 public config and its info fields reach the metrics."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import chex
@@ -18,6 +16,7 @@ import pytest
 
 from dora_jax.checkpoint import RunCheckpointer
 from dora_jax.config import load_config
+from dora_jax.main import main
 from dora_jax.pipeline.experiment import build, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,9 +80,11 @@ def test_the_trainer_sees_the_engines_conversation_id_for_id(tmp_path):
             np.testing.assert_array_equal(tokens, seq)  # id for id
             P = len(t.prompt_tokens)
             np.testing.assert_array_equal(mask[: P - 1], False)
-            np.testing.assert_array_equal(mask[P - 1 :], np.asarray(t.loss_mask, bool))
-            np.testing.assert_array_equal(behavior[P - 1 :][mask[P - 1 :]],
-                                          np.asarray(t.behavior_logprobs)[np.asarray(t.loss_mask, bool)])  # fmt: skip
+            own = np.asarray(t.loss_mask, bool)
+            np.testing.assert_array_equal(mask[P - 1 :], own)
+            np.testing.assert_array_equal(
+                behavior[P - 1 :][mask[P - 1 :]], np.asarray(t.behavior_logprobs)[own]
+            )
     for comp in comps.values():
         tokens, mask = np.asarray(comp.tokens), np.asarray(comp.loss_mask, bool)
         assert len(mask) == len(tokens) == len(comp.logprobs)
@@ -195,15 +196,13 @@ def test_a_checkpoint_while_conversations_wait_resumes_exactly(tmp_path):
     assert [s.rewards for s in straight.grpo.log] == [s.rewards for s in again.grpo.log]
 
 
-def test_an_environment_in_a_users_file_trains_through_the_public_config(tmp_path):
-    """``python launch/train.py ... env.spec=file.py:Class``: two steps, and the class's info
-    field reaches metrics.jsonl (``env/info/digits``) beside the turn figures."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={tmp_path / 'run'}",
-         *TINY, "train.total_steps=2", "env.kwargs.turns=3"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_an_environment_in_a_users_file_trains_through_the_public_config(tmp_path, capsys):
+    """The train command (``launch/train.py``'s ``main``) with ``env.spec=file.py:Class``: two
+    steps, and the class's info field reaches metrics.jsonl (``env/info/digits``) beside the
+    turn figures."""
+    rc = main([f"run_dir={tmp_path / 'run'}", *TINY, "train.total_steps=2", "env.kwargs.turns=3"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
@@ -211,12 +210,9 @@ def test_an_environment_in_a_users_file_trains_through_the_public_config(tmp_pat
         assert m["env/failures/exception"] == 0
 
 
-def test_a_broken_environment_spec_is_one_line_before_anything_runs(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={tmp_path / 'run'}",
-         *TINY, f"env.spec={ENVS}:Chatterr"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert "has no class 'Chatterr'" in out.stderr
+def test_a_broken_environment_spec_is_one_line_before_anything_runs(tmp_path, capsys):
+    rc = main([f"run_dir={tmp_path / 'run'}", *TINY, f"env.spec={ENVS}:Chatterr"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert "has no class 'Chatterr'" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
