@@ -10,7 +10,8 @@ import transformers
 from hf_tokenizer_files import write_word_tokenizer  # tests/hf_tokenizer_files.py
 
 from dora_jax.config import EvalConfig, load_config
-from dora_jax.pipeline.experiment import _eval_problems, build, run
+from dora_jax.pipeline.experiment import build, run
+from dora_jax.pipeline.inputs import eval_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +46,7 @@ def test_hf_checkpoint_jsonl_prompts_boxed_reward(hf_dir, tmp_path):
     assert exp.reward("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
     # a JSONL run evaluates on eval.path (its first num_prompts lines), and skips without it
     assert len(exp.evaluator.prompts) == 2 and exp.evaluate(0).step == 0
-    assert _eval_problems(dataclasses.replace(cfg, eval=EvalConfig())) == []
+    assert eval_problems(dataclasses.replace(cfg, eval=EvalConfig())) == []
     assert exp.cfg.model.vocab_size == 32 and exp.cfg.model.hidden_size == 32  # from config.json
     logs = []
     run(exp, 1, logs.append)

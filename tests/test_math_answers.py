@@ -70,13 +70,13 @@ def test_without_math_verify_our_normaliser_is_used_and_said_once(monkeypatch, c
     # what only math-verify can: symbolic equivalence
     assert boxed_math_reward(r"\boxed{\sqrt{2}/2}", r"\frac{1}{\sqrt{2}}") == 0.0
     from dora_jax.config import load_config
-    from dora_jax.pipeline import experiment
+    from dora_jax.pipeline import inputs
 
-    monkeypatch.setattr(experiment, "MATH_VERIFY", False)
+    monkeypatch.setattr(inputs, "MATH_VERIFY", False)
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "1+1", "answer": "2"}\n')
     cfg = load_config(None, ["data.task=jsonl", f"data.path={rows}", "data.reward=boxed_math"])
-    train, _ = experiment._scorers(cfg, None, lambda: 0.0)
+    train, _ = inputs.scorers(cfg, None, lambda: 0.0)
     train.close()
     out = capsys.readouterr().out
     assert out.count("math-verify is not installed") == 1

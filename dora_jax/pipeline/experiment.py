@@ -20,15 +20,9 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from dora_jax.config import ConfigError, ExperimentConfig
-from dora_jax.data import ArithmeticTask, Example, Scorer, read_rows, to_examples
-from dora_jax.data.files import DataError
-from dora_jax.data.math_answers import FALLBACK_NOTE, MATH_VERIFY
-from dora_jax.data.prompts import PromptSource, shuffled_epochs
-from dora_jax.data.reward_functions import RewardSpecError, load_reward_function, resolve_spec
-from dora_jax.data.reward_pool import RewardPool
-from dora_jax.data.rewards import exact_reward
+from dora_jax.data import Scorer
+from dora_jax.data.prompts import PromptSource
 from dora_jax.distributed.spanning_trainer import LeadTrainer
-from dora_jax.envs import EnvPoolError, EnvSpecError
 from dora_jax.execution.backend import EngineBackend
 from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.mesh import Meshes, build_meshes, processes
@@ -38,7 +32,6 @@ from dora_jax.model.hf_mapping import UnsupportedModelError
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import (
     Tokenizer,
-    TokenizerError,
     check_vocabularies,
     eos_ids,
     load_tokenizer,
@@ -48,12 +41,18 @@ from dora_jax.orchestrator.modes import policy_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.conversations import (
     EnvRun,
-    build_env,
     env_demonstrations,
-    held_out_episodes,
 )
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
 from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts, encode_chat
+from dora_jax.pipeline.inputs import (
+    ExperimentError,
+    env_run,
+    load_examples,
+    scorers,
+    task_parts,
+)
+from dora_jax.pipeline.inputs import evaluator as make_evaluator
 from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
 from dora_jax.pipeline.memory_plan import resolve as resolve_pages
 from dora_jax.pipeline.warm_start import warm_start
@@ -61,9 +60,7 @@ from dora_jax.platform import release_free_memory
 from dora_jax.sharding import trainer_rules, tree_shardings
 from dora_jax.train import Trainer
 
-
-class ExperimentError(ValueError):
-    """The config and the files it names do not fit together (message names the field)."""
+__all__ = ["Experiment", "ExperimentError", "build", "load_examples", "run"]
 
 
 @dataclass
@@ -178,104 +175,6 @@ class Experiment:
         return self.evaluator(self.grpo.params_for(self.grpo.version), step)
 
 
-def _fitting(
-    examples: list[Example], encode: Callable[[object], list[int]], cfg: ExperimentConfig,
-    path: str, setting: str,
-) -> tuple[list[Example], list[int]]:  # fmt: skip
-    """The examples whose prompt fits ``rollout.max_prompt_len`` once tokenised as the run
-    tokenises it (``data.system_prompt``, ``data.prompt_template``, the chat template), and the
-    rows (JSONL lines) of those that do not. With ``data.long_prompts=error`` the first that does
-    not fit is a :class:`DataError` naming its file and row; so is a prompt the tokenizer cannot
-    encode (a character outside the character tokenizer's alphabet)."""
-    d, limit, kept, skipped = cfg.data, cfg.rollout.max_prompt_len, [], []
-    for ex in examples:
-        try:
-            n = len(encode(ex.prompt))
-        except TokenizerError as e:  # a character the tokenizer cannot encode
-            raise DataError(f"{path}:{ex.row}: {e} (data.tokenizer={d.tokenizer})") from None
-        if 0 < n <= limit:
-            kept.append(ex)
-            continue
-        if d.long_prompts == "error":
-            extra = [f for f, v in (("data.system_prompt", d.system_prompt),
-                     ("data.prompt_template", d.prompt_template != "{prompt}")) if v]  # fmt: skip
-            with_ = f" with {' and '.join(extra)}" if extra else ""
-            raise DataError(
-                f"{path}:{ex.row}: the prompt has {n} tokens{with_}; rollout.max_prompt_len is "
-                f"{limit} ({setting}: raise rollout.max_prompt_len, filter the file, or set "
-                "data.long_prompts=skip)"
-            )
-        skipped.append(ex.row)
-    if not kept:
-        raise DataError(f"{path}: no prompt fits rollout.max_prompt_len={limit} ({setting})")
-    return kept, skipped
-
-
-def _task_parts(cfg: ExperimentConfig, encode: Callable[[object], list[int]] | None = None):
-    """(prompt source, inline reward fn or None, worked-example fn or None, rows skipped as too
-    long) for ``data.task``; the reward is None when it runs in worker processes
-    (:func:`_scorers`). With ``encode`` (a prompt's token ids) a dataset's prompts longer than
-    ``rollout.max_prompt_len`` are refused or skipped (``data.long_prompts``)."""
-    d = cfg.data
-    if d.task == "arithmetic":
-        task = ArithmeticTask(cfg.seed, median_steps=d.median_steps)
-        # warm-start problems differ from RL prompts
-        sft = ArithmeticTask(cfg.seed + 1_000_003, median_steps=d.median_steps)
-        example = lambda i: sft.demonstration(i, cfg.warm_start.direct_frac)  # noqa: E731
-        reward = {"exact": task.answer_reward, "partial_credit": task.reward}.get(d.reward)
-        return task.source(), reward, example, []
-    items, skipped = load_examples(cfg, d.path), []
-    if encode is not None:
-        items, skipped = _fitting(items, encode, cfg, d.path, "data.path")
-    source = PromptSource(shuffled_epochs(items, cfg.seed, d.shuffle), f"{d.task}:{d.path}")
-    return source, {"exact": exact_reward}.get(d.reward), None, skipped
-
-
-def load_examples(cfg: ExperimentConfig, path: str, setting: str = "data.path") -> list[Example]:
-    """The rows of ``path`` read as ``data.task``, with ``data``'s field paths (``setting`` names
-    the config field that points at ``path``, for a missing file)."""
-    d = cfg.data
-    rows = read_rows(d.task, path, d.split, setting=setting)
-    return to_examples(rows, d.prompt_field, d.answer_field, path)
-
-
-def _scorers(cfg: ExperimentConfig, inline, now) -> tuple[Scorer, Scorer]:
-    """The run's scorer and the evaluation's (its own error counts; one worker pool)."""
-    if inline is not None:
-        return Scorer(inline), Scorer(inline)
-    spec = cfg.data.reward
-    try:
-        load_reward_function(spec)  # fail now, naming data.reward, not in every worker
-    except RewardSpecError as e:
-        raise ExperimentError(str(e)) from None
-    if spec == "boxed_math" and not MATH_VERIFY:
-        print(f"note: {FALLBACK_NOTE}", flush=True)
-    d = cfg.data
-    pool = RewardPool(resolve_spec(spec), d.reward_workers, d.reward_timeout_s, now=now)
-    return Scorer(pool=pool), Scorer(pool=pool)
-
-
-def _eval_problems(
-    cfg: ExperimentConfig, encode: Callable[[object], list[int]] | None = None
-) -> list[tuple[str, str]] | list[Example]:
-    """Held-out problems: the built-in task's come from a seed no training or warm-start
-    problem uses; a dataset run's from ``eval.path`` (none without it), read like ``data``
-    (with ``encode``, prompts longer than ``rollout.max_prompt_len`` are refused or skipped like
-    the training data's)."""
-    e, d = cfg.eval, cfg.data
-    if e.num_prompts == 0:
-        return []
-    if d.task == "arithmetic":
-        held_out = ArithmeticTask(cfg.seed + 2_000_003, median_steps=d.median_steps)
-        return [held_out.problem(i) for i in range(e.num_prompts)]
-    if e.path is None:
-        return []
-    examples = load_examples(cfg, e.path, "eval.path")
-    if encode is not None:
-        examples = _fitting(examples, encode, cfg, e.path, "eval.path")[0]
-    return examples[: e.num_prompts]
-
-
 def check_fits(cfg: ExperimentConfig) -> None:
     """Sizes that must hold a full-length trajectory (``max_prompt_len + max_new_tokens``)."""
     r, t = cfg.rollout, cfg.train
@@ -358,15 +257,15 @@ def build(
     encode = functools.partial(
         encode_chat, tokenizer, system_prompt=d.system_prompt, template=d.prompt_template
     )
-    source, reward_fn, example, long_skipped = _task_parts(cfg, encode)
+    source, reward_fn, example, long_skipped = task_parts(cfg, encode)
     wall = cfg.orchestrator.clock == "wall"
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
-    reward, eval_reward = _scorers(cfg, reward_fn, clock.now)
+    reward, eval_reward = scorers(cfg, reward_fn, clock.now)
     stops = eos_ids(tokenizer)
-    env = _env(cfg, tokenizer, clock.now)
+    env = env_run(cfg, tokenizer, clock.now)
     if env is not None:  # the teacher plays the environment's episodes
         example = env_demonstrations(cfg, tokenizer, cfg.seed + 1_000_003)
-    evaluator = _evaluator(cfg, meshes, tokenizer, eval_reward, encode, env)
+    evaluator = make_evaluator(cfg, meshes, tokenizer, eval_reward, encode, env)
     if on_checked is not None:  # nothing above writes; everything below may
         on_checked()
     # the other processes build their groups' engines (and their part of a spanning trainer)
@@ -457,43 +356,6 @@ def _compiles_ahead(cfg: ExperimentConfig, spanning: bool) -> bool:
     if mode == "auto":
         return cfg.orchestrator.clock == "wall" and not spanning
     return mode == "background"
-
-
-def _env(cfg: ExperimentConfig, tokenizer, now) -> EnvRun | None:
-    """The environment side of a multi-turn run (None without ``env.spec``); a spec or class
-    that cannot load is one ``env:`` line."""
-    try:
-        return build_env(cfg, tokenizer, now=now)
-    except (EnvSpecError, EnvPoolError) as e:
-        raise ExperimentError(str(e)) from None
-
-
-def _evaluator(cfg: ExperimentConfig, meshes: Meshes, tokenizer, scorer, encode, env=None):
-    """The held-out evaluation on the trainer's first device (None without problems): a
-    multi-turn run's on held-out episodes of its environment."""
-    conversations = None
-    if env is not None and cfg.eval.num_prompts:
-        conversations = held_out_episodes(env, cfg, tokenizer, cfg.seed + 2_000_003)
-        problems = []
-    else:
-        problems = _eval_problems(cfg, encode)
-    if not problems and conversations is None:
-        return None
-    try:
-        return Evaluator(
-            cfg.model,
-            cfg.rollout,
-            meshes.trainer.devices.flat[0],
-            tokenizer,
-            problems,
-            scorer,  # its own error count: eval errors are not the run's
-            cfg.seed,
-            encode=encode,
-            samples_per_prompt=cfg.eval.samples_per_prompt,
-            conversations=conversations,
-        )
-    except ValueError as e:
-        raise ExperimentError(f"eval: {e}") from None
 
 
 MEMORY_PLAN_FILE = "memory_plan.txt"

@@ -430,7 +430,7 @@ class Engine(RequestMoves):
             prefill_tokens=r.prefill_tokens,
             migrations=r.migrations,
             latency_s=time.perf_counter() - r.submitted_at,
-            routes=self._finished_routes(r),
+            routes=r.routes_with_last(self.cfg) if self.cfg.is_moe else None,
             turn_start=r.turn_start,
             env_spans=tuple(tuple(s) for s in r.env_spans),
         )
@@ -443,18 +443,6 @@ class Engine(RequestMoves):
         else:
             self.free_resource(slot)
             report.finished.append(record)
-
-    def _finished_routes(self, r: Request) -> np.ndarray | None:
-        """``int16[len(prompt) + len(tokens), L, k]``: the recorded routes of the fed tokens and
-        a row of -1 for the last token (never fed); None for dense models."""
-        if not self.cfg.is_moe:
-            return None
-        L, k = self.cfg.num_layers, self.cfg.num_experts_per_tok
-        fed = r.fed_routes(L, k)
-        if len(fed) != r.kv_len:
-            raise EngineError(f"request {r.id!r}: {len(fed)} tokens' routes recorded for "
-                              f"{r.kv_len} fed tokens")  # fmt: skip
-        return np.concatenate([fed, np.full((1, L, k), -1, ROUTE_DTYPE)])
 
     def _prefill(self, reqs: list[Request], report: StepReport) -> list[FinishedRequest]:
         """Feed each request's tokens from ``kv_len`` to ``feed_end`` in chunks (a new prompt, a

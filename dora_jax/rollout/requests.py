@@ -109,6 +109,16 @@ class Request:
             return np.zeros((0, layers, k), ROUTE_DTYPE)
         return np.concatenate(self.routes)
 
+    def routes_with_last(self, cfg) -> np.ndarray:
+        """``int16[len(prompt) + len(tokens), L, k]``: the recorded routes of the fed tokens
+        (one per token with KV) and a row of -1 for the last token (never fed)."""
+        L, k = cfg.num_layers, cfg.num_experts_per_tok
+        fed = self.fed_routes(L, k)
+        if len(fed) != self.kv_len:
+            raise ValueError(f"request {self.id!r}: {len(fed)} tokens' routes recorded for "
+                             f"{self.kv_len} fed tokens")  # fmt: skip
+        return np.concatenate([fed, np.full((1, L, k), -1, ROUTE_DTYPE)])
+
     def compact_routes(self) -> None:
         """Keep the recorded routes as one array (they grow a token at a time while decoding)
         before the request leaves its engine or is saved."""
