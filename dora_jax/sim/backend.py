@@ -27,9 +27,10 @@ the devices.
 
 **Conversations** (``conversations`` given: :mod:`dora_jax.sim.conversations`). A request
 decodes model turn after model turn. At the end of one (its ``target``) it frees its decode slot
-and waits its environment's latency, in modeled time that runs on whatever the group does (or
-does not do), while its KV, all its tokens so far, stays counted on the group (admission,
-parking, ``kv_pages_used``); the group decodes its other requests meanwhile. When the
+and waits its environment's latency (and, with ``latency.workers``, its turn for an
+environment worker: :mod:`dora_jax.sim.waiting`), in modeled time that runs on whatever the
+group does (or does not do), while its KV, all its tokens so far, stays counted on the group
+(admission, parking, ``kv_pages_used``); the group decodes its other requests meanwhile. When the
 observation arrives its tokens are prefilled as an extend of the cached context (only they cost
 prefill), and the next model turn decodes. A turn ends at the time its last token was sampled
 within the tick (the group's decode step times the tokens it took); an observation arrives at
@@ -133,6 +134,7 @@ class SimBackend(WaitingRequests):
         self.waiting_kv: list[np.ndarray] = []
         self.env_wait_s: list[np.ndarray] = []
         self._done_conversations: list[tuple[int, int, int, int, int]] = []
+        self._init_env_workers()
 
     def _bind(self) -> None:
         """Name the rows of ``_data`` (after it was allocated or grown)."""
@@ -300,6 +302,7 @@ class SimBackend(WaitingRequests):
             self._seen.add(spec.request_id)
             self._where[spec.request_id] = g
         rows[_PF] = plen + rows[_GEN]  # a resumed request prefills its whole context again
+        self._env_assign([s.request_id for s in requests if s.resume is None])
         a, b = int(self.n[g]), int(self.n[g]) + len(requests)
         self._grow(b)
         self._data[:, g, a:b] = rows
@@ -383,6 +386,8 @@ class SimBackend(WaitingRequests):
                 )
                 del self._where[r]
             self._remove(g, rows)
+        if discard:  # never resubmitted: its conversation ends here
+            self._env_release(list(request_ids))
         return [out[r] for r in request_ids]
 
     # -- the tick --------------------------------------------------------------------------------
@@ -546,6 +551,7 @@ class SimBackend(WaitingRequests):
             cols = zip(gi.tolist(), *fields[[0, 1, 2, 4]].tolist(), strict=True)
             if self.conversations is not None:
                 self._log_conversations(gi, ri)
+                self._env_release(self.rid[gi, ri].tolist())
             for g, r, p, pl, ng in cols:
                 finished.append(
                     FinishedRequest(
