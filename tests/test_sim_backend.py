@@ -1,6 +1,7 @@
 """The simulated backend: its contract errors and its time model against the cost model."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +188,46 @@ def test_freeze_stops_rollout_and_counts_training():
     b.step()
     assert int(b.gen[0, 0]) > g0
     assert np.sum(b.seconds, axis=0)[IDLE] > 0  # group 1 idled when not frozen
+
+
+def test_a_shared_device_divides_each_tick_among_the_groups_with_work():
+    def run(shared: bool, both: bool):
+        b = backend(groups=3, tick_s=0.25, scale=1000, shared_device=shared)
+        b.submit(0, [spec(0)])  # 1,000 tokens
+        if both:
+            b.submit(1, [spec(10)])  # 1,000 tokens too; group 2 stays empty
+        done = run_until_done(b)
+        busy = np.sum([t[:IDLE] for t in b.seconds], axis=1)  # all but idle and train
+        return b, done, busy
+
+    alone, done_a, busy_a = run(True, False)
+    free, done_f, _ = run(False, True)
+    shared, done_s, busy_s = run(True, True)
+    # a group alone has the whole device; two busy ones half each; the same tokens either way
+    assert done_a[0] == done_f[0] == done_f[10]
+    assert done_s[0][1] == done_s[10][1] == 1000
+    assert 1.9 <= (done_s[0][0] + 1) / (done_a[0][0] + 1) <= 2.1
+    # the device's seconds: one tick of work per tick (give or take the fraction of a step a
+    # group carries to the next), all groups' time conserved
+    for busy in (busy_s, busy_a):
+        assert (np.cumsum(busy) <= 0.25 * np.arange(1, len(busy) + 1) + 0.01).all()
+    assert busy_s.sum() == pytest.approx(busy_a.sum() * 2, rel=0.01)
+    spent = np.sum(shared.seconds, axis=0).sum()
+    assert spent == pytest.approx(len(shared.seconds) * 3 * 0.25 - shared.carry.sum(), abs=1e-9)
+
+
+def test_a_run_on_a_shared_device():
+    from dora_jax.sim.config import load_sim_config
+    from dora_jax.sim.run import simulate
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "sim" / "tiny_qwen7b_h100.yaml"
+    base = ["run.steps=4", "run.warmup_steps=1"]
+    cfg = load_sim_config(tiny, [*base, "cluster.shared_rollout_device=true"])
+    run = simulate(cfg, "dora")
+    busy = np.sum([t[:IDLE] for t in run.backend.seconds], axis=1)
+    assert (np.cumsum(busy) <= cfg.run.tick_s * np.arange(1, len(busy) + 1) + 0.05).all()
+    assert busy.max() > 0.9 * cfg.run.tick_s
+    apart = simulate(load_sim_config(tiny, base), "dora")
+    assert run.metrics.tokens_per_s < 0.5 * apart.metrics.tokens_per_s  # 4 groups, one device
+    with pytest.raises(ValueError, match="shared_rollout_device"):
+        simulate(cfg, "partial", "colocated")

@@ -25,6 +25,14 @@ only (each migrated request brings its own KV).
 training (no rollout progress, no transfer): the trainer calls it when rollout and training share
 the devices.
 
+**One shared device** (``shared_device``: the rollout groups of the CPU preset's two-process
+arrangement, four engines on one pinned core). Each tick's ``tick_s`` is divided among the groups
+with work, water-filled by what each has to do (the rest of its transfers, its prefill, its
+decode until its furthest turn end, at the cost model's rates; what those estimates leave over
+is split evenly among them): a group alone gets the whole tick, four busy ones a quarter
+each. The part of the tick a group does not get counts as idle (it waits for the device), not
+as its environment wait.
+
 **Conversations** (``conversations`` given: :mod:`dora_jax.sim.conversations`). A request
 decodes model turn after model turn. At the end of one (its ``target``) it frees its decode slot
 and waits its environment's latency (and, with ``latency.workers``, its turn for an
@@ -92,6 +100,7 @@ class SimBackend(WaitingRequests):
         admit_reserve_tokens: int = 2048,
         kv_capacity_tokens: int | None = None,
         conversations: Conversations | None = None,
+        shared_device: bool = False,
     ):
         if num_groups < 1 or max_slots < 1 or tick_s <= 0 or page_size < 1:
             raise ValueError("need num_groups, max_slots, page_size >= 1 and tick_s > 0")
@@ -105,6 +114,7 @@ class SimBackend(WaitingRequests):
         self.admit_limit = admit_watermark * self.capacity
         self.admit_reserve = admit_reserve_tokens
         self.conversations = conversations
+        self.shared_device = bool(shared_device)
         # one int64 array per request field, rows in admission order, packed so that moving
         # requests between rows or groups is one fancy-index per call (rows grow past
         # max_slots only when requests waiting on their environment hold no slot)
@@ -459,6 +469,9 @@ class SimBackend(WaitingRequests):
             secs[:, TRAIN] = dt
         else:
             budget = dt + self.carry
+            if self.shared_device:  # each group's share of the device's tick, and its own carry
+                share = self._device_shares(sched)
+                budget = share + self.carry
             for c, arr in ((TRANSFER, self.busy), (MIGRATE, self.mig)):
                 use = np.minimum(arr, np.maximum(budget, 0.0))
                 arr -= use
@@ -467,9 +480,12 @@ class SimBackend(WaitingRequests):
             w = int(self.n.max())
             self._prefill(w, budget, secs, counts, sched)
             tokens, finished = self._decode(w, budget, secs, sched)
+        idle_own = secs[:, IDLE].copy()
+        if self.shared_device and t >= self._frozen_until:
+            secs[:, IDLE] += dt - share  # the device runs the other groups meanwhile
         self.seconds.append(secs.sum(axis=0))
         if self.conversations is not None:
-            self._record_waits(secs[:, IDLE])
+            self._record_waits(idle_own)
         busy = secs[:, TRANSFER] + secs[:, MIGRATE]
         fill = secs[:, PREFILL] + secs[:, REPREFILL]
         dec = secs[:, DECODE]
@@ -494,6 +510,34 @@ class SimBackend(WaitingRequests):
         )
         self._tick += 1
         return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
+
+    def _device_shares(self, sched: np.ndarray | None) -> np.ndarray:
+        """Seconds of this tick each group gets of the one device the groups share: ``tick_s``
+        water-filled by each group's work (the rest of its transfers and KV imports, its
+        pending prefill in one call, and decode steps until its furthest turn end at the cost
+        model's step time for its batch), less what it carried over."""
+        w = int(self.n.max())
+        valid = self._col[None, :w] < self.n[:, None]
+        live = valid if sched is None else valid & sched
+        pf = np.where(live, self.pf[:, :w], 0)
+        full = self.plen[:, :w] + self.gen[:, :w]
+        pairs = np.where(live, self.cost.causal_pairs(full - pf, full), 0.0)
+        rem = np.where(live, self.target[:, :w] - self.gen[:, :w], 0)
+        nr = (live & (rem > 0)).sum(axis=1)
+        ctx = np.where(live, full, 0).sum(axis=1)
+        step = self.cost.decode_step_s(np.maximum(nr, 1), ctx)
+        need = self.busy + self.mig + np.where(pf.sum(axis=1) > 0, self.cost.prefill_s(
+            pf.sum(axis=1), pairs.sum(axis=1)), 0.0)  # fmt: skip
+        need = need + np.where(nr > 0, step * rem.max(axis=1, initial=0), 0.0)
+        need = np.maximum(need - self.carry, 0.0)
+        share = np.zeros(self.num_groups)
+        left, todo = self.tick_s, [int(g) for g in np.argsort(need, kind="stable") if need[g] > 0]
+        for i, g in enumerate(todo):  # the smallest needs first, each up to an equal split
+            share[g] = min(need[g], left / (len(todo) - i))
+            left -= share[g]
+        if todo and left > 0:  # what no estimate claimed (they are estimates): to all of them
+            share[todo] += left / len(todo)
+        return share
 
     def _decode(
         self, w: int, budget: np.ndarray, secs: np.ndarray, sched: np.ndarray | None = None

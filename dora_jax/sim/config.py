@@ -50,6 +50,10 @@ class ClusterConfig:
     max_slots: int = 1024  # concurrent requests per engine (verl's rollout max_num_seqs default)
     page_size: int = 16  # KV page (vLLM's default block size)
     mem_util: float = 0.8  # HBM share the engine takes (DAPO 32B recipe gpu_memory_utilization)
+    # the rollout groups time-share one device (disaggregated only): each tick goes to the
+    # groups with work, water-filled by their work (SimBackend), as the CPU preset's four
+    # groups share one core in the two-process arrangement of benchmarks/bench_wallclock.py
+    shared_rollout_device: bool = False
 
     def __post_init__(self):
         _check(
