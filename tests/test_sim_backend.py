@@ -231,3 +231,29 @@ def test_a_run_on_a_shared_device():
     assert run.metrics.tokens_per_s < 0.5 * apart.metrics.tokens_per_s  # 4 groups, one device
     with pytest.raises(ValueError, match="shared_rollout_device"):
         simulate(cfg, "partial", "colocated")
+
+
+def test_a_shared_device_with_measured_calls_longer_than_a_share():
+    # the CPU preset's costs: a prefill is one call of 8 ms whatever it holds; four busy groups
+    # get 2.5 ms of each 10 ms tick, so a group's share adds up over ticks until a call fits
+    from dora_jax.sim.cost_model import MeasuredCost
+
+    cost = MeasuredCost(decode_call_s=0.004, decode_steps=4, prefill_call_s=0.008,
+                        prefill_chunk_tokens=64, max_slots=8, weight_load_s=0.0015,
+                        kv_move_s=0.001, train_step_fixed_s=1.0, kv_capacity=1584)  # fmt: skip
+
+    def run(shared: bool):
+        b = SimBackend(cost, 4, FixedLengths(10), tick_s=0.01, max_slots=8, max_prompt_len=16,
+                       admit_watermark=1.0, admit_reserve_tokens=16,
+                       shared_device=shared)  # fmt: skip
+        for g in range(4):
+            b.submit(g, [spec(10 * g + i, plen=8) for i in range(2)])
+        done = run_until_done(b)
+        return done, np.sum([t[:IDLE] for t in b.seconds], axis=1)
+
+    (done, busy), (alone, busy_apart) = run(True), run(False)
+    assert {r: n for r, (_, n) in done.items()} == {r: n for r, (_, n) in alone.items()}
+    # the same work (each group's prefill call and decode calls), on one device
+    assert busy.sum() == pytest.approx(busy_apart.sum(), rel=1e-9)
+    assert (np.cumsum(busy) <= 0.01 * np.arange(1, len(busy) + 1) + 0.002).all()
+    assert max(t for t, _ in done.values()) >= 3 * max(t for t, _ in alone.values())

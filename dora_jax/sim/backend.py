@@ -409,11 +409,15 @@ class SimBackend(WaitingRequests):
         secs: np.ndarray,
         counts: np.ndarray,
         sched: np.ndarray | None = None,
+        bank: np.ndarray | None = None,
     ) -> None:
         """Prefill every group's waiting context, oldest request first, within its ``budget``
         (updated in place); a group's first request that does not fit gets the rest as a chunk.
         Vectorized over groups: cumulative tokens and pairs per group, one cost-model call.
-        ``sched``: only these rows (conversations: those holding a slot)."""
+        ``sched``: only these rows (conversations: those holding a slot). ``bank`` (a shared
+        device): a group whose rest of the budget cannot pay for that chunk (a measured cost
+        charges a whole call for any chunk) prefills nothing more this tick and banks the rest
+        in ``bank``, its budget set to 0 (its engine step waits for its share to add up)."""
         G = self.num_groups
         todo = (self.pf[:, :w] > 0) & (self._col[None, :w] < self.n[:, None])
         if sched is not None:
@@ -439,11 +443,20 @@ class SimBackend(WaitingRequests):
         last = first + nfit - 1
         spent = np.where(nfit > 0, times[np.maximum(last, 0)], 0.0)
         cut = np.nonzero((nfit < cnt) & (cnt > 0))[0]  # groups whose budget ends mid-request
+        banked = np.zeros(G, bool)
         if len(cut):
             p = first[cut] + nfit[cut]
             frac = (budget[cut] - spent[cut]) / np.maximum(times[p] - spent[cut], 1e-12)
             done[p] = (left[p] * np.clip(frac, 0.0, 1.0)).astype(np.int64)
-            spent[cut] = budget[cut]
+            if bank is not None:  # the chunk's own cost, where it is not proportional
+                base_t = np.where(nfit[cut] > 0, cum_t[np.maximum(p - 1, 0)], off_t[p])
+                base_p = np.where(nfit[cut] > 0, cum_p[np.maximum(p - 1, 0)], off_p[p])
+                part = self.cost.prefill_s(base_t - off_t[p] + done[p], base_p - off_p[p] + (
+                    pairs[p] * done[p] / np.maximum(left[p], 1)))  # fmt: skip
+                short = (done[p] == 0) | (part > budget[cut] + 1e-12)
+                done[p[short]] = 0
+                banked[cut[short]] = True
+            spent[cut] = np.where(banked[cut], spent[cut], budget[cut])
         re = np.minimum(done, self.rp[gi, ri])
         self.pf[gi, ri] -= done
         self.rp[gi, ri] -= re
@@ -456,6 +469,9 @@ class SimBackend(WaitingRequests):
         secs[:, REPREFILL] += spent * share
         secs[:, PREFILL] += spent * (1.0 - share)
         budget -= spent
+        if bank is not None:
+            bank += np.where(banked, budget, 0.0)
+            budget[banked] = 0.0
 
     def step(self) -> StepEvents:
         t, G, dt = self._tick, self.num_groups, self.tick_s
@@ -478,8 +494,11 @@ class SimBackend(WaitingRequests):
                 budget -= use
                 secs[:, c] = use
             w = int(self.n.max())
-            self._prefill(w, budget, secs, counts, sched)
+            bank = np.zeros(G) if self.shared_device else None
+            self._prefill(w, budget, secs, counts, sched, bank)
             tokens, finished = self._decode(w, budget, secs, sched)
+            if bank is not None:
+                self.carry += bank
         idle_own = secs[:, IDLE].copy()
         if self.shared_device and t >= self._frozen_until:
             secs[:, IDLE] += dt - share  # the device runs the other groups meanwhile
