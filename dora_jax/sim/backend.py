@@ -486,7 +486,7 @@ class SimBackend(WaitingRequests):
         else:
             budget = dt + self.carry
             if self.shared_device:  # each group's share of the device's tick, and its own carry
-                share = self._device_shares(sched)
+                share, working = self._device_shares(sched)
                 budget = share + self.carry
             for c, arr in ((TRANSFER, self.busy), (MIGRATE, self.mig)):
                 use = np.minimum(arr, np.maximum(budget, 0.0))
@@ -499,9 +499,10 @@ class SimBackend(WaitingRequests):
             tokens, finished = self._decode(w, budget, secs, sched)
             if bank is not None:
                 self.carry += bank
-        idle_own = secs[:, IDLE].copy()
+        idle_own = secs[:, IDLE].copy()  # idle with nothing to do (not waiting for the device)
         if self.shared_device and t >= self._frozen_until:
             secs[:, IDLE] += dt - share  # the device runs the other groups meanwhile
+            idle_own += np.where(working, 0.0, dt - share)
         self.seconds.append(secs.sum(axis=0))
         if self.conversations is not None:
             self._record_waits(idle_own)
@@ -530,11 +531,12 @@ class SimBackend(WaitingRequests):
         self._tick += 1
         return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
 
-    def _device_shares(self, sched: np.ndarray | None) -> np.ndarray:
+    def _device_shares(self, sched: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Seconds of this tick each group gets of the one device the groups share: ``tick_s``
         water-filled by each group's work (the rest of its transfers and KV imports, its
         pending prefill in one call, and decode steps until its furthest turn end at the cost
-        model's step time for its batch), less what it carried over."""
+        model's step time for its batch), less what it carried over; and which groups have
+        work."""
         w = int(self.n.max())
         valid = self._col[None, :w] < self.n[:, None]
         live = valid if sched is None else valid & sched
@@ -548,6 +550,7 @@ class SimBackend(WaitingRequests):
         need = self.busy + self.mig + np.where(pf.sum(axis=1) > 0, self.cost.prefill_s(
             pf.sum(axis=1), pairs.sum(axis=1)), 0.0)  # fmt: skip
         need = need + np.where(nr > 0, step * rem.max(axis=1, initial=0), 0.0)
+        working = need > 0
         need = np.maximum(need - self.carry, 0.0)
         share = np.zeros(self.num_groups)
         left, todo = self.tick_s, [int(g) for g in np.argsort(need, kind="stable") if need[g] > 0]
@@ -556,7 +559,7 @@ class SimBackend(WaitingRequests):
             left -= share[g]
         if todo and left > 0:  # what no estimate claimed (they are estimates): to all of them
             share[todo] += left / len(todo)
-        return share
+        return share, working
 
     def _decode(
         self, w: int, budget: np.ndarray, secs: np.ndarray, sched: np.ndarray | None = None
