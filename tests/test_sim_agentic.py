@@ -5,6 +5,8 @@ config without a ``turns`` section runs exactly as before conversations existed.
 
 import hashlib
 import math
+from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,13 @@ from dora_jax.sim.config import (
     TurnsConfig,
     load_sim_config,
 )
-from dora_jax.sim.conversations import US, Conversations, conversation_stats, load_seconds
+from dora_jax.sim.conversations import (
+    US,
+    Conversations,
+    conversation_stats,
+    load_seconds,
+    load_turns,
+)
 from dora_jax.sim.cost_model import CostModel
 from dora_jax.sim.hardware import get_hardware
 from dora_jax.sim.models import ModelSpec, get_model
@@ -127,6 +135,42 @@ def test_token_cap_and_measured_latencies(tmp_path):
     assert conversation_stats(c, 4, 2)["turns"]["median"] >= 1
 
 
+def test_measured_turn_counts_and_latencies_per_prompt(tmp_path):
+    f = tmp_path / "turns.txt"
+    f.write_text("# turns\n" + "1\n" * 50 + "2\n" * 30 + "3\n" * 15 + "9\n" * 5)
+    resp = ResponseConfig(median=20, p99_ratio=2, max_tokens=100)
+    lat = LatencyConfig(median_s=0.1, p99_ratio=10, per_prompt=True)
+    cfg = TurnsConfig(kind="file", path=str(f), max_turns=8, prompt_corr=0.0,
+                      max_total_tokens=10**6, latency=lat)  # fmt: skip
+    c = Conversations(cfg, ResponseLengths(resp, 8, seed=1), seed=1)
+    n = 40_000
+    turns = c.turns(np.arange(n) // 8, np.arange(n) % 8)
+    # the measured distribution, by quantile (9 capped at max_turns)
+    for v, share in ((1, 0.5), (2, 0.3), (3, 0.15), (8, 0.05)):
+        assert abs(np.mean(turns == v) - share) < 0.015, v
+    assert set(np.unique(turns)) == {1, 2, 3, 8}
+    assert np.array_equal(c.turns(np.arange(n) // 8, np.arange(n) % 8), turns)  # pure
+    # prompt_corr: the members of a prompt group share their turns' draw
+    same = Conversations(replace(cfg, prompt_corr=1.0), ResponseLengths(resp, 8, seed=1), seed=1)
+    t1 = same.turns(np.arange(8000) // 8, np.arange(8000) % 8).reshape(-1, 8)
+    assert np.all(t1 == t1[:, :1]) and len(np.unique(t1)) == 4
+    # per_prompt: call t takes the same time in every member, another at another call
+    pg, j = np.repeat(np.arange(50), 8), np.tile(np.arange(8), 50)
+    x = c.latency_us(pg, j, 1).reshape(50, 8)
+    assert np.all(x == x[:, :1]) and len(np.unique(x[:, 0])) == 50
+    assert not np.array_equal(x, c.latency_us(pg, j, 2).reshape(50, 8))
+    own = Conversations(replace(cfg, latency=replace(lat, per_prompt=False)), c.lengths, seed=1)
+    assert len(np.unique(own.latency_us(pg, j, 1))) == 400
+    with pytest.raises(FileNotFoundError, match="turn count file"):
+        load_turns(tmp_path / "none.txt")
+    f.write_text("2\n0\n")
+    with pytest.raises(ValueError, match=r"turns\.txt:2: turns must be >= 1"):
+        load_turns(f)
+    f.write_text("2\nx\n")
+    with pytest.raises(ValueError, match=r"turns\.txt:2: expected a number of turns"):
+        load_turns(f)
+
+
 def test_config_errors_name_the_turns_fields():
     with pytest.raises(ConfigError, match=r"^turns\.latency\.p99_ratio: must be >= 1"):
         load_sim_config(overrides=["turns.latency.p99_ratio=0.5"])
@@ -136,6 +180,10 @@ def test_config_errors_name_the_turns_fields():
         load_sim_config(overrides=["turns.observation.median=0"])
     with pytest.raises(ConfigError, match=r"^turns\.max_turns: must be >= 1"):
         load_sim_config(overrides=["turns.max_turns=0"])
+    with pytest.raises(ConfigError, match=r"^turns\.path: kind 'file' needs a path"):
+        load_sim_config(overrides=["turns.kind=file"])
+    with pytest.raises(ConfigError, match=r"^turns\.latency\.workers: must be >= 0"):
+        load_sim_config(overrides=["turns.latency.workers=-1"])
     with pytest.raises(ConfigError, match=r"^turns\.medain: unknown key; did you mean 'median'"):
         load_sim_config(overrides=["turns.medain=3"])
     assert load_sim_config().turns is None
@@ -150,8 +198,9 @@ class FixedConversations:
 
     group_size = 4
 
-    def __init__(self, model=40, obs=24, latency_s=2.0, turns=2):
+    def __init__(self, model=40, obs=24, latency_s=2.0, turns=2, workers=0):
         self.model, self.obs, self.lat, self.turns = model, obs, latency_s, turns
+        self.cfg = TurnsConfig(latency=LatencyConfig(workers=workers))  # (only workers is read)
 
     def first_target(self, pg, members):
         return np.full(np.shape(pg), self.model, np.int64)
@@ -222,6 +271,57 @@ def test_a_group_decodes_at_most_max_slots_and_wakes_the_oldest_first():
     g1 = int(b.gen[0, 1])
     b.step()
     assert int(b.gen[0, 1]) == g1  # the newer one waits for the slot (A prefills, decodes)
+
+
+def test_environment_workers_take_one_call_at_a_time_in_turn_order():
+    def calls(workers):
+        b = conv_backend(slots=3, latency_s=1.0, turns=3, workers=workers)
+        b.submit(0, [spec(0), spec(1), spec(2)])
+        done = {}
+        while b.live_requests():
+            done.update({f.request_id: f for f in b.step().finished})
+        return b, done
+
+    free, done0 = calls(0)
+    assert free.env_calls == [] and free.env_workers == 0
+    one, done1 = calls(1)
+    two, done2 = calls(2)
+    # the same conversations whatever the workers: tokens, turns, environment seconds
+    assert {r: f.response_len for r, f in done1.items()} == {
+        r: f.response_len for r, f in done0.items()
+    }
+    for b in (one, two):
+        log = b.conversation_log()
+        assert log["turns"].tolist() == [3] * 3 and log["env_us"].tolist() == [2 * US] * 3
+    # three conversations end each turn in the same tick: one worker runs their calls back to
+    # back (in request order on ties), two workers hold 2 + 1 conversations (fewest first)
+    assert [w for w, *_ in one.env_calls] == [0] * 6
+    assert [w for w, *_ in two.env_calls[:3]] == [0, 1, 0]
+    for b in (one, two):
+        for w in range(b.env_workers):
+            mine = [(s, e) for x, s, e, _ in b.env_calls if x == w]
+            assert all(e - s == US for s, e in mine)  # a call's own second
+            assert all(s2 >= e1 for (_, e1), (s2, _) in pairwise(mine))  # one at a time
+    q1 = [q for *_, q in one.env_calls[:3]]
+    assert q1[0] < q1[1] < q1[2] and q1[2] - q1[0] == 2 * US
+    assert [q for *_, q in two.env_calls[:3]] == [0, 0, US]
+    assert one.tick > two.tick > free.tick
+    assert (one._env_live == 0).all() and (two._env_live == 0).all() and not two._env_of
+
+
+def test_a_run_with_environment_workers_keeps_the_workload(runs):
+    slow = tiny("turns.latency.workers=4")
+    for mode in ("sync", "partial", "dora"):
+        run = simulate(slow, mode)
+        plan, log = consumed_plan(run)
+        assert np.array_equal(plan.turns, log["turns"])
+        assert np.array_equal(np.rint(plan.env_s * US).astype(np.int64), log["env_us"])
+        for w in range(4):  # each worker runs one call at a time
+            mine = [(s, e) for x, s, e, _ in run.backend.env_calls if x == w]
+            assert mine and all(s2 >= e1 for (_, e1), (s2, _) in pairwise(mine))
+        assert sum(q for *_, q in run.backend.env_calls) > 0
+        m0 = runs[mode].metrics.conversations.model_tokens_per_s
+        assert run.metrics.conversations.model_tokens_per_s < m0
 
 
 def test_a_waiting_request_migrates_with_its_turn_state():

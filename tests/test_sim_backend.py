@@ -1,6 +1,7 @@
 """The simulated backend: its contract errors and its time model against the cost model."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +188,72 @@ def test_freeze_stops_rollout_and_counts_training():
     b.step()
     assert int(b.gen[0, 0]) > g0
     assert np.sum(b.seconds, axis=0)[IDLE] > 0  # group 1 idled when not frozen
+
+
+def test_a_shared_device_divides_each_tick_among_the_groups_with_work():
+    def run(shared: bool, both: bool):
+        b = backend(groups=3, tick_s=0.25, scale=1000, shared_device=shared)
+        b.submit(0, [spec(0)])  # 1,000 tokens
+        if both:
+            b.submit(1, [spec(10)])  # 1,000 tokens too; group 2 stays empty
+        done = run_until_done(b)
+        busy = np.sum([t[:IDLE] for t in b.seconds], axis=1)  # all but idle and train
+        return b, done, busy
+
+    alone, done_a, busy_a = run(True, False)
+    free, done_f, _ = run(False, True)
+    shared, done_s, busy_s = run(True, True)
+    # a group alone has the whole device; two busy ones half each; the same tokens either way
+    assert done_a[0] == done_f[0] == done_f[10]
+    assert done_s[0][1] == done_s[10][1] == 1000
+    assert 1.9 <= (done_s[0][0] + 1) / (done_a[0][0] + 1) <= 2.1
+    # the device's seconds: one tick of work per tick (give or take the fraction of a step a
+    # group carries to the next), all groups' time conserved
+    for busy in (busy_s, busy_a):
+        assert (np.cumsum(busy) <= 0.25 * np.arange(1, len(busy) + 1) + 0.01).all()
+    assert busy_s.sum() == pytest.approx(busy_a.sum() * 2, rel=0.01)
+    spent = np.sum(shared.seconds, axis=0).sum()
+    assert spent == pytest.approx(len(shared.seconds) * 3 * 0.25 - shared.carry.sum(), abs=1e-9)
+
+
+def test_a_run_on_a_shared_device():
+    from dora_jax.sim.config import load_sim_config
+    from dora_jax.sim.run import simulate
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "sim" / "tiny_qwen7b_h100.yaml"
+    base = ["run.steps=4", "run.warmup_steps=1"]
+    cfg = load_sim_config(tiny, [*base, "cluster.shared_rollout_device=true"])
+    run = simulate(cfg, "dora")
+    busy = np.sum([t[:IDLE] for t in run.backend.seconds], axis=1)
+    assert (np.cumsum(busy) <= cfg.run.tick_s * np.arange(1, len(busy) + 1) + 0.05).all()
+    assert busy.max() > 0.9 * cfg.run.tick_s
+    apart = simulate(load_sim_config(tiny, base), "dora")
+    assert run.metrics.tokens_per_s < 0.5 * apart.metrics.tokens_per_s  # 4 groups, one device
+    with pytest.raises(ValueError, match="shared_rollout_device"):
+        simulate(cfg, "partial", "colocated")
+
+
+def test_a_shared_device_with_measured_calls_longer_than_a_share():
+    # the CPU preset's costs: a prefill is one call of 8 ms whatever it holds; four busy groups
+    # get 2.5 ms of each 10 ms tick, so a group's share adds up over ticks until a call fits
+    from dora_jax.sim.cost_model import MeasuredCost
+
+    cost = MeasuredCost(decode_call_s=0.004, decode_steps=4, prefill_call_s=0.008,
+                        prefill_chunk_tokens=64, max_slots=8, weight_load_s=0.0015,
+                        kv_move_s=0.001, train_step_fixed_s=1.0, kv_capacity=1584)  # fmt: skip
+
+    def run(shared: bool):
+        b = SimBackend(cost, 4, FixedLengths(10), tick_s=0.01, max_slots=8, max_prompt_len=16,
+                       admit_watermark=1.0, admit_reserve_tokens=16,
+                       shared_device=shared)  # fmt: skip
+        for g in range(4):
+            b.submit(g, [spec(10 * g + i, plen=8) for i in range(2)])
+        done = run_until_done(b)
+        return done, np.sum([t[:IDLE] for t in b.seconds], axis=1)
+
+    (done, busy), (alone, busy_apart) = run(True), run(False)
+    assert {r: n for r, (_, n) in done.items()} == {r: n for r, (_, n) in alone.items()}
+    # the same work (each group's prefill call and decode calls), on one device
+    assert busy.sum() == pytest.approx(busy_apart.sum(), rel=1e-9)
+    assert (np.cumsum(busy) <= 0.01 * np.arange(1, len(busy) + 1) + 0.002).all()
+    assert max(t for t, _ in done.values()) >= 3 * max(t for t, _ in alone.values())

@@ -25,11 +25,20 @@ only (each migrated request brings its own KV).
 training (no rollout progress, no transfer): the trainer calls it when rollout and training share
 the devices.
 
+**One shared device** (``shared_device``: the rollout groups of the CPU preset's two-process
+arrangement, four engines on one pinned core). Each tick's ``tick_s`` is divided among the groups
+with work, water-filled by what each has to do (the rest of its transfers, its prefill, its
+decode until its furthest turn end, at the cost model's rates; what those estimates leave over
+is split evenly among them): a group alone gets the whole tick, four busy ones a quarter
+each. The part of the tick a group does not get counts as idle (it waits for the device), not
+as its environment wait.
+
 **Conversations** (``conversations`` given: :mod:`dora_jax.sim.conversations`). A request
 decodes model turn after model turn. At the end of one (its ``target``) it frees its decode slot
-and waits its environment's latency, in modeled time that runs on whatever the group does (or
-does not do), while its KV, all its tokens so far, stays counted on the group (admission,
-parking, ``kv_pages_used``); the group decodes its other requests meanwhile. When the
+and waits its environment's latency (and, with ``latency.workers``, its turn for an
+environment worker: :mod:`dora_jax.sim.waiting`), in modeled time that runs on whatever the
+group does (or does not do), while its KV, all its tokens so far, stays counted on the group
+(admission, parking, ``kv_pages_used``); the group decodes its other requests meanwhile. When the
 observation arrives its tokens are prefilled as an extend of the cached context (only they cost
 prefill), and the next model turn decodes. A turn ends at the time its last token was sampled
 within the tick (the group's decode step times the tokens it took); an observation arrives at
@@ -91,6 +100,7 @@ class SimBackend(WaitingRequests):
         admit_reserve_tokens: int = 2048,
         kv_capacity_tokens: int | None = None,
         conversations: Conversations | None = None,
+        shared_device: bool = False,
     ):
         if num_groups < 1 or max_slots < 1 or tick_s <= 0 or page_size < 1:
             raise ValueError("need num_groups, max_slots, page_size >= 1 and tick_s > 0")
@@ -104,6 +114,7 @@ class SimBackend(WaitingRequests):
         self.admit_limit = admit_watermark * self.capacity
         self.admit_reserve = admit_reserve_tokens
         self.conversations = conversations
+        self.shared_device = bool(shared_device)
         # one int64 array per request field, rows in admission order, packed so that moving
         # requests between rows or groups is one fancy-index per call (rows grow past
         # max_slots only when requests waiting on their environment hold no slot)
@@ -133,6 +144,7 @@ class SimBackend(WaitingRequests):
         self.waiting_kv: list[np.ndarray] = []
         self.env_wait_s: list[np.ndarray] = []
         self._done_conversations: list[tuple[int, int, int, int, int]] = []
+        self._init_env_workers()
 
     def _bind(self) -> None:
         """Name the rows of ``_data`` (after it was allocated or grown)."""
@@ -300,6 +312,7 @@ class SimBackend(WaitingRequests):
             self._seen.add(spec.request_id)
             self._where[spec.request_id] = g
         rows[_PF] = plen + rows[_GEN]  # a resumed request prefills its whole context again
+        self._env_assign([s.request_id for s in requests if s.resume is None])
         a, b = int(self.n[g]), int(self.n[g]) + len(requests)
         self._grow(b)
         self._data[:, g, a:b] = rows
@@ -383,6 +396,8 @@ class SimBackend(WaitingRequests):
                 )
                 del self._where[r]
             self._remove(g, rows)
+        if discard:  # never resubmitted: its conversation ends here
+            self._env_release(list(request_ids))
         return [out[r] for r in request_ids]
 
     # -- the tick --------------------------------------------------------------------------------
@@ -394,11 +409,15 @@ class SimBackend(WaitingRequests):
         secs: np.ndarray,
         counts: np.ndarray,
         sched: np.ndarray | None = None,
+        bank: np.ndarray | None = None,
     ) -> None:
         """Prefill every group's waiting context, oldest request first, within its ``budget``
         (updated in place); a group's first request that does not fit gets the rest as a chunk.
         Vectorized over groups: cumulative tokens and pairs per group, one cost-model call.
-        ``sched``: only these rows (conversations: those holding a slot)."""
+        ``sched``: only these rows (conversations: those holding a slot). ``bank`` (a shared
+        device): a group whose rest of the budget cannot pay for that chunk (a measured cost
+        charges a whole call for any chunk) prefills nothing more this tick and banks the rest
+        in ``bank``, its budget set to 0 (its engine step waits for its share to add up)."""
         G = self.num_groups
         todo = (self.pf[:, :w] > 0) & (self._col[None, :w] < self.n[:, None])
         if sched is not None:
@@ -424,11 +443,20 @@ class SimBackend(WaitingRequests):
         last = first + nfit - 1
         spent = np.where(nfit > 0, times[np.maximum(last, 0)], 0.0)
         cut = np.nonzero((nfit < cnt) & (cnt > 0))[0]  # groups whose budget ends mid-request
+        banked = np.zeros(G, bool)
         if len(cut):
             p = first[cut] + nfit[cut]
             frac = (budget[cut] - spent[cut]) / np.maximum(times[p] - spent[cut], 1e-12)
             done[p] = (left[p] * np.clip(frac, 0.0, 1.0)).astype(np.int64)
-            spent[cut] = budget[cut]
+            if bank is not None:  # the chunk's own cost, where it is not proportional
+                base_t = np.where(nfit[cut] > 0, cum_t[np.maximum(p - 1, 0)], off_t[p])
+                base_p = np.where(nfit[cut] > 0, cum_p[np.maximum(p - 1, 0)], off_p[p])
+                part = self.cost.prefill_s(base_t - off_t[p] + done[p], base_p - off_p[p] + (
+                    pairs[p] * done[p] / np.maximum(left[p], 1)))  # fmt: skip
+                short = (done[p] == 0) | (part > budget[cut] + 1e-12)
+                done[p[short]] = 0
+                banked[cut[short]] = True
+            spent[cut] = np.where(banked[cut], spent[cut], budget[cut])
         re = np.minimum(done, self.rp[gi, ri])
         self.pf[gi, ri] -= done
         self.rp[gi, ri] -= re
@@ -441,6 +469,9 @@ class SimBackend(WaitingRequests):
         secs[:, REPREFILL] += spent * share
         secs[:, PREFILL] += spent * (1.0 - share)
         budget -= spent
+        if bank is not None:
+            bank += np.where(banked, budget, 0.0)
+            budget[banked] = 0.0
 
     def step(self) -> StepEvents:
         t, G, dt = self._tick, self.num_groups, self.tick_s
@@ -454,17 +485,27 @@ class SimBackend(WaitingRequests):
             secs[:, TRAIN] = dt
         else:
             budget = dt + self.carry
+            if self.shared_device:  # each group's share of the device's tick, and its own carry
+                share, working = self._device_shares(sched)
+                budget = share + self.carry
             for c, arr in ((TRANSFER, self.busy), (MIGRATE, self.mig)):
                 use = np.minimum(arr, np.maximum(budget, 0.0))
                 arr -= use
                 budget -= use
                 secs[:, c] = use
             w = int(self.n.max())
-            self._prefill(w, budget, secs, counts, sched)
+            bank = np.zeros(G) if self.shared_device else None
+            self._prefill(w, budget, secs, counts, sched, bank)
             tokens, finished = self._decode(w, budget, secs, sched)
+            if bank is not None:
+                self.carry += bank
+        idle_own = secs[:, IDLE].copy()  # idle with nothing to do (not waiting for the device)
+        if self.shared_device and t >= self._frozen_until:
+            secs[:, IDLE] += dt - share  # the device runs the other groups meanwhile
+            idle_own += np.where(working, 0.0, dt - share)
         self.seconds.append(secs.sum(axis=0))
         if self.conversations is not None:
-            self._record_waits(secs[:, IDLE])
+            self._record_waits(idle_own)
         busy = secs[:, TRANSFER] + secs[:, MIGRATE]
         fill = secs[:, PREFILL] + secs[:, REPREFILL]
         dec = secs[:, DECODE]
@@ -489,6 +530,36 @@ class SimBackend(WaitingRequests):
         )
         self._tick += 1
         return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
+
+    def _device_shares(self, sched: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds of this tick each group gets of the one device the groups share: ``tick_s``
+        water-filled by each group's work (the rest of its transfers and KV imports, its
+        pending prefill in one call, and decode steps until its furthest turn end at the cost
+        model's step time for its batch), less what it carried over; and which groups have
+        work."""
+        w = int(self.n.max())
+        valid = self._col[None, :w] < self.n[:, None]
+        live = valid if sched is None else valid & sched
+        pf = np.where(live, self.pf[:, :w], 0)
+        full = self.plen[:, :w] + self.gen[:, :w]
+        pairs = np.where(live, self.cost.causal_pairs(full - pf, full), 0.0)
+        rem = np.where(live, self.target[:, :w] - self.gen[:, :w], 0)
+        nr = (live & (rem > 0)).sum(axis=1)
+        ctx = np.where(live, full, 0).sum(axis=1)
+        step = self.cost.decode_step_s(np.maximum(nr, 1), ctx)
+        need = self.busy + self.mig + np.where(pf.sum(axis=1) > 0, self.cost.prefill_s(
+            pf.sum(axis=1), pairs.sum(axis=1)), 0.0)  # fmt: skip
+        need = need + np.where(nr > 0, step * rem.max(axis=1, initial=0), 0.0)
+        working = need > 0
+        need = np.maximum(need - self.carry, 0.0)
+        share = np.zeros(self.num_groups)
+        left, todo = self.tick_s, [int(g) for g in np.argsort(need, kind="stable") if need[g] > 0]
+        for i, g in enumerate(todo):  # the smallest needs first, each up to an equal split
+            share[g] = min(need[g], left / (len(todo) - i))
+            left -= share[g]
+        if todo and left > 0:  # what no estimate claimed (they are estimates): to all of them
+            share[todo] += left / len(todo)
+        return share, working
 
     def _decode(
         self, w: int, budget: np.ndarray, secs: np.ndarray, sched: np.ndarray | None = None
@@ -546,6 +617,7 @@ class SimBackend(WaitingRequests):
             cols = zip(gi.tolist(), *fields[[0, 1, 2, 4]].tolist(), strict=True)
             if self.conversations is not None:
                 self._log_conversations(gi, ri)
+                self._env_release(self.rid[gi, ri].tolist())
             for g, r, p, pl, ng in cols:
                 finished.append(
                     FinishedRequest(

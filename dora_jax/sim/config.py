@@ -50,6 +50,10 @@ class ClusterConfig:
     max_slots: int = 1024  # concurrent requests per engine (verl's rollout max_num_seqs default)
     page_size: int = 16  # KV page (vLLM's default block size)
     mem_util: float = 0.8  # HBM share the engine takes (DAPO 32B recipe gpu_memory_utilization)
+    # the rollout groups time-share one device (disaggregated only): each tick goes to the
+    # groups with work, water-filled by their work (SimBackend), as the CPU preset's four
+    # groups share one core in the two-process arrangement of benchmarks/bench_wallclock.py
+    shared_rollout_device: bool = False
 
     def __post_init__(self):
         _check(
@@ -165,30 +169,44 @@ class ObservationConfig:
 class LatencyConfig:
     """Seconds one environment call takes (modeled time). ``lognormal``: ``median_s`` and
     ``p99_ratio``; ``file``: measured seconds, one number per line, at ``path``. Capped at
-    ``max_s`` (the environment's per-call timeout)."""
+    ``max_s`` (the environment's per-call timeout). ``per_prompt``: call ``t`` takes the same
+    time in every member of a prompt group (a pure function of the problem and the call's
+    number, as the built-in ``tool_arithmetic``'s latency is); else each member draws its own.
+    ``workers``: calls run on that many environment workers, each one call at a time (a real
+    run's ``env.workers``): a conversation is given the worker holding the fewest live
+    conversations when it is first submitted and keeps it, and each worker takes its calls in
+    the order their turns ended; a call's time counts from when its worker starts it. 0: every
+    call starts when its turn ends (as many workers as calls)."""
 
     kind: Literal["lognormal", "file"] = "lognormal"
     median_s: float = 1.0
     p99_ratio: float = 30.0
     max_s: float = 600.0
     path: str | None = None
+    per_prompt: bool = False
+    workers: int = 0
 
     def __post_init__(self):
         _positive(self, "median_s", "max_s")
         _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
         _check(self.kind != "file" or bool(self.path), "path", "kind 'file' needs a path")
+        _check(self.workers >= 0, "workers", f"must be >= 0 (0: unlimited), got {self.workers}")
 
 
 @dataclass(frozen=True)
 class TurnsConfig:
     """Multi-turn (agentic) conversations: a trajectory alternates model turns and environment
-    turns. Model turns per trajectory: log-normal (``median``, ``p99_ratio``), rounded, in
-    ``[1, max_turns]``; ``prompt_corr`` is the share of its log-variance that is the prompt's
-    difficulty (the same difficulty that lengthens responses: hard prompts get more and longer
-    turns). Each model turn's length is drawn from ``response`` (per turn); each environment
-    turn takes ``latency`` seconds and appends ``observation`` tokens. A trajectory whose
-    response (model and observation tokens) reaches ``max_total_tokens`` ends there."""
+    turns. Model turns per trajectory: ``kind`` ``lognormal`` (``median``, ``p99_ratio``),
+    rounded, or ``file`` (measured turn counts, one integer per line at ``path``, drawn by
+    quantile from their own distribution), in ``[1, max_turns]``; ``prompt_corr`` is the
+    share of its (normal) variance that is the prompt's difficulty (the same difficulty that
+    lengthens responses: hard prompts get more and longer turns). Each model turn's length is
+    drawn from ``response`` (per turn); each environment turn takes ``latency`` seconds and
+    appends ``observation`` tokens. A trajectory whose response (model and observation
+    tokens) reaches ``max_total_tokens`` ends there."""
 
+    kind: Literal["lognormal", "file"] = "lognormal"
+    path: str | None = None
     median: float = 4.0
     p99_ratio: float = 10.0
     max_turns: int = 64
@@ -203,6 +221,7 @@ class TurnsConfig:
         _check(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
         _check(0 <= self.prompt_corr <= 1, "prompt_corr", "must be in [0, 1]")
         _positive(self, "max_total_tokens")
+        _check(self.kind != "file" or bool(self.path), "path", "kind 'file' needs a path")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ or interrupted in. The draws are counter-based (a hash of those ids mapped to un
 through Box-Muller to normals), so nothing is cached per block of prompts however many turns a
 conversation has.
 
-- **Turns** per trajectory: ``median * exp(sigma * z)`` rounded, in ``[1, max_turns]``, with
+- **Turns** per trajectory: ``median * exp(sigma * z)`` rounded (or, from a file of ``n``
+  measured turn counts, sorted, the ``floor(n Phi(z))``-th: their own distribution), in
+  ``[1, max_turns]``, with
   ``z = sqrt(c) * z_prompt + sqrt(1 - c) * z_own`` and ``z_prompt`` the prompt's difficulty, the
   one :class:`~dora_jax.sim.workload.ResponseLengths` gives its members' lengths: hard prompts get
   both more turns and longer ones.
@@ -18,7 +20,10 @@ conversation has.
   are drawn from the same distribution (the ``response`` section, per turn), with the same
   difficulty share.
 - **Observation tokens** and **environment seconds** after model turn ``t``: log-normal (or
-  measured seconds from a file, mapped by quantile), independent of the difficulty.
+  measured seconds from a file, mapped by quantile), independent of the difficulty; with
+  ``latency.per_prompt`` the seconds of call ``t`` are the same for every member of a prompt
+  group. (How long a call waits for an environment worker, ``latency.workers``, is the
+  backend's: :mod:`dora_jax.sim.waiting`.)
 - The response (model and observation tokens) is cut at ``max_total_tokens``: a model turn that
   reaches it ends the conversation, and so does an observation that would.
 
@@ -36,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from dora_jax.sim.config import TurnsConfig
-from dora_jax.sim.workload import Z99, ResponseLengths
+from dora_jax.sim.workload import Z99, ResponseLengths, _phi
 
 # streams of the counter-based draws (one per random quantity)
 _TURNS, _MODEL, _MIX, _OBS, _LATENCY = 1, 2, 3, 4, 5
@@ -90,6 +95,29 @@ def load_seconds(path: str | Path) -> np.ndarray:
     return np.sort(np.asarray(vals, dtype=np.float64))
 
 
+def load_turns(path: str | Path) -> np.ndarray:
+    """Measured model turns per conversation: one integer >= 1 per line (blank lines and ``#``
+    comments skipped), sorted."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"turn count file {str(p)!r} does not exist")
+    vals = []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        s = line.split("#", 1)[0].strip()
+        if not s:
+            continue
+        try:
+            v = int(s)
+        except ValueError:
+            raise ValueError(f"{p}:{i}: expected a number of turns, got {s!r}") from None
+        if v < 1:
+            raise ValueError(f"{p}:{i}: turns must be >= 1, got {v}")
+        vals.append(v)
+    if not vals:
+        raise ValueError(f"{p}: no turn counts")
+    return np.sort(np.asarray(vals, dtype=np.float64))
+
+
 @dataclass(frozen=True)
 class TrajectoryPlan:
     """The whole of some conversations, one entry each (what :class:`Conversations` draws)."""
@@ -112,6 +140,7 @@ class Conversations:
         self.group_size = lengths.group_size
         lat = cfg.latency
         self._measured = load_seconds(lat.path) if lat.kind == "file" else None
+        self._turns = load_turns(cfg.path) if cfg.kind == "file" else None
 
     def _ids(self, pg, members) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(pg, dtype=np.int64), np.asarray(members, dtype=np.int64)
@@ -124,7 +153,11 @@ class Conversations:
         z = math.sqrt(c.prompt_corr) * zp + math.sqrt(1.0 - c.prompt_corr) * normals(
             self.seed, _TURNS, pg, j
         )
-        x = c.median * np.exp(math.log(c.p99_ratio) / Z99 * z)
+        if self._turns is not None:  # the measured counts' own distribution: no interpolation
+            data = self._turns
+            x = data[np.minimum((_phi(z) * len(data)).astype(np.int64), len(data) - 1)]
+        else:
+            x = c.median * np.exp(math.log(c.p99_ratio) / Z99 * z)
         return np.clip(np.rint(x), 1, c.max_turns).astype(np.int64)
 
     def model_tokens(self, pg, members, turn) -> np.ndarray:
@@ -155,6 +188,8 @@ class Conversations:
         """Microseconds the environment call after model turn ``turn`` takes (>= 1)."""
         pg, j = self._ids(pg, members)
         lat = self.cfg.latency
+        if lat.per_prompt:  # one draw per (prompt group, call), whichever member makes it
+            j = np.full(j.shape, -1, np.int64)
         if self._measured is not None:
             data = self._measured
             u = uniforms(self.seed, _LATENCY, pg, j, turn, 2)

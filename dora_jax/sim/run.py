@@ -185,6 +185,9 @@ def build(
     cfg = resolve(cfg)
     if placement not in ("disaggregated", "colocated"):
         raise ValueError(f"placement must be disaggregated or colocated, got {placement!r}")
+    if placement == "colocated" and cfg.cluster.shared_rollout_device:
+        raise ValueError("cluster.shared_rollout_device: the groups share a device only apart "
+                         "from the trainer (disaggregated)")  # fmt: skip
     cost = cost_model(cfg)
     r, o = cfg.run, cfg.orchestration
     lengths = ResponseLengths(cfg.response, o.group_size, r.seed)
@@ -200,6 +203,7 @@ def build(
         admit_watermark=o.kv_admit_watermark,
         admit_reserve_tokens=o.kv_admit_reserve_tokens,
         conversations=conversations,
+        shared_device=cfg.cluster.shared_rollout_device,
     )
     colocated = backend if placement == "colocated" else None
     trainer = SimTrainer(

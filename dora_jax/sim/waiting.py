@@ -4,7 +4,12 @@
 conversations (the backend's module docstring gives the model): a request that ends a model
 turn with another to come starts waiting (``wake``: when its observation arrives, in
 microseconds of modeled time), holds no slot and keeps its KV; at the tick boundary nearest that
-time its observation's tokens join its context, to prefill as an extend. It also keeps the
+time its observation's tokens join its context, to prefill as an extend. With
+``latency.workers`` the calls queue for a pool of environment workers, each running one call at
+a time: a conversation keeps the worker it was given when first submitted (the one holding the
+fewest live conversations), and a worker takes its calls in the order their turns ended, so
+``wake`` is when its worker is free (or the turn ended, if later) plus the call's own
+seconds, which alone count as the conversation's environment time. It also keeps the
 records of waiting requests that the figures and the timeline read: per tick and group, the
 requests waiting, the KV tokens they hold and the seconds the group idled while they waited
 (the ``env_wait`` activity); per finished conversation, its turns, tokens and environment time.
@@ -23,6 +28,44 @@ from dora_jax.sim.conversations import US
 
 class WaitingRequests:
     """Turn ends, wake-ups and the records of requests waiting on their environment."""
+
+    def _init_env_workers(self) -> None:
+        """The pool of environment workers (``conversations.cfg.latency.workers``; none: every
+        call starts when its turn ends)."""
+        lat = getattr(getattr(self.conversations, "cfg", None), "latency", None)
+        n = int(getattr(lat, "workers", 0) or 0)
+        self.env_workers = n
+        self._env_free = np.zeros(n, np.int64)  # microseconds at which each worker is free
+        self._env_live = np.zeros(n, np.int64)  # live conversations each worker holds
+        self._env_of: dict[int, int] = {}  # request id -> its worker
+        # with workers: every call as (its worker, microseconds it started, it ended, it
+        # waited for its worker), in the order the calls were made
+        self.env_calls: list[tuple[int, int, int, int]] = []
+
+    def _env_assign(self, request_ids: list[int]) -> None:
+        """New conversations take the worker holding the fewest live ones (lowest on ties)."""
+        for r in request_ids if self.env_workers else ():
+            w = int(np.argmin(self._env_live))
+            self._env_of[r] = w
+            self._env_live[w] += 1
+
+    def _env_release(self, request_ids: list[int]) -> None:
+        for r in request_ids if self.env_workers else ():
+            w = self._env_of.pop(r, None)
+            if w is not None:
+                self._env_live[w] -= 1
+
+    def _env_queue(self, rids: np.ndarray, at_us: np.ndarray, lat_us: np.ndarray) -> np.ndarray:
+        """When calls made at ``at_us`` taking ``lat_us`` answer, on their conversations'
+        workers, each taking its calls in the order their turns ended (ties: request id)."""
+        out = np.empty_like(at_us)
+        for i in np.lexsort((rids, at_us)).tolist():
+            w = self._env_of[int(rids[i])]
+            start = max(int(at_us[i]), int(self._env_free[w]))
+            out[i] = start + int(lat_us[i])
+            self._env_free[w] = out[i]
+            self.env_calls.append((w, start, int(out[i]), start - int(at_us[i])))
+        return out
 
     def conversation_log(self) -> dict[str, np.ndarray]:
         """Every finished conversation, sorted by request id: ``rid``, ``turns``,
@@ -70,7 +113,10 @@ class WaitingRequests:
         g, r = gi[goes], ri[goes]
         self.turn[g, r] += 1
         self.obs[g, r] = obs[goes]
-        self.wake[g, r] = at_us[goes] + lat[goes]
+        if self.env_workers:
+            self.wake[g, r] = self._env_queue(self.rid[g, r], at_us[goes], lat[goes])
+        else:
+            self.wake[g, r] = at_us[goes] + lat[goes]
         self.envus[g, r] += lat[goes]
         self.target[g, r] = target[goes]
         return ~goes
