@@ -509,6 +509,17 @@ def build_env(
 # -- the warm start's teacher ---------------------------------------------------------------------
 
 
+# keyword arguments that shape how an environment's calls take time, not what they answer: the
+# teacher's play leaves them out (tool_arithmetic's simulated tool latency)
+TIMING_KWARGS = ("latency_s", "latency_sigma")
+
+
+def teacher_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``env.kwargs`` without the ones that only slow an environment down (the warm start's
+    teacher plays in this process, and its episodes do not depend on them)."""
+    return {k: v for k, v in kwargs.items() if k not in TIMING_KWARGS}
+
+
 def env_demonstrations(
     cfg: ExperimentConfig, tokenizer: Tokenizer, seed: int
 ) -> Callable[[int], Demonstration] | None:
@@ -519,7 +530,7 @@ def env_demonstrations(
     ``index``) the teacher skips to its last action (for ``tool_arithmetic``: the bare answer,
     no tool calls). A model turn that does not end with a stop string ends with the tokenizer's
     EOS, as a sampled one does. None for an environment without ``ideal_actions``."""
-    env = load_environment(cfg.env.spec, cfg.env.kwargs)
+    env = load_environment(cfg.env.spec, teacher_kwargs(cfg.env.kwargs))
     if not callable(getattr(env, "ideal_actions", None)):
         return None
     renderer = TurnRenderer(tokenizer)

@@ -39,10 +39,7 @@ from dora_jax.model.tokenizer import (
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.orchestrator.modes import policy_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
-from dora_jax.pipeline.conversations import (
-    EnvRun,
-    env_demonstrations,
-)
+from dora_jax.pipeline.conversations import EnvRun, env_demonstrations, teacher_kwargs
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
 from dora_jax.pipeline.grpo import GRPOTrainer, StepLog, TokenizedPrompts, encode_chat
 from dora_jax.pipeline.inputs import (
@@ -277,7 +274,8 @@ def build(
         "" if cfg.data.median_steps == 3 else f" median_steps={cfg.data.median_steps}"
     )
     if env is not None:
-        warm_key += f" env={cfg.env.spec} {sorted(cfg.env.kwargs.items())} {cfg.rollout}"
+        kwargs = sorted(teacher_kwargs(cfg.env.kwargs).items())
+        warm_key += f" env={cfg.env.spec} {kwargs} {cfg.rollout}"
     losses: list[float] = []
     warmed: Params | None = None
     if warm:
