@@ -293,3 +293,29 @@ def test_extend_and_end_refuse_what_does_not_wait(params):
     assert not e.num_requests and e.alloc.pages_used == 0
     with pytest.raises(EngineError, match="not waiting"):
         e.end([r.id])
+
+
+def test_requests_parked_together_split_one_by_one_and_continue_bit_identically(params):
+    """A handover that does not fit its destination is parked there one request at a time (the
+    pack buffer of several requests split per request, pages padded as the engine pads them);
+    each resumes from its own KV, with the same tokens as requests never moved."""
+    reqs = conversations(3, seed=7)
+    ref, _ = play([engine_on(params, 0)], copy.deepcopy(reqs))
+    a, b = engine_on(params, 1), engine_on(params, 2)
+    script = Script([a], reqs)
+    for _ in range(200):
+        if sum(r is not None for r in a.slots) == 3 and min(len(r.tokens) for r in reqs) > 9:
+            break
+        script.step()
+    b.slots = [object()] * len(b.slots)  # every slot busy: the handover cannot be imported
+    b.move_in(a.move_out([r.id for r in reqs]))
+    assert [len(p.requests) for p in b.parked] == [1, 1, 1]
+    b.slots = [None] * len(b.slots)
+    script.engines = [b]
+    script.where = {rid: b for rid in script.where}
+    got, reports = script.run()
+    assert sum(rep.reprefill_tokens for rep in reports) == 0
+    for rid, rec in ref.items():
+        assert got[rid].tokens == rec.tokens and got[rid].logprobs == rec.logprobs
+    b.alloc.check()
+    assert b.alloc.pages_used == 0

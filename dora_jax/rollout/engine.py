@@ -37,7 +37,7 @@ from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.kernels.kv_cache_ops import pack_pages, unpack_pages
 from dora_jax.model.params import Params, abstract_params, param_axes
 from dora_jax.rollout.attention import resolve_impl
-from dora_jax.rollout.moves import EngineError, EngineSnapshot, Handover, RequestMoves
+from dora_jax.rollout.moves import EngineError, EngineSnapshot, Handover, RequestMoves, padded_pages
 from dora_jax.rollout.page_allocator import PageAllocator
 from dora_jax.rollout.requests import ROUTE_DTYPE, ExportedRequests, FinishedRequest, Request
 from dora_jax.rollout.sampling import SamplingParams
@@ -91,7 +91,7 @@ def _buckets(limit: int) -> list[int]:
     return out + [limit]
 
 
-def _pow2_buckets(limit: int) -> list[int]:
+def padded_pages_buckets(limit: int) -> list[int]:
     out, b = [], 1
     while b < limit:
         out.append(b)
@@ -181,7 +181,9 @@ class Engine(RequestMoves):
         # Otherwise batch rows and block-table widths (pages attended) are bucketed.
         self.buckets = [rcfg.max_slots] if rcfg.batch_invariant else _buckets(rcfg.max_slots)
         self.width_buckets = (
-            [self.pages_per_seq] if rcfg.batch_invariant else _pow2_buckets(self.pages_per_seq)
+            [self.pages_per_seq]
+            if rcfg.batch_invariant
+            else padded_pages_buckets(self.pages_per_seq)
         )
         self.params: Params | None = None
         self.version: int | None = None
@@ -395,10 +397,7 @@ class Engine(RequestMoves):
     def _page_ids(self, ids: list[int]) -> jax.Array:
         """Every layer's copy of pages ``ids`` (layer-major), padded to a power of two with the
         padding page 0 (bounded recompiles)."""
-        n = 1
-        while n < len(ids):
-            n *= 2
-        padded = np.zeros(n, np.int32)
+        padded = np.zeros(padded_pages(len(ids)), np.int32)
         padded[: len(ids)] = ids
         return jax.device_put(np.asarray(self.cache.global_pages(padded), np.int32), self._rep)
 

@@ -50,19 +50,35 @@ class Handover:
 
 
 def split_parked(x: ExportedRequests) -> list[ExportedRequests]:
-    """One host-memory export per request (pack buffer ``[2, 1, K, L * n, Z, H]``, page ``j`` of
-    layer ``l`` at ``l * n + j``), so parked requests resume, end or move one by one."""
+    """One host-memory export per request, so parked requests resume, end or move one by one.
+
+    A pack buffer ``[2, 1, K, L * w, Z, H]`` holds ``n`` pages per layer padded to ``w``, the
+    next power of two (page ``j`` of layer ``l`` at ``l * w + j``); each part is laid out the
+    same way for its own pages."""
     if len(x.requests) == 1:
         return [x]
     kv = np.asarray(x.kv)
-    n = x.num_pages
-    layers = kv.shape[3] // max(n, 1)
+    width = padded_pages(x.num_pages)
+    layers = kv.shape[3] // width
     out, first = [], 0
     for r, c in zip(x.requests, x.page_counts, strict=True):
-        idx = [l * n + first + t for l in range(layers) for t in range(c)]
-        out.append(ExportedRequests([r], [c], kv[:, :, :, idx]))
+        w = padded_pages(c)
+        part = np.zeros((*kv.shape[:3], layers * w, *kv.shape[4:]), kv.dtype)
+        for l in range(layers):
+            part[:, :, :, l * w : l * w + c] = kv[
+                :, :, :, l * width + first : l * width + first + c
+            ]
+        out.append(ExportedRequests([r], [c], part))
         first += c
     return out
+
+
+def padded_pages(n: int) -> int:
+    """The padded page count of a pack buffer (the engine's ``_page_ids``)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
 
 
 class RequestMoves:
