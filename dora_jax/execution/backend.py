@@ -21,9 +21,10 @@ whose payload carries a conversation runs as one; each model turn it ends goes t
 (its environment answers off the control loop), the answer comes back as an ``extend`` of the
 request on whichever group holds it then, or as its end, which makes it a finished request
 (reward, loss mask and figures in its :class:`Completion`). While it waits the request holds its
-KV and pins its version, but no decode slot (``GroupInfo.waiting``). On the logical clock the
-answers to the turns of one tick are applied at the start of the next (waiting for them), so a
-run with a deterministic environment is reproducible.
+KV and pins its version, but no decode slot (``GroupInfo.waiting``). On the logical clock an
+environment call takes one tick: the answers to the turns that ended in a tick are applied at
+the end of the next (waiting for them) and fed the tick after, so a run with a deterministic
+environment is reproducible; on the wall clock each answer is applied when it comes.
 """
 
 from __future__ import annotations
@@ -384,12 +385,14 @@ class EngineBackend:
         call (waiting at most ``WAIT_S`` for the first)."""
         if self.cluster is not None:
             self.cluster.flush()  # this round's calls to other processes, one message each
-        if self.turns is not None:  # logical: the answers to the last tick's turns, all of them
-            self._take_outcomes(wait=not self.wall)
         if self.wall:
+            if self.turns is not None:  # the answers that have come
+                self._take_outcomes(wait=False)
             events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
         else:
             events = [e for h in self.handles for e in h.step()]
+            if self.turns is not None:  # every answer to the turns of earlier ticks: a call
+                self._take_outcomes(wait=True)  # takes one tick, its answer fed the next
         ticks, finished = [], self._ended
         self._ended = []
         for e in events:
