@@ -55,14 +55,18 @@ def main(argv: list[str]) -> int:
         mismatches, checked = [], 0
         for rid, version, comp in [c for c in consumed if c[2].migrations > 0][:6]:
             engine.load_params(exp.grpo.params_for(version), version)
-            engine.submit([Request(rid, list(comp.prompt.tokens), version,
-                                   request_key(cfg.seed, rid), len(comp.tokens))])  # fmt: skip
-            again = next(f for _ in range(10_000) for f in engine.step().finished)
+            if comp.loss_mask is not None:  # a conversation: its environment turns replayed
+                again, fed = replay(engine, exp, cfg, rid, version, comp)
+            else:
+                engine.submit([Request(rid, list(comp.prompt.tokens), version,
+                                       request_key(cfg.seed, rid), len(comp.tokens))])  # fmt: skip
+                again = next(f for _ in range(10_000) for f in engine.step().finished)
+                fed = len(comp.prompt.tokens)
             checked += 1
             if again.tokens != comp.tokens or again.logprobs != comp.logprobs:
                 mismatches.append(rid)
-            if comp.prefill_tokens != len(comp.prompt.tokens):
-                mismatches.append(f"{rid}: prefilled {comp.prefill_tokens} tokens")
+            if comp.prefill_tokens != fed:
+                mismatches.append(f"{rid}: prefilled {comp.prefill_tokens} tokens, not {fed}")
         out = {
             "processes": 1 if proc is None else proc.count,
             "trainer_processes": len({d.process_index for d in exp.meshes.trainer.devices.flat}),
@@ -88,6 +92,40 @@ def main(argv: list[str]) -> int:
         if proc is not None:
             proc.finish()
     return 0
+
+
+def replay(engine, exp, cfg, rid, version, comp):
+    """Generate a consumed conversation again alone, never moved: the engine samples its model
+    turns, each environment turn is the one the run recorded. Returns its last turn's record
+    and the tokens a run that never re-prefilled feeds (the prompt, then each environment turn
+    with the model token before it)."""
+    from dora_jax.rollout import Request, request_key
+
+    turns = _env_turns(comp.loss_mask, comp.tokens)
+    fed = len(comp.prompt.tokens) + sum(1 + len(t) for t in turns)
+    budget = comp.prompt.max_new_tokens or cfg.rollout.max_new_tokens
+    engine.submit([Request(rid, list(comp.prompt.tokens), version, request_key(cfg.seed, rid),
+                           budget, multi_turn=True,
+                           stop_seqs=exp.env.driver.stop_sequences)])  # fmt: skip
+    for _ in range(10_000):
+        for rec in engine.step().turn_ends:
+            if turns:
+                engine.extend(rid, turns.pop(0))
+            else:
+                engine.end([rid])
+                return rec, fed
+    raise AssertionError(f"conversation {rid} did not end")
+
+
+def _env_turns(mask, tokens) -> list[list[int]]:
+    """The environment's turns of a conversation: the runs of tokens outside its loss mask."""
+    out: list[list[int]] = []
+    for i, m in enumerate(mask):
+        if not m:
+            if i == 0 or mask[i - 1]:
+                out.append([])
+            out[-1].append(tokens[i])
+    return out
 
 
 if __name__ == "__main__":

@@ -161,3 +161,24 @@ def test_sigkill_of_one_process_then_resume(tmp_path, layout):
             got, want = json.loads(got), json.loads(want)
             assert got["step"] == want["step"]
             np.testing.assert_allclose(got["loss"], want["loss"], atol=1e-6, rtol=0)
+
+
+CHATTER = [f"env.spec={ROOT / 'tests' / 'agentic_envs.py'}:Chatter", "env.workers=2",
+           "env.kwargs.turns=8"]  # fmt: skip
+
+
+@pytest.mark.parametrize("clock", ["logical", "wall"])
+def test_conversations_across_two_processes(tmp_path, clock):
+    """Multi-turn conversations on groups of process 1, their environment on process 0: every
+    turn end crosses to process 0 and every environment turn back; conversations migrated
+    between processes continue bit for bit (replayed alone with the recorded environment
+    turns); on the logical clock the run decides as the 1-process run does."""
+    two = drive(tmp_path, "two", 2, clock, steps=5, extra=tuple(CHATTER))
+    ids = [c[0] for c in two["consumed"]]
+    assert len(ids) == len(set(ids)) > 0 and two["ledger"] == ["consumed"]
+    assert two["live_requests"] == 0 and two["staleness_max"] <= 2
+    assert two["reprefill_tokens"] == 0 and two["mismatches"] == []
+    if clock == "logical":
+        assert two["cross_host_migrated"] >= 1 and two["checked"] >= 1, two
+        one = drive(tmp_path, "one", 1, clock, steps=5, extra=tuple(CHATTER))
+        assert [c[:2] for c in two["consumed"]] == [c[:2] for c in one["consumed"]]

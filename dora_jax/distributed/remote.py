@@ -18,6 +18,7 @@ buffer are already in that layout on the source group's mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -135,7 +136,7 @@ def _shift(e: GroupEvent, offset: float) -> GroupEvent:
     if e.span is None:
         return e
     s = e.span
-    return GroupEvent(e.group, s._replace(t0=s.t0 - offset, t1=s.t1 - offset), e.finished, e.error)
+    return dataclasses.replace(e, span=s._replace(t0=s.t0 - offset, t1=s.t1 - offset))
 
 
 class RemoteGroup:
