@@ -233,3 +233,33 @@ def test_turn_ends_cross_processes_in_group_events():
     sent = GroupEvent(1, span, turn_ends=(rec,))
     got = _shift(wire.to_event(codec.decode(codec.encode(wire.event(sent))), host=1), 99.0)
     assert got.turn_ends == (rec,) and got.span.t0 == 1.0
+
+
+def test_the_shutdown_of_other_processes_travels_alone():
+    """Calls still queued for another process when a run closes (an environment turn for one of
+    its conversations) go out first; the shutdown is a message of its own, which the host's
+    serve loop reads (inside a batch it would be an unknown call, and the host would never
+    stop)."""
+    from dora_jax.distributed.cluster import Cluster
+    from dora_jax.distributed.remote import HostLink
+
+    sent = []
+
+    class FakeChannel:
+        def listen(self, host, fn):
+            pass
+
+        def send(self, host, msg):
+            sent.append((host, msg))
+
+        def close(self):
+            sent.append("closed")
+
+    cluster = Cluster.__new__(Cluster)
+    cluster.index, cluster.count, cluster.channel = 0, 2, FakeChannel()
+    cluster.link = HostLink(cluster.channel, None, [1], lambda e: None, lambda: 0.0, lambda: None)
+    cluster.link.request(1, {"op": "extend", "g": 0, "items": [[5, [1, 2]]]}, wait=False)
+    cluster.link.request(1, {"op": "end", "g": 0, "ids": [6]}, wait=False)
+    cluster.stop_hosts()
+    assert sent[-2] == (1, {"op": "shutdown"}) and sent[-1] == "closed"
+    assert [m["op"] for _, m in sent[:-2]] == ["batch"]

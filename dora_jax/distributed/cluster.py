@@ -64,7 +64,8 @@ class Cluster:
     def stop_hosts(self) -> None:
         for p in range(self.count):
             if p != self.index:
-                try:
+                try:  # the calls still queued go first: the shutdown travels alone
+                    self.link.flush(p)
                     self.link.request(p, {"op": "shutdown"}, wait=False)
                     self.link.flush(p)
                 except Exception:  # noqa: BLE001 - gone already

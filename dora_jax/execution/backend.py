@@ -383,11 +383,11 @@ class EngineBackend:
     def step(self) -> StepEvents:
         """Logical clock: one engine step of every group. Wall clock: every report since the last
         call (waiting at most ``WAIT_S`` for the first)."""
+        if self.wall and self.turns is not None:  # the answers that have come
+            self._take_outcomes(wait=False)
         if self.cluster is not None:
             self.cluster.flush()  # this round's calls to other processes, one message each
         if self.wall:
-            if self.turns is not None:  # the answers that have come
-                self._take_outcomes(wait=False)
             events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
         else:
             events = [e for h in self.handles for e in h.step()]
