@@ -76,7 +76,8 @@ class MetricsLog:
         extra = {(k if k.startswith("env/") else f"reward/{k}"): v
                  for k, v in log.reward_metrics.items()}  # fmt: skip
         if self.exp.env is not None:  # cumulative: failures by kind, conversations, turns
-            extra |= self.exp.env.figures()
+            extra |= self.exp.env.figures()  # and the conversations waiting on it now
+            extra["env/waiting_requests"] = float(self.exp.backend.waiting_requests())
         self.writer.write(
             log.version,
             {**m, "reward": reward, "solved": solved, "elapsed_s": elapsed,

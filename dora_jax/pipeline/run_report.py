@@ -71,6 +71,9 @@ def write_run_report(
             "long_prompts_skipped": len(exp.long_prompt_lines)
             + (exp.prompts.skipped if exp.prompts is not None else 0),
             "long_prompt_lines": exp.long_prompt_lines[:1000],
+            # multi-turn runs: conversations, turns, environment seconds, end reasons and
+            # failed calls by kind (cumulative, env/...)
+            "environment": exp.env.figures() if exp.env is not None else None,
         },
     )
     if exp.stopped and (health is None or health.tripped is None):
@@ -114,6 +117,15 @@ def write_run_report(
     if exp.reward.errors:
         kinds = ", ".join(f"{n} {k}" for k, n in exp.reward.error_counts().items() if n)
         print(f"reward function failures (reward 0): {kinds}")
+    if exp.env is not None:
+        f = exp.env.figures()
+        n = f["env/conversations"]
+        failed = ", ".join(f"{int(v)} {k.rsplit('/', 1)[1]}" for k, v in f.items()
+                           if k.startswith("env/failures/") and v) or "none"  # fmt: skip
+        print(
+            f"environment: {n:.0f} conversations ended; {f['env/turns']:.0f} model turns and "
+            f"{f['env/env_seconds']:.1f} s of environment calls in all; failed calls: {failed}"
+        )
     print(
         f"wrote {run_dir / 'summary.md'}, {run_dir / 'timeline.png'}, {run_dir / 'metrics.jsonl'}"
     )
