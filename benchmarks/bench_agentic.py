@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             # preset's, which was measured in one process on both cores
             step_s = statistics.median(f["train_step_s_median"] for f in res["runs"]["dora"])
             sim = predict(conv, a.latency, a.sigma, modes=MODES, env_workers=a.env_workers,
-                          train_step_s=step_s)  # fmt: skip
+                          train_step_s=step_s, recipe_overrides=a.overrides)  # fmt: skip
     res = {
         "benchmark": "wall-clock throughput of multi-turn conversations with a slow tool: sync, "
         "partial and dora (K=2), real engines, tool_arithmetic recipe",

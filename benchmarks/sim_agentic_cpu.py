@@ -76,6 +76,7 @@ import math
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -242,10 +243,11 @@ def build_overrides(
     env_workers: int | None = None,
     turns_prompt_corr: float | None = None,
     shared_core: bool = True,
+    recipe_overrides: Sequence[str] = (),
 ) -> tuple[list[str], dict]:
     """The overrides of the CPU preset that give the measured workload (files written to
     ``workdir``), and the fitted figures."""
-    rc = load_config(recipe, [])
+    rc = load_config(recipe, list(recipe_overrides))
     r, o, env = rc.rollout, rc.orchestrator, rc.env
     if rc.mesh.rollout.tp != 1:
         raise ValueError(f"{recipe}: the CPU preset has one device per rollout group")
@@ -272,6 +274,14 @@ def build_overrides(
     estimated = group_correlation(turns, G)
     corr = turns_prompt_corr if turns_prompt_corr is not None else estimated
     corr = 0.5 if corr is None else corr
+    # single-turn rows (every conversation one model turn): the lengths of a prompt group's
+    # responses are what is correlated, estimated the same way
+    single = bool((turns == 1).all())
+    length_corr = 0.0
+    if single:
+        lengths = np.array([int(row["model_tokens"]) for row in rows])
+        length_corr = group_correlation(lengths, G)
+        length_corr = 0.5 if length_corr is None else length_corr
     obs = fit_observations(rows, r.max_new_tokens)
     plens = sorted(int(row["prompt_tokens"]) for row in rows)
     pmed = statistics.median(plens)
@@ -295,7 +305,7 @@ def build_overrides(
         "response.kind=file",
         f"response.path={workdir / 'model_turn_tokens.txt'}",
         f"response.max_tokens={r.max_new_tokens}",
-        "response.prompt_corr=0.0",
+        f"response.prompt_corr={length_corr}",
         f"prompt.median={pmed}",
         f"prompt.p99_ratio={max(1.0, p99 / pmed)}",
         "prompt.min_tokens=1",
@@ -324,6 +334,7 @@ def build_overrides(
         "recipe": _rel(recipe),
         "turns_prompt_corr": corr,
         "turns_prompt_corr_estimated": estimated,
+        "response_prompt_corr": length_corr,
         "observation": obs,
         "prompt": {"median": pmed, "p99": p99},
         "latency": {
@@ -379,6 +390,7 @@ def predict(
     turns_prompt_corr: float | None = None,
     shared_core: bool = True,
     workdir: Path | None = None,
+    recipe_overrides: Sequence[str] = (),
 ) -> dict:
     """The simulator's model tokens per modeled second of consumed conversations, per mode, for
     the workload of ``conversations_path`` with tools of lognormal latency (median
@@ -388,7 +400,9 @@ def predict(
     ``env_workers``: environment workers (default: the recipe's ``env.workers``; 0: as many as
     calls); ``turns_prompt_corr``: instead of the one estimated from the file;
     ``shared_core``: the rollout groups share one core (False: each runs on its own);
-    ``workdir``: where the derived files go (default: a temporary directory, removed).
+    ``workdir``: where the derived files go (default: a temporary directory, removed);
+    ``recipe_overrides``: config overrides of the recipe the real runs used (its slots, pages,
+    prompt groups in flight: ``orchestrator.rollout_batch_prompts=32``).
 
     Returns ``model_tokens_per_s`` (mode -> figure), ``dora_over_sync`` and
     ``dora_over_partial`` (None without both modes), ``modes`` (mode -> the run's figures:
@@ -405,6 +419,7 @@ def predict(
             rows, latency_median_s, latency_sigma, work, modes=modes, steps=steps, seed=seed,
             recipe=recipe, train_step_s=train_step_s, env_workers=env_workers,
             turns_prompt_corr=turns_prompt_corr, shared_core=shared_core,
+            recipe_overrides=recipe_overrides,
         )  # fmt: skip
         cfg = load_sim_config(PRESET, overrides)
         o = cfg.orchestration
@@ -556,14 +571,15 @@ def main(argv: list[str]) -> int:
         help="first write GROUPS prompt groups of the ideal play to CONVERSATIONS",
     )
     p.add_argument("--json", type=Path, help="write the prediction there")  # fmt: skip
-    a = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="config overrides of the recipe the runs used")
+    a = p.parse_intermixed_args(argv)
     if a.synthesize:
         synthesize(a.conversations, a.synthesize, seed=a.seed, latency_median_s=a.latency,
                    latency_sigma=a.sigma)  # fmt: skip
         print(f"wrote {a.synthesize} prompt groups of ideal play to {a.conversations}")
     res = predict(a.conversations, a.latency, a.sigma, tuple(a.modes.split(",")), a.steps,
                   a.seed, train_step_s=a.train_step_s, env_workers=a.env_workers,
-                  shared_core=not a.parallel_groups)  # fmt: skip
+                  shared_core=not a.parallel_groups, recipe_overrides=a.overrides)  # fmt: skip
     w, fit = res["workload"], res["workload"]["fit"]
     meas, sim = w["measured"], w["simulated"]
     print(f"{meas['conversations']} conversations: turns mean {meas['turns']['mean']:.2f} "
