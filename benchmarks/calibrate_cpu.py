@@ -314,13 +314,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--skip-runs", action="store_true", help="constants only (no real runs)")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "calibrate_cpu")
+    p.add_argument("--out", type=Path, default=OUT, help="where the constants and figures go")
     p.add_argument("--recompare", action="store_true", help="only recompute the comparison of "
                    "the stored measurements and predictions")  # fmt: skip
     args = p.parse_args(argv)
     if args.recompare:
-        payload = json.loads(OUT.read_text())
+        payload = json.loads(args.out.read_text())
         payload["comparison"] = compare(payload)
-        OUT.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+        args.out.write_text(json.dumps(payload, indent=2, default=float) + "\n")
         print(json.dumps(payload["comparison"], indent=2))
         return 0
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -338,8 +339,8 @@ def main(argv: list[str]) -> int:
         "by training per second of wall time",
         "constants": constants,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(payload, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
     c = constants
     print(
         f"constants ({time.perf_counter() - t0:.0f} s): decode step {1e3 * c['decode_step_s']:.2f}"
@@ -349,13 +350,13 @@ def main(argv: list[str]) -> int:
         f"active requests and context (ms): {c['decode_detail_ms']}"
     )
     if args.skip_runs:
-        print(f"wrote {OUT}")
+        print(f"wrote {args.out}")
         return 0
     runs, preds, warm = {}, {}, None
     for mode in ("dora", "sync"):
         runs[mode] = run_real(mode, args.steps, args.workdir, warm)
         warm = ROOT / runs[mode]["run_dir"]
-        preds[mode] = predict(mode, OUT, runs[mode], args.workdir, args.steps)
+        preds[mode] = predict(mode, args.out, runs[mode], args.workdir, args.steps)
         r, q = runs[mode], preds[mode]
         print(
             f"{mode}: measured {r['tokens_per_s']:.1f} tokens/s over {r['seconds']:.1f} s "
@@ -379,8 +380,8 @@ def main(argv: list[str]) -> int:
     payload["comparison"] = compare(payload)
     c = payload["comparison"]["dora_over_sync"]
     print(f"dora / sync: measured {c['measured']:.2f}x, predicted {c['predicted']:.2f}x")
-    OUT.write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    print(f"wrote {OUT}")
+    args.out.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    print(f"wrote {args.out}")
     return 0 if all(math.isfinite(v["error"]) for k, v in payload["comparison"].items()
                     if "error" in v) else 1  # fmt: skip
 

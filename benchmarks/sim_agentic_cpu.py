@@ -244,6 +244,7 @@ def build_overrides(
     turns_prompt_corr: float | None = None,
     shared_core: bool = True,
     recipe_overrides: Sequence[str] = (),
+    calibration: Path | None = None,
 ) -> tuple[list[str], dict]:
     """The overrides of the CPU preset that give the measured workload (files written to
     ``workdir``), and the fitted figures."""
@@ -252,7 +253,7 @@ def build_overrides(
     if rc.mesh.rollout.tp != 1:
         raise ValueError(f"{recipe}: the CPU preset has one device per rollout group")
     preset = load_sim_config(PRESET)
-    calib = json.loads(preset.calibration_path().read_text())
+    calib = json.loads(Path(calibration or preset.calibration_path()).read_text())
     c = calib["constants"]
     c["kv_capacity_tokens"] = (r.num_pages - 1) * r.page_size  # page 0 is reserved
     c["max_slots"] = r.max_slots
@@ -391,6 +392,7 @@ def predict(
     shared_core: bool = True,
     workdir: Path | None = None,
     recipe_overrides: Sequence[str] = (),
+    calibration: Path | None = None,
 ) -> dict:
     """The simulator's model tokens per modeled second of consumed conversations, per mode, for
     the workload of ``conversations_path`` with tools of lognormal latency (median
@@ -402,7 +404,10 @@ def predict(
     ``shared_core``: the rollout groups share one core (False: each runs on its own);
     ``workdir``: where the derived files go (default: a temporary directory, removed);
     ``recipe_overrides``: config overrides of the recipe the real runs used (its slots, pages,
-    prompt groups in flight: ``orchestrator.rollout_batch_prompts=32``).
+    prompt groups in flight: ``orchestrator.rollout_batch_prompts=32``);
+    ``calibration``: the measured constants (default: the CPU preset's,
+    ``benchmarks/results/calibrate_cpu.json``; ``benchmarks/calibrate_cpu.py --skip-runs --out``
+    writes others, for example in a process pinned to one core as the rollout groups are).
 
     Returns ``model_tokens_per_s`` (mode -> figure), ``dora_over_sync`` and
     ``dora_over_partial`` (None without both modes), ``modes`` (mode -> the run's figures:
@@ -419,7 +424,7 @@ def predict(
             rows, latency_median_s, latency_sigma, work, modes=modes, steps=steps, seed=seed,
             recipe=recipe, train_step_s=train_step_s, env_workers=env_workers,
             turns_prompt_corr=turns_prompt_corr, shared_core=shared_core,
-            recipe_overrides=recipe_overrides,
+            recipe_overrides=recipe_overrides, calibration=calibration,
         )  # fmt: skip
         cfg = load_sim_config(PRESET, overrides)
         o = cfg.orchestration

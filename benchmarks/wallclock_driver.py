@@ -11,7 +11,8 @@ decoding, each group's idle share, the control round's own time on process 0, an
 picture of the window (``run_dir/timeline_window.png``). An override ``config=PATH`` reads
 that preset instead of ``configs/default.yaml``. In a multi-turn run (``env.spec``) it also
 writes the model tokens per second of the window's consumed conversations and, per consumed
-conversation, its figures to ``run_dir/conversations.jsonl``.
+conversation (or single-turn response: one turn), its figures to
+``run_dir/conversations.jsonl``.
 
 ``migration``: a request with ``C`` tokens of context (for each C of ``CONTEXTS``, comma
 separated) on a group of process 0 moves with its KV to a group of process 1; the time is set
@@ -67,6 +68,7 @@ def throughput(proc, argv: list[str]) -> dict:
     exp = build(cfg, run_dir, process=proc, warm_start_dir=run_dir.parent / "warm_start")
     rt = exp.runtime
     conversations: dict[int, dict] = {}  # request id -> its figures (multi-turn runs)
+    responses: dict[int, dict] = {}  # the same figures of a single-turn response
 
     def on_consume(rid, version, comp):
         if comp.conversation is not None:
@@ -76,6 +78,12 @@ def throughput(proc, argv: list[str]) -> dict:
                 "turns": c["turns"], "model_tokens": sum(turns), "env_tokens": c["env_tokens"],
                 "env_seconds": c["env_seconds"], "prompt_tokens": len(comp.prompt.tokens),
                 "model_turn_tokens": turns, "reward": comp.env_reward,
+            }  # fmt: skip
+        elif comp.tokens:
+            responses[rid] = {
+                "turns": 1, "model_tokens": len(comp.tokens), "env_tokens": 0,
+                "env_seconds": 0.0, "prompt_tokens": len(comp.prompt.tokens),
+                "model_turn_tokens": [len(comp.tokens)], "reward": None,
             }  # fmt: skip
 
     exp.grpo.on_consume.append(on_consume)
@@ -118,10 +126,11 @@ def throughput(proc, argv: list[str]) -> dict:
     tokens = sum(c.response_len for c in taken)
     model_tokens = sum(conversations[c.request_id]["model_tokens"] for c in taken
                        if c.request_id in conversations)  # fmt: skip
-    if conversations:
-        with open(Path(cfg.run_dir) / "conversations.jsonl", "w") as f:
-            for c in taken:
-                f.write(json.dumps(conversations[c.request_id]) + "\n")
+    rows = conversations or responses  # the window's consumed ones, for the simulator
+    with open(Path(cfg.run_dir) / "conversations.jsonl", "w") as f:
+        for c in taken:
+            if c.request_id in rows:
+                f.write(json.dumps(rows[c.request_id]) + "\n")
     spans = [g for g in rec.spans if g.t1 > t_a and g.t0 < t_b]
     rolling = [(max(g.t0, t_a), min(g.t1, t_b)) for g in spans
                if g.activity in ("prefill", "decode")]  # fmt: skip

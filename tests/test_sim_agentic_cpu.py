@@ -70,3 +70,46 @@ def test_a_short_prediction(synthetic):
     assert abs(w["simulated"]["turns"]["mean"] / w["measured"]["turns"]["mean"] - 1) < 0.1
     for f in res["modes"].values():
         assert 0 < f["rollout_core_load"] <= 1.0 + 1e-6 and 0 < f["env_worker_load"] <= 1.0
+
+
+def test_single_turn_rows_recipe_overrides_and_other_constants(tmp_path):
+    """Single-turn responses (the regime sweep's rows): the prompt groups' length correlation is
+    estimated into ``response.prompt_corr``; the recipe's overrides and another calibration file
+    reach the simulator's config."""
+    rng = np.random.default_rng(0)
+    base = np.repeat(rng.integers(4, 60, 32), 8)  # lengths shared within each prompt group
+    rows = [
+        {
+            "turns": 1,
+            "model_tokens": int(n),
+            "env_tokens": 0,
+            "env_seconds": 0.0,
+            "prompt_tokens": 10,
+            "model_turn_tokens": [int(n)],
+        }
+        for n in base
+    ]
+    path = tmp_path / "responses.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calib = json.loads((ROOT / "benchmarks" / "results" / "calibrate_cpu.json").read_text())
+    calib["constants"]["decode_step_s"] = 0.0123
+    other = tmp_path / "calib.json"
+    other.write_text(json.dumps(calib))
+    overrides, fit = sac.build_overrides(
+        sac.read_conversations(path),
+        0.0,
+        0.0,
+        tmp_path / "work",
+        modes=("sync",),
+        steps=3,
+        seed=0,
+        recipe=ROOT / "configs" / "default.yaml",
+        recipe_overrides=["orchestrator.rollout_batch_prompts=12"],
+        calibration=other,
+    )
+    assert fit["response_prompt_corr"] == pytest.approx(1.0)
+    assert "response.prompt_corr=1.0" in overrides
+    assert "orchestration.rollout_batch_prompts=12" in overrides
+    used = json.loads((tmp_path / "work" / "calibration.json").read_text())
+    assert used["constants"]["decode_step_s"] == 0.0123
+    assert used["constants"]["kv_capacity_tokens"] == 99 * 16  # the default config's pages
