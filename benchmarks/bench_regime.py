@@ -6,11 +6,11 @@ measured on the two-process arrangement and predicted by the simulator.
 
 One knob is varied; by default the default task's ``data.median_steps`` (the median number of
 steps of a problem, so the median response length), with ``rollout.max_new_tokens`` fixed: the
-longer the typical response, the more of a synchronous step the trainer's real tokens take, and
-the shorter it is, the more of the step goes to waiting for the long tail. At each value, ``sync``
-and ``dora`` (K=2) run on ``bench_wallclock``'s arrangement (two processes, each pinned to its
-own core: the trainer and the control plane on one, the four rollout groups on the other), each
-with the default config otherwise. Per point:
+shorter the typical response against the cap, the more of a synchronous step might go to
+waiting for the long tail (on 2 CPU cores the measured share barely moves: see the README).
+At each value, ``sync`` and ``dora`` (K=2) run on ``bench_wallclock``'s arrangement (two
+processes, each pinned to its own core: the trainer and the control plane on one, the four
+rollout groups on the other), each with the default config otherwise. Per point:
 
 - ``sync_rollout_share``: the share of sync's measured window in which the trainer waited (one
   minus its busy share): the rollout-only phase of a synchronous step;
@@ -21,11 +21,11 @@ with the default config otherwise. Per point:
   process pinned to one core (``--calibration``); ``predicted_preset_constants``: the same
   with the preset's constants, measured in one process over both cores.
 
-The window starts after ``--warmup`` steps: dora's requests in flight take several steps to
-reach their steady mix (the long responses accumulate there while short ones are consumed
-first), and a window that starts too early counts fewer of dora's long responses than sync's
-(after 4 warm-up steps, 20 measured: 29% fewer response tokens per consumed trajectory at
-``median_steps=5``).
+The window starts after ``--warmup`` steps, when every shape has compiled and dora's requests
+in flight have had time to reach their steady mix. Compare the response tokens per consumed
+trajectory of the two modes (in the runs' figures): at ``median_steps`` 3 and 5 dora's were
+12% and about 30% fewer than sync's, with 4 warm-up steps and 20 measured as with 8 and 30, so
+a tokens-per-second ratio there also measures how the two modes' policies drift in length.
 
 Writes ``benchmarks/results/bench_regime.json`` and ``docs/regime_sweep.png`` (measured and
 predicted dora / sync against sync's rollout share, with the paper's two clusters marked).
