@@ -119,7 +119,7 @@ def predicted(
             recipe=DEFAULT,
             train_step_s=step_s[m],
             env_workers=0,
-            recipe_overrides=[x for x in extra if "=" in x],
+            recipe_overrides=extra,
             calibration=calibration,
         )
     rate = {m: sims[m]["model_tokens_per_s"][m] for m in MODES}
@@ -215,11 +215,6 @@ def plot(series: list[tuple[str, list[dict]]], knob: str, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
-
-
-def _rel(path: Path) -> str:
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _read(path: Path) -> dict:
@@ -331,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             "in one process over both cores)",
             "prediction_error_max": "the largest |predicted / measured - 1| of dora over sync",
         },
-        "calibration": _rel(a.calibration) if a.calibration else None,
+        "calibration": quiet.rel(a.calibration) if a.calibration else None,
         "paper": PAPER,
         "points": points,
         "prediction_error_max": max(err) if err else None,

@@ -44,6 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import quiet  # noqa: E402
 
 from dora_jax.platform import fake_cpu_devices  # noqa: E402
 
@@ -237,7 +240,7 @@ def run_real(mode: str, steps: int, workdir: Path, warm_from: Path | None) -> di
         "overheads": summary["overheads"],
         "response_lens": extra["consumed_response_lens"],
         "prompt_lens": extra["consumed_prompt_lens"],
-        "run_dir": _rel(run_dir),
+        "run_dir": quiet.rel(run_dir),
     }
 
 
@@ -257,7 +260,7 @@ def predict(mode: str, constants_path: Path, run: dict, workdir: Path, steps: in
     med = statistics.median(plens)
     p99 = plens[min(len(plens) - 1, int(0.99 * len(plens)))]
     overrides = [
-        f"calibration={_rel(constants_path)}",
+        f"calibration={quiet.rel(constants_path)}",
         f"response.path={lens.relative_to(ROOT)}",
         f"prompt.median={med}",
         f"prompt.p99_ratio={max(1.0, p99 / med)}",
@@ -294,13 +297,6 @@ def predict(mode: str, constants_path: Path, run: dict, workdir: Path, steps: in
         "staleness_mean": m.staleness_mean,
         "z99": Z99,
     }
-
-
-def _rel(path: Path) -> str:
-    """``path`` relative to the repository when it lies inside it (results name no machine's
-    directories)."""
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _decode_step(constants_path: Path) -> float:

@@ -30,6 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import quiet  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "host_state_estimate.json"
 
 
@@ -47,11 +51,6 @@ def deep_size(obj, seen=None) -> int:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         size += sum(deep_size(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
     return size
-
-
-def _relative(path: str) -> str:
-    p = Path(path).resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
 def main() -> None:
@@ -161,7 +160,7 @@ def main() -> None:
     before_mem = mem_consumed + mem_log + mem_records
     before_ck = ck_consumed + ck_log + ck_records
     out = {
-        "preset": _relative(args.config),
+        "preset": quiet.rel(args.config),
         "trajectories_per_step": n,
         "response_tokens_mean": args.response_mean,
         "prompt_tokens_mean": args.prompt_mean,
@@ -197,7 +196,7 @@ def main() -> None:
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     mib = 2**20
     print(
-        f"{_relative(args.config)}: {n} trajectories per step, {args.response_mean} response "
+        f"{quiet.rel(args.config)}: {n} trajectories per step, {args.response_mean} response "
         "tokens each"
     )
     print(

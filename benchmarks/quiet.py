@@ -46,6 +46,12 @@ def wait_for_quiet(max_load: float, wait_s: float) -> tuple[float, float, float]
         time.sleep(15)
 
 
+def rel(path) -> str:
+    """``path`` relative to the checkout when it lies inside it (as a benchmark records it)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def commit() -> str:
     """The checkout's commit, with ``+changes`` when the package differs from it."""
     try:

@@ -83,6 +83,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import quiet  # noqa: E402
 
 from dora_jax.config import load_config  # noqa: E402
 from dora_jax.config.loading import to_dict  # noqa: E402
@@ -253,7 +256,8 @@ def build_overrides(
     if rc.mesh.rollout.tp != 1:
         raise ValueError(f"{recipe}: the CPU preset has one device per rollout group")
     preset = load_sim_config(PRESET)
-    calib = json.loads(Path(calibration or preset.calibration_path()).read_text())
+    calib_path = Path(calibration or preset.calibration_path())
+    calib = json.loads(calib_path.read_text())
     c = calib["constants"]
     c["kv_capacity_tokens"] = (r.num_pages - 1) * r.page_size  # page 0 is reserved
     c["max_slots"] = r.max_slots
@@ -332,7 +336,7 @@ def build_overrides(
         "run.colocated=[]",
     ]
     fit = {
-        "recipe": _rel(recipe),
+        "recipe": quiet.rel(recipe),
         "turns_prompt_corr": corr,
         "turns_prompt_corr_estimated": estimated,
         "response_prompt_corr": length_corr,
@@ -348,9 +352,8 @@ def build_overrides(
         "kv_capacity_tokens": c["kv_capacity_tokens"],
         "kv_admit_reserve_tokens": reserve,
         "train_step_s": c["train_step_s"],
-        "train_step_s_from": "given"
-        if train_step_s is not None
-        else _rel(preset.calibration_path()),  # fmt: skip
+        "train_step_s_from": "given" if train_step_s is not None else quiet.rel(calib_path),
+        "calibration": quiet.rel(calib_path),
     }
     return overrides, fit
 
@@ -478,7 +481,7 @@ def predict(
             "modes": list(modes),
             "steps": steps,
             "seed": seed,
-            "preset": _rel(PRESET),
+            "preset": quiet.rel(PRESET),
         },
         "units": "modeled seconds; model_tokens_per_s: model tokens (tool answers left out) of "
         "the consumed conversations per modeled second, over steps warmup+1..steps; "
@@ -547,11 +550,6 @@ def synthesize(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def _rel(path: Path) -> str:
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def main(argv: list[str]) -> int:
