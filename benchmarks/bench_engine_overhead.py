@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import dora_jax.rollout.engine as eng
     from dora_jax.config import load_config
-    from dora_jax.execution.group import _Core
+    from dora_jax.execution.group import GroupWorker, Place
     from dora_jax.mesh import make_mesh
     from dora_jax.model import init_params
     from dora_jax.rollout import Engine, Request, request_key
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(ROOT / "configs" / "default.yaml", [])
     engine = Engine(cfg.model, cfg.rollout, make_mesh(jax.devices()[:1], 1, 1), eos_id=-1)
     engine.load_params(init_params(cfg.model, jax.random.key(0)), 0)
-    core = _Core(0, engine, time.perf_counter)
+    worker = GroupWorker(0, engine, time.perf_counter, Place())
     jitted: list[float] = []
     decode = eng._decode_jit
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
             dt = time.perf_counter() - t0
             t1 = time.perf_counter()
-            core.snapshot()
+            worker._status()
             snap = time.perf_counter() - t1
             if len(jitted) > n_before and rid > 16:  # decode steps only, after warm-up
                 steps.append((dt, jitted[-1]))

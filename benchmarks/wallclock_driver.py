@@ -203,7 +203,9 @@ def migration(proc, argv: list[str]) -> dict:
 
     from dora_jax.config import load_config, to_dict
     from dora_jax.distributed.cluster import Cluster
-    from dora_jax.execution.group import FromTrainer, SyncGroup
+    from dora_jax.execution import commands as cmds
+    from dora_jax.execution.group import GroupWorker, Place
+    from dora_jax.execution.transport import Inline
     from dora_jax.mesh import build_meshes, make_mesh
     from dora_jax.model import abstract_params, init_params, param_axes
     from dora_jax.orchestrator.clock import Bus, LogicalClock
@@ -222,11 +224,11 @@ def migration(proc, argv: list[str]) -> dict:
     cluster.start_hosts(to_dict(cfg), [-1], cfg.seed, False)
     src_g = next(g for g, m in enumerate(meshes.groups) if cluster.owner(m, "g") == 0)
     dst_g = next(g for g, m in enumerate(meshes.groups) if cluster.owner(m, "g") == 1)
-    src = SyncGroup(src_g, Engine(cfg.model, cfg.rollout, meshes.groups[src_g], -1), clock.now,
-                    transfers=cluster.transfers)  # fmt: skip
-    src.engine.load_params(params, 0)
+    engine = Engine(cfg.model, cfg.rollout, meshes.groups[src_g], -1)
+    engine.load_params(params, 0)
+    src = Inline(GroupWorker(src_g, engine, clock.now, Place(cluster.transfers)))
     dst = cluster.remote(dst_g, 1, True, cfg.rollout.num_pages - 1)
-    dst.load(FromTrainer(params), 0)
+    dst.send(cmds.Load(dst_g, 0, ticket=cluster.link.stage_trainer(params, 0)))
     rows = []
     rng = np.random.default_rng(0)
     for c in contexts:
@@ -237,17 +239,19 @@ def migration(proc, argv: list[str]) -> dict:
             # on the destination: prefill the whole context (what a re-prefill costs)
             req = Request(rid, prompt, 0, request_key(cfg.seed, rid), 2)
             t0 = time.perf_counter()
-            dst.submit([req])
-            dst.step()
+            dst.send(cmds.Submit(dst_g, (req,)))
+            dst.send(cmds.Step(dst_g))
             t_prefill = time.perf_counter() - t0
             # on the source: the same context, then its KV moves to the destination
             req2 = Request(rid + 500, prompt, 0, request_key(cfg.seed, rid + 500), 4)
-            src.submit([req2])
-            src.step()
+            src.send(cmds.Submit(src_g, (req2,)))
+            src.send(cmds.Step(src_g))
             t0 = time.perf_counter()
-            src.migrate([req2.id], dst)
+            ticket = cluster.transfers.new_id()  # (the KV crosses to the other process)
+            src.send(cmds.SendRequests(src_g, (req2.id,), ticket, remote=True))
+            dst.send(cmds.ReceiveRequests(dst_g, ticket, remote=True))
             t_migrate = time.perf_counter() - t0
-            dst.step()
+            dst.send(cmds.Step(dst_g))
             if rep:
                 times["prefill"].append(t_prefill)
                 times["migrate"].append(t_migrate)

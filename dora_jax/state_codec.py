@@ -56,6 +56,32 @@ RECORD_TYPES = (
     "dora_jax.rollout.requests:FinishedRequest",
     "dora_jax.rollout.requests:ExportedRequests",
     "dora_jax.rollout.moves:EngineSnapshot",
+    "dora_jax.train.batch:TrainBatch",
+    *(
+        f"dora_jax.execution.commands:{name}"
+        for name in (
+            "Load",
+            "OfferParams",
+            "Submit",
+            "SendRequests",
+            "ReceiveRequests",
+            "Interrupt",
+            "Extend",
+            "End",
+            "Step",
+            "Pause",
+            "Resume",
+            "Snapshot",
+            "Restore",
+            "StartTrainer",
+            "TrainStep",
+            "ExportParams",
+            "GatherState",
+            "RestoreState",
+            "GroupStatus",
+            "GroupEvent",
+        )
+    ),
 )
 
 
@@ -88,8 +114,9 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def encode(obj: Any) -> tuple[Any, dict[str, np.ndarray]]:
-    """``(json-able tree, {key: large array})``; see the module docstring."""
+def encode(obj: Any, inline_bytes: int = INLINE_BYTES) -> tuple[Any, dict[str, np.ndarray]]:
+    """``(json-able tree, {key: large array})``; see the module docstring (arrays of fewer than
+    ``inline_bytes`` bytes are inline; messages between processes keep every array apart)."""
     arrays: dict[str, np.ndarray] = {}
 
     def array(a: np.ndarray) -> Any:
@@ -97,7 +124,7 @@ def encode(obj: Any) -> tuple[Any, dict[str, np.ndarray]]:
         a = np.ascontiguousarray(a).reshape(shape)
         if a.dtype.hasobject:
             raise TypeError("an array of Python objects")
-        if a.nbytes >= INLINE_BYTES:
+        if a.nbytes >= inline_bytes:
             key = f"a{len(arrays)}"
             arrays[key] = a
             return {"__array__": key}

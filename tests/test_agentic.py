@@ -221,9 +221,9 @@ def test_a_broken_environment_spec_is_one_line_before_anything_runs(tmp_path, ca
 def test_turn_ends_cross_processes_in_group_events():
     """A group on another process reports its conversations' turn ends in its events: they
     survive the message codec and the shift onto process 0's clock."""
-    from dora_jax.distributed import codec, wire
-    from dora_jax.distributed.remote import _shift
-    from dora_jax.execution.group import GroupEvent
+    from dora_jax.distributed import codec
+    from dora_jax.distributed.remote import shift
+    from dora_jax.execution.commands import GroupEvent
     from dora_jax.orchestrator.backend import GroupTick
     from dora_jax.rollout import FinishedRequest
 
@@ -231,7 +231,7 @@ def test_turn_ends_cross_processes_in_group_events():
                           2, 1, 0.5, turn_start=4, env_spans=((1, 3),))  # fmt: skip
     span = GroupTick(1, 3, "decode", 4, 2, 0, 0, 0.01, 100.0, 100.01)
     sent = GroupEvent(1, span, turn_ends=(rec,))
-    got = _shift(wire.to_event(codec.decode(codec.encode(wire.event(sent))), host=1), 99.0)
+    got = shift(codec.decode(codec.encode(sent)), 99.0, host=1)
     assert got.turn_ends == (rec,) and got.span.t0 == 1.0
 
 

@@ -64,7 +64,7 @@ MAY_IMPORT = {
         "checkpoint": "base",
         "report": "base orchestrator",
         "sim": "base orchestrator report",
-        "execution": "base sharding model rollout orchestrator",
+        "execution": "base sharding model rollout train orchestrator checkpoint",
         "distributed": "base sharding model rollout train orchestrator checkpoint execution",
         "pipeline": "base kernels sharding tokenizer model rollout train data envs orchestrator "
         "checkpoint report execution distributed",
@@ -157,7 +157,7 @@ PLANTED = [
     ("dora_jax/checkpoint.py", "from dora_jax.pipeline.grpo import x\n", "dora_jax.pipeline.grpo"),
     ("dora_jax/checkpoint.py", "def f():\n    from .pipeline import grpo\n", "pipeline.grpo"),
     ("dora_jax/checkpoint.py", "import dora_jax.execution.backend\n", "execution.backend"),
-    ("dora_jax/execution/group.py", "from ..distributed import wire\n", "distributed.wire"),
+    ("dora_jax/execution/group.py", "from ..distributed import remote\n", "distributed.remote"),
     ("dora_jax/distributed/host.py", "from dora_jax.pipeline import experiment\n", "experiment"),
     ("dora_jax/rollout/engine.py", "def f():\n    import dora_jax.train.step\n", "train.step"),
     ("dora_jax/train/step.py", "from dora_jax.rollout import Engine\n", "dora_jax.rollout"),

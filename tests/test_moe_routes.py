@@ -12,7 +12,7 @@ import pytest
 
 from dora_jax import state_codec
 from dora_jax.config import ModelConfig, RolloutConfig, TrainConfig
-from dora_jax.distributed import codec, wire
+from dora_jax.distributed import codec
 from dora_jax.mesh import make_mesh
 from dora_jax.model import hidden_states, init_params
 from dora_jax.rollout import Engine, Request, request_key
@@ -82,8 +82,7 @@ def test_routes_travel_with_migration_parking_snapshots_and_messages(params):
     restored = engine_on(params, 2)
     restored.restore(state_codec.loads(text, arrays))
     moved = src.export_requests([reqs[2].id])
-    as_message = codec.decode(codec.encode(wire.exported(moved)))
-    restored.import_requests(wire.to_exported(as_message))
+    restored.import_requests(codec.decode(codec.encode(moved)))
     got = drain(restored)
     assert set(got) == set(ref)
     for rid, f in got.items():

@@ -9,6 +9,8 @@ processes and compiles everything anew).
   1-process run of the same config, and ends with the same params (within 1e-5).
 - A trainer mesh spanning both processes: the same ids and params as the 1-process run of that
   layout, and a wall-clock run.
+- Every trainer command on a trainer mesh spanning both processes: each process runs the same
+  commands in the same order, through executables with the same fingerprints.
 - One process killed with SIGKILL (with the trainer on process 0, and with it spanning both): the
   other stops within 60 s naming it, and ``--resume`` completes the run with nothing lost or
   consumed twice (the spanning trainer's resumed losses equal an uninterrupted run's).
@@ -109,6 +111,30 @@ def test_trainer_spanning_two_processes(tmp_path):
     ids = [c[0] for c in wall["consumed"]]
     assert len(ids) == len(set(ids)) and wall["ledger"] == ["consumed"]
     assert wall["live_requests"] == 0 and wall["staleness_max"] <= 2 and wall["steps"] >= 4
+
+
+def test_every_trainer_command_runs_on_every_trainer_process(tmp_path):
+    """The trainer is one program: process 0 sends each command to the other trainer process
+    before running it itself, and both compile the same executable for each batch shape."""
+    run_dir = tmp_path / "spmd"
+    args = [*TINY, *SPANNING, "train.length_buckets=[32,64]", f"run_dir={run_dir}"]
+    code = launch_local(2, args, run_dir, devices_per_process=4,
+                        entry=ROOT / "tests" / "spmd_trainer_driver.py")  # fmt: skip
+    logs = {p.name: p.read_text() for p in sorted((run_dir / "logs").glob("*.log"))}
+    assert code == 0, "".join(t[-3000:] for t in logs.values())
+    records = [json.loads(line.split("trainer commands: ", 1)[1])
+               for text in logs.values() for line in text.splitlines()
+               if "trainer commands: " in line]  # fmt: skip
+    assert sorted(r["process"] for r in records) == [0, 1]
+    lead, other = sorted(records, key=lambda r: r["process"])
+    assert lead["applied"] == [
+        "StartTrainer", "ExportParams", "TrainStep", "TrainStep", "ExportParams", "GatherState",
+        "RestoreState", "TrainStep", "GatherState",
+    ]  # fmt: skip
+    assert other["applied"] == lead["applied"]  # no command ran on process 0 alone
+    assert len(lead["executables"]) == 2  # two batch shapes
+    assert other["executables"] == lead["executables"]  # the same compiled programs
+    assert lead["version"] == 3
 
 
 @pytest.mark.parametrize("layout", ["trainer_on_0", "trainer_spanning"])

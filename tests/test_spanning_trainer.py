@@ -1,7 +1,8 @@
-"""The protocol of a trainer mesh that spans processes, in one process: the calls the lead sends
-(through the inter-process codec) replayed by a follower give the follower's trainer the lead's
-state bit for bit; exports and host states are the trainer's own; a call outside the protocol is
-refused. (Two real processes: tests/test_multiprocess.py, slow.)"""
+"""The trainer as one program on every trainer process, in one process: the commands process 0
+broadcasts (through the inter-process codec) run by another worker give its trainer process 0's
+state bit for bit, through the same compiled executables; exports and host states are the
+trainer's own; a command outside the vocabulary is refused. (Two real processes:
+tests/test_multiprocess.py, slow.)"""
 
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 
 from dora_jax.config import load_config
 from dora_jax.distributed.codec import decode, encode
-from dora_jax.distributed.spanning_trainer import FollowTrainer, LeadTrainer
+from dora_jax.execution import commands as c
+from dora_jax.execution.trainer_worker import SpmdTrainer, TrainerWorker
 from dora_jax.mesh import build_meshes, make_mesh
 from dora_jax.model import abstract_params, param_axes
 from dora_jax.sharding import rollout_rules, tree_shardings
@@ -57,13 +59,13 @@ def cfg():
 # slow: 19-26 s; the multi-process tests (slow) run the spanning trainer end to end, and the
 # default suite keeps this file's protocol test
 @pytest.mark.slow
-def test_replayed_calls_give_the_follower_the_leads_state(cfg):
+def test_broadcast_commands_give_the_other_worker_the_leads_state(cfg):
     meshes = build_meshes(cfg.mesh)
-    sent: list[dict] = []
-    lead = LeadTrainer.start(cfg, meshes.trainer, {"hf": None},
+    sent: list = []
+    lead = SpmdTrainer.start(cfg, meshes.trainer, {"hf": None},
                              lambda m: sent.append(decode(encode(m))))  # fmt: skip
-    # the follower's part on other devices of the same layout (here: a whole copy of its own)
-    follow = FollowTrainer(cfg, make_mesh(jax.devices()[4:8], 2, 2), 1)
+    # the other process's worker on other devices of the same layout (here: a whole copy)
+    other = TrainerWorker(cfg, make_mesh(jax.devices()[4:8], 2, 2), lead=False, spans=True)
     v0 = lead.export_params()
     for v in range(2):
         lead.step(lead.pack(trajectories(v, v), num_groups=2, version=v))
@@ -73,14 +75,18 @@ def test_replayed_calls_give_the_follower_the_leads_state(cfg):
     placed = lead.export_params(in_groups)
     whole = lead.export_params()
     state = lead.host_state()
-    assert [m["do"] for m in sent] == ["init", "export", "step", "step", "export", "export",
-                                       "gather"]  # fmt: skip
+    names = ["StartTrainer", "ExportParams", "TrainStep", "TrainStep", "ExportParams",
+             "ExportParams", "GatherState"]  # fmt: skip
+    assert [type(m).__name__ for m in sent] == names == lead.worker.applied
     for m in sent:
-        follow.handle(m)
-    follow.close()  # every call replayed
+        other.apply(m)
 
-    assert_same(follow.trainer.state, state)  # bit for bit, through the codec
-    assert lead.version == follow.trainer.version == 2
+    assert other.applied == lead.worker.applied
+    # one executable each, compiled by each worker (on other devices here: the two processes of
+    # tests/test_multiprocess.py compare their fingerprints)
+    assert other.fingerprints.keys() == lead.worker.fingerprints.keys() and len(other.fingerprints)
+    assert_same(other.trainer.state, state)  # bit for bit, through the codec
+    assert lead.version == other.trainer.version == 2
     assert_same(whole, lead.trainer.export_params())
     assert_same(placed, whole)
     assert all(len(x.devices()) == 1 for x in jax.tree.leaves(whole))  # process 0's copy
@@ -88,15 +94,16 @@ def test_replayed_calls_give_the_follower_the_leads_state(cfg):
     assert all(x.sharding == s for x, s in pairs)
     with pytest.raises(AssertionError):  # the first export is of version 0, not the last
         assert_same(v0, whole)
-    batch = sent[2]["batch"]
-    assert batch["tokens"].dtype == np.int32 and batch["loss_mask"].dtype == np.bool_
+    batch = sent[2].batch
+    assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.bool_
 
 
-def test_calls_outside_the_protocol_are_refused(cfg):
+def test_commands_outside_the_vocabulary_are_refused(cfg):
     meshes = build_meshes(cfg.mesh)
-    lead = LeadTrainer.start(cfg, meshes.trainer, {"hf": None}, lambda m: None)
+    lead = SpmdTrainer.start(cfg, meshes.trainer, {"hf": None}, lambda m: None)
     with pytest.raises(ValueError, match="restores from a checkpoint only"):
         lead.load_host_state(lead.host_state())
-    follow = FollowTrainer(cfg, meshes.trainer, 1)
-    with pytest.raises(ValueError, match="unknown trainer call 'dance'"):
-        follow._apply({"do": "init", "source": {"hf": None}}) or follow._apply({"do": "dance"})
+    with pytest.raises(ValueError, match="restores from a checkpoint only"):
+        lead.state = lead.host_state()
+    with pytest.raises(ValueError, match="unknown trainer command Step"):
+        lead.run(c.Step(0))

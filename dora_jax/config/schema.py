@@ -431,11 +431,6 @@ class DataConfig:
             f"must be true or false, got {self.shuffle!r}",
         )
 
-    @property
-    def pooled_reward(self) -> bool:
-        """Whether rewards run in worker processes (boxed_math and your own functions)."""
-        return self.reward not in ("exact", "partial_credit")
-
 
 @dataclass(frozen=True)
 class WarmStartConfig:

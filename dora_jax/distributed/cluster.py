@@ -7,7 +7,7 @@ from jax.sharding import Mesh
 
 from dora_jax.distributed.channel import Channel
 from dora_jax.distributed.process import Process, ProcessError
-from dora_jax.distributed.remote import HostLink, RemoteGroup
+from dora_jax.distributed.remote import WAIT_S, HostLink, RemoteTransport
 from dora_jax.distributed.transfers import Transfers
 from dora_jax.mesh import processes
 
@@ -39,20 +39,21 @@ class Cluster:
         ``eos_ids`` ends a response there too."""
         for p in range(self.count):
             if p != self.index:
-                self.link.request(p, {"op": "init", "config": config, "eos_ids": list(eos_ids),
-                                      "seed": seed, "wall": wall}, wait=True)  # fmt: skip
+                msg = {"op": "init", "config": config, "eos_ids": list(eos_ids), "seed": seed,
+                       "wall": wall}  # fmt: skip
+                self.link.request(p, msg, wait=True).result(WAIT_S)
 
-    def remote(self, group: int, host: int, sync: bool, pages_total: int) -> RemoteGroup:
-        return RemoteGroup(group, host, self.link, sync, pages_total)
+    def remote(self, group: int, host: int, sync: bool, pages_total: int) -> RemoteTransport:
+        return RemoteTransport(group, host, self.link, sync, pages_total)
 
-    def trainer_calls(self, mesh: Mesh):
-        """A function that sends a trainer call to every other process holding devices of the
-        trainer ``mesh`` (they replay it: ``spanning_trainer.py``)."""
+    def trainer_broadcast(self, mesh: Mesh):
+        """A function that sends a trainer command to every other process holding devices of
+        the trainer ``mesh`` (each runs it as this one does: ``execution/trainer_worker.py``)."""
         others = sorted(processes(mesh) - {self.index})
 
-        def send(msg: dict) -> None:
+        def send(cmd) -> None:
             for p in others:
-                self.channel.send(p, {"op": "trainer", **msg})
+                self.channel.send(p, {"op": "trainer", "cmd": cmd})
 
         return send
 

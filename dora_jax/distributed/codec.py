@@ -1,9 +1,11 @@
-"""Bytes for messages between processes: msgpack with numpy arrays, never pickle.
+"""Bytes for messages between processes: the checkpoints' record codec (``dora_jax.state_codec``)
+in msgpack, with numpy arrays as raw bytes; never pickle.
 
-What crosses a process boundary (control messages, request records, KV pages of a parked
-request) is plain data: dicts, lists, numbers, strings, bytes and numpy arrays (``dtype``,
-``shape`` and raw bytes). Decoding runs no code from the message, so a message from another
-process (or anything that connects to a coordinator port) cannot execute anything here.
+What crosses a process boundary (commands, their values, group events, the metadata of a
+handover) is plain data and the record types the state codec lists; numpy arrays travel as
+``dtype``, ``shape`` and raw bytes. Decoding builds only those, and runs no code from the
+message, so a message from another process (or anything that connects to a coordinator port)
+cannot execute anything here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 import ml_dtypes
 import msgpack
 import numpy as np
+
+from dora_jax import state_codec
 
 _ND = 1  # msgpack extension type of a numpy array
 
@@ -36,10 +40,6 @@ def _default(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         head = msgpack.packb([dtype_tag(x.dtype), list(x.shape)])
         return msgpack.ExtType(_ND, head + np.ascontiguousarray(x).tobytes())
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, tuple):
-        return list(x)
     raise TypeError(f"cannot send a {type(x).__name__} between processes: {x!r:.80}")
 
 
@@ -54,8 +54,10 @@ def _ext(code: int, data: bytes) -> Any:
 
 
 def encode(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_default, use_bin_type=True)
+    tree, arrays = state_codec.encode(obj, inline_bytes=0)
+    return msgpack.packb([tree, arrays], default=_default, use_bin_type=True)
 
 
 def decode(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
+    tree, arrays = msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
+    return state_codec.decode(tree, arrays)

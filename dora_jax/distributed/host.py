@@ -4,13 +4,17 @@ trainer), then carry out its calls until it says stop (or goes away)."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import threading
+import traceback
 
 from dora_jax.distributed.channel import Channel
 from dora_jax.distributed.process import Process
 from dora_jax.distributed.remote import GroupHost
-from dora_jax.distributed.spanning_trainer import FollowTrainer
 from dora_jax.distributed.transfers import Transfers
+from dora_jax.execution.trainer_worker import FollowTrainer
 
 
 def serve(proc: Process, log=print) -> int:
@@ -26,6 +30,13 @@ def serve(proc: Process, log=print) -> int:
     host: list[GroupHost] = []
     follower: list[FollowTrainer] = []  # this process's part of a trainer spanning processes
 
+    def trainer_failed(e: BaseException) -> None:
+        traceback.print_exc()
+        print(f"error: process {proc.index}: the trainer's command failed "
+              f"({type(e).__name__}: {e}); this process stops", file=sys.stderr,
+              flush=True)  # fmt: skip
+        os._exit(3)
+
     def on_message(msg: dict) -> None:
         if msg["op"] == "init":
             cfg = from_dict(ExperimentConfig, msg["config"])
@@ -37,11 +48,11 @@ def serve(proc: Process, log=print) -> int:
             host.append(GroupHost(channel, transfers, engines, msg["wall"]))
             log(f"process {proc.index}: hosting rollout groups {sorted(engines)}", flush=True)
             if proc.index in processes(meshes.trainer):
-                follower.append(FollowTrainer(cfg, meshes.trainer, proc.index))
-                log(f"process {proc.index}: following the trainer's calls", flush=True)
+                follower.append(FollowTrainer(cfg, meshes.trainer))
+                log(f"process {proc.index}: running the trainer's commands", flush=True)
             channel.send(0, {"op": "reply", "reply": msg["reply"], "value": sorted(engines)})
         elif msg["op"] == "trainer":
-            follower[0].handle(msg)
+            follower[0].handle(msg["cmd"], trainer_failed)
         elif msg["op"] == "shutdown":
             done.set()
         else:
@@ -52,11 +63,15 @@ def serve(proc: Process, log=print) -> int:
     done.wait()
     if host:
         host[0].stopped.set()
-        for h in host[0].handles.values():
-            if host[0].wall:
-                h.stop()
+        for t in host[0].transports.values():
+            t.stop()
     for f in follower:
         f.close()
+        w = f.worker
+        record = {"process": proc.index, "applied": w.applied,
+                  "executables": {"x".join(map(str, k)): v
+                                  for k, v in sorted(w.fingerprints.items())}}  # fmt: skip
+        log(f"process {proc.index}: trainer commands: {json.dumps(record)}", flush=True)
     channel.close()
     log(f"process {proc.index}: done", flush=True)
     proc.finish()

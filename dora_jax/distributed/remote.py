@@ -1,14 +1,15 @@
-"""Rollout groups on other processes: the control plane's handle (:class:`RemoteGroup`, on process
-0) and the process that runs them (:class:`GroupHost`, on every other process).
+"""Group commands across processes: the transport to a group on another process
+(:class:`RemoteTransport`, on process 0) and the process that runs it (:class:`GroupHost`).
 
 Process 0 runs the control plane, the trainer and the groups on its own devices; a group on
-another process gets a :class:`RemoteGroup`, which has the same calls as the local handles of
-:mod:`dora_jax.execution.group`. Each call becomes a message on the ordered channel to that
-process (``channel.py``); the host applies it to the group's own handle, which keeps the local
-semantics: on the wall clock a worker thread per group, whose reports come back as ``events``
-messages (time stamped in seconds since the epoch, turned into the run's clock on arrival); on
-the logical clock every call is carried out before its reply, and ``step`` returns the group's
-events, so a multi-process logical run makes the same decisions as a single-process one.
+another process gets a :class:`RemoteTransport`, which has the two calls of the local transports
+(``send(command) -> future``, ``status``). Each command becomes a message on the ordered channel
+to that process (``channel.py``), written by the record codec (``codec.py``); the host hands it to
+the group's local transport, which keeps the local semantics: on the wall clock a worker thread
+per group, whose events come back as ``events`` messages (stamped in seconds since the epoch,
+turned into the run's clock on arrival) with the number of commands each group has applied (which
+completes their futures here); on the logical clock every command is carried out before its
+reply, so a multi-process logical run makes the same decisions as a single-process one.
 
 Weights and KV pages cross processes through the transfer servers (``transfers.py``): the
 trainer's export is first placed on process 0 in the group's layout (same mesh shape and
@@ -22,52 +23,58 @@ import dataclasses
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import jax
 
-from dora_jax.distributed import wire
 from dora_jax.distributed.channel import Channel
 from dora_jax.distributed.transfers import Transfers
-from dora_jax.execution.group import FromTrainer, GroupEvent, GroupStatus, Pull
+from dora_jax.execution.commands import GroupCommand, GroupEvent, GroupStatus
+from dora_jax.execution.transport import done
 
 WAIT_S = 600.0
 
 
+class RemoteError(RuntimeError):
+    """An error raised in another process (its type and message)."""
+
+
 class HostLink:
-    """Process 0's end of the channels to every other process: requests with replies, the
-    events they report, and the params staged for them."""
+    """Process 0's end of the channels to every other process: messages with replies, the events
+    they report, and the params staged for them."""
 
     def __init__(self, channel: Channel, transfers: Transfers, hosts: list[int], post, now,
                  stage_shardings: Callable[[], Any]):  # fmt: skip
         self.channel, self.transfers, self.post, self.now = channel, transfers, post, now
         self.stage_shardings = stage_shardings  # the group layout on process 0's devices
-        self.groups: dict[int, RemoteGroup] = {}
+        self.groups: dict[int, RemoteTransport] = {}
         self._replies: dict[int, Future] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._staged: dict[int, Future] = {}  # version -> its params staged for pulls
-        self._outbox: dict[int, list[dict]] = {h: [] for h in hosts}  # calls not yet sent
+        self._outbox: dict[int, list[dict]] = {h: [] for h in hosts}  # not yet sent
         for h in hosts:
             channel.listen(h, lambda msg, h=h: self._on_message(h, msg))
 
-    def request(self, host: int, msg: dict, wait: bool) -> Any:
-        """Send a call to ``host``. Calls that need no reply wait in an outbox, sent as one
+    def request(self, host: int, msg: dict, wait: bool) -> Future:
+        """Send ``msg`` to ``host``. Messages that need no reply wait in an outbox, sent as one
         message by :meth:`flush` (once per control round), in order; one that needs a reply
-        flushes first, then waits for it."""
+        flushes first, and its future is the reply's value."""
+        fut: Future = Future()
         if not wait:
             with self._lock:
                 self._outbox[host].append(msg)
-            return None
+            fut.set_result(None)
+            return fut
         self.flush(host)
         rid = next(self._ids)
-        fut: Future = Future()
         with self._lock:
             self._replies[rid] = fut
         self.channel.send(host, msg | {"reply": rid})
-        return fut.result(WAIT_S)
+        return fut
 
     def flush(self, host: int | None = None) -> None:
         for h in [host] if host is not None else list(self._outbox):
@@ -77,9 +84,9 @@ class HostLink:
                 self.channel.send(h, items[0] if len(items) == 1 else
                                   {"op": "batch", "items": items})  # fmt: skip
 
-    def stage_trainer(self, params: Any, version: int) -> Pull:
-        """Offer the trainer's ``params`` of ``version`` in the group layout (placed once per
-        version, on a helper thread; the load message goes out at once, in order)."""
+    def stage_trainer(self, params: Any, version: int) -> int:
+        """Offer the trainer's ``params`` of ``version`` in the group layout under a new ticket
+        (placed once per version, on a helper thread; the load goes out at once, in order)."""
         uid = self.transfers.new_id()
 
         def run() -> None:
@@ -104,130 +111,66 @@ class HostLink:
             self.transfers.serve(uid, fut.result(WAIT_S))
 
         threading.Thread(target=run, name=f"stage-v{version}", daemon=True).start()
-        return Pull(uid)
+        return uid
 
     def _on_message(self, host: int, msg: dict) -> None:
         op = msg["op"]
         offset = time.time() - self.now()  # host stamps are epoch seconds
-        self._statuses(msg.get("status", {}))
+        for g, (st, applied) in msg.get("groups", {}).items():
+            if g in self.groups:  # (transports are made one by one at the start)
+                self.groups[g].report(st, applied)
         if op == "reply":
             fut = self._replies.pop(msg["reply"])
             if msg.get("error"):
-                fut.set_exception(wire.RemoteError(f"on process {host}: {msg['error']}"))
+                fut.set_exception(RemoteError(f"on process {host}: {msg['error']}"))
             else:
                 fut.set_result(msg.get("value"))
         elif op == "events":
-            for item in msg["items"]:
-                e = _shift(wire.to_event(item, host), offset)
-                if e.span is not None and e.span.activity == "transfer":
-                    self.groups[e.group].loaded()
-                self.post(e)
-        elif op == "failed":
-            self.post(GroupEvent(msg["group"], error=wire.RemoteError(
-                f"on process {host}: {msg['error']}")))  # fmt: skip
-
-    def _statuses(self, statuses: dict) -> None:
-        for g, st in statuses.items():
-            if int(g) in self.groups:  # (handles are made one by one at the start)
-                self.groups[int(g)].status = wire.to_status(st)
+            for e in msg["items"]:
+                self.post(shift(e, offset, host))
 
 
-def _shift(e: GroupEvent, offset: float) -> GroupEvent:
-    if e.span is None:
-        return e
-    s = e.span
-    return dataclasses.replace(e, span=s._replace(t0=s.t0 - offset, t1=s.t1 - offset))
+def shift(e: GroupEvent, offset: float, host: int) -> GroupEvent:
+    """An event of ``host`` on process 0's clock (and its error named as another process's)."""
+    err = None if e.error is None else f"on process {host}: {e.error}"
+    span = None if e.span is None else e.span._replace(t0=e.span.t0 - offset,
+                                                       t1=e.span.t1 - offset)  # fmt: skip
+    return dataclasses.replace(e, span=span, error=err)
 
 
-class RemoteGroup:
-    """The handle of a group on process ``host`` (same calls as the local handles)."""
+class RemoteTransport:
+    """The transport to group ``group`` on process ``host``: ``sync`` (logical clock) waits for
+    each command's reply; otherwise a command's future completes when the host reports it
+    applied (a command that ``replies`` waits for its value)."""
 
     def __init__(self, group: int, host: int, link: HostLink, sync: bool, pages_total: int):
         self.group, self.host, self.link, self.sync = group, host, link, sync
-        self.transfers = link.transfers
         self.status = GroupStatus({}, 0, pages_total)
-        self.params: Future = Future()
-        self._loads: list[Future] = []
-        self._paused = False
+        self._sent = 0  # commands sent so far
+        self._pending: deque[tuple[int, Future]] = deque()  # (number, future) not yet applied
+        self._lock = threading.Lock()
         link.groups[group] = self
 
-    def _send(self, op: str, wait: bool | None = None, **fields) -> Any:
-        wait = self.sync if wait is None else wait
-        return self.link.request(self.host, {"op": op, "g": self.group, **fields}, wait)
+    def send(self, cmd: GroupCommand) -> Future:
+        wait = self.sync or cmd.replies
+        with self._lock:
+            self._sent += 1
+            n = self._sent
+            fut: Future = Future()
+            if not wait:
+                self._pending.append((n, fut))
+        reply = self.link.request(self.host, {"op": "cmd", "cmd": cmd, "n": n}, wait)
+        if not wait:
+            return fut
+        if self.sync:  # the logical clock: carried out before the reply
+            return done(reply.result(WAIT_S))
+        return reply
 
-    # -- calls ----------------------------------------------------------------------------------
-    def load(self, src: Any, version: int) -> Future:
-        fut = self.params = Future()
-        self._loads.append(fut)
-        if isinstance(src, FromTrainer):
-            source = {"pull": self.link.stage_trainer(src.params, version).uid}
-        elif isinstance(src, RemoteGroup) and src.host == self.host:
-            source = {"group": src.group}
-        else:
-            source = {"pull": src.serve_params().uid}
-        self._send("load", version=version, src=source)
-        if self.sync:
-            self.loaded()
-        return fut
-
-    def loaded(self) -> None:
-        if self._loads:
-            self._loads.pop(0).set_result(None)
-
-    def serve_params(self) -> Pull:
-        uid = self.transfers.new_id()
-        self._send("serve_params", uid=uid)
-        return Pull(uid)
-
-    def submit(self, requests: list) -> None:
-        self._send("submit", requests=[wire.request(r) for r in requests])
-
-    def migrate(self, ids: list, dst: Any) -> None:
-        if isinstance(dst, RemoteGroup) and dst.host == self.host:
-            self._send("migrate", ids=list(ids), dst=dst.group)
-            return
-        uid = self.transfers.new_id()
-        self._send("migrate", ids=list(ids), uid=uid)
-        dst.expect(uid)
-
-    def expect(self, uid: int) -> None:
-        self._send("receive", uid=uid)
-
-    def interrupt(self, ids: list) -> list:
-        return [wire.to_request(r) for r in self._send("interrupt", wait=True, ids=list(ids))]
-
-    def extend(self, items: list) -> None:
-        self._send("extend", items=[[rid, list(tokens)] for rid, tokens in items])
-
-    def end(self, ids: list) -> None:
-        self._send("end", ids=list(ids))
-
-    def snapshot_state(self):
-        return wire.to_snapshot(self._send("snapshot", wait=True))
-
-    def restore_state(self, snap, params: Any) -> None:
-        uid = self.link.stage_trainer(params, snap.version).uid
-        self._send("restore", wait=True, snapshot=wire.snapshot(snap), uid=uid)
-        self.params = Future()
-        self.params.set_result(None)
-
-    def step(self) -> list[GroupEvent]:
-        offset = time.time() - self.link.now()
-        items = self._send("step", wait=True)
-        return [_shift(wire.to_event(i, self.host), offset) for i in items]
-
-    def pause(self) -> None:
-        self._paused = False
-        self._send("pause", wait=False)
-
-    def paused(self) -> bool:
-        if not self._paused:
-            self._paused = bool(self._send("paused", wait=True))
-        return self._paused
-
-    def resume(self) -> None:
-        self._paused = False
-        self._send("resume", wait=False)
+    def report(self, status: GroupStatus, applied: int) -> None:
+        self.status = status
+        with self._lock:
+            while self._pending and self._pending[0][0] <= applied:
+                self._pending.popleft()[1].set_result(None)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Nothing: the host stops all its groups at shutdown (``Cluster.stop_hosts``)."""
@@ -237,93 +180,58 @@ class GroupHost:
     """Runs this process's groups for process 0 (every process but 0)."""
 
     def __init__(self, channel: Channel, transfers: Transfers, engines: dict, wall: bool):
-        from dora_jax.execution.group import SyncGroup, ThreadGroup
+        from dora_jax.execution.group import GroupWorker, Place
+        from dora_jax.execution.transport import Inline, Threaded
         from dora_jax.orchestrator.clock import Bus
 
         self.channel, self.transfers, self.wall = channel, transfers, wall
         self.bus = Bus()
         self.stopped = threading.Event()
         now = time.time  # epoch seconds: process 0 puts them on its own clock
+        place = Place(transfers)
+        workers = {g: GroupWorker(g, e, now, place) for g, e in engines.items()}
+        self.transports = {g: Threaded(w, self.bus.post) if wall else Inline(w)
+                           for g, w in workers.items()}  # fmt: skip
+        self._applied = dict.fromkeys(engines, 0)
         if wall:
-            self.handles = {g: ThreadGroup(g, e, now, self.bus.post, transfers=transfers)
-                            for g, e in engines.items()}  # fmt: skip
-            for h in self.handles.values():
-                h.start()
             threading.Thread(target=self._forward, name="forward", daemon=True).start()
-        else:
-            self.handles = {g: SyncGroup(g, e, now, transfers=transfers)
-                            for g, e in engines.items()}  # fmt: skip
 
-    def _statuses(self) -> dict:
-        return {g: wire.status(h.status) for g, h in self.handles.items()}
+    def _groups(self) -> dict:
+        return {g: (t.status, self._applied[g]) for g, t in self.transports.items()}
 
     def _forward(self) -> None:
+        """Wall clock: send the groups' events (and how many commands each has applied)."""
         while not self.stopped.is_set():
-            events = self.bus.collect(0.05)
-            if events:
+            items = self.bus.collect(0.05)
+            if items:
                 time.sleep(0.002)  # let a few more arrive: fewer, larger messages
-                events += self.bus.collect(0)
-                items = [wire.event(e) for e in events]
-                self.channel.send(0, {"op": "events", "items": items, "status": self._statuses()})
+                items += self.bus.collect(0)
+                events = [e for e in items if isinstance(e, GroupEvent)]
+                self.channel.send(0, {"op": "events", "items": events, "groups": self._groups()})
 
     def handle(self, msg: dict) -> None:
         """Apply one message from process 0 (on the channel's thread, in order)."""
-        try:
-            value = self._apply(msg)
-        except BaseException as e:  # noqa: BLE001 - reported to process 0, which raises it
-            if "reply" in msg:
-                self.channel.send(0, {"op": "reply", "reply": msg["reply"],
-                                      "error": f"{type(e).__name__}: {e}"})  # fmt: skip
-            else:
-                self.channel.send(0, {"op": "failed", "group": msg.get("g", -1),
-                                      "error": f"{type(e).__name__}: {e}"})  # fmt: skip
-            return
-        if "reply" in msg:
-            self.channel.send(0, {"op": "reply", "reply": msg["reply"], "value": value,
-                                  "status": self._statuses()})  # fmt: skip
-
-    def _apply(self, msg: dict) -> Any:
-        op, g = msg["op"], msg.get("g")
-        if op == "batch":
+        if msg["op"] == "batch":
             for item in msg["items"]:
                 self.handle(item)
-            return None
-        h = self.handles.get(g)
-        if op == "load":
-            src = msg["src"]
-            h.load(Pull(src["pull"]) if "pull" in src else self.handles[src["group"]],
-                   msg["version"])  # fmt: skip
-        elif op == "serve_params":
-            fut, uid = h.params, msg["uid"]
-            threading.Thread(target=lambda: self.transfers.serve(
-                uid, jax.tree.leaves(fut.result(WAIT_S))), daemon=True).start()  # fmt: skip
-        elif op == "submit":
-            h.submit([wire.to_request(r) for r in msg["requests"]])
-        elif op == "migrate":
-            if "dst" in msg:
-                h.migrate(msg["ids"], self.handles[msg["dst"]])
+            return
+        cmd, n, rid = msg["cmd"], msg["n"], msg.get("reply")
+        try:
+            fut = self.transports[cmd.group].send(cmd)
+        except BaseException as e:  # noqa: BLE001 - (inline) reported to process 0 with the reply
+            fut = Future()
+            fut.set_exception(e)
+        fut.add_done_callback(lambda f: self._applied_one(cmd.group, n, rid, f))
+
+    def _applied_one(self, group: int, n: int, rid: int | None, fut: Future) -> None:
+        self._applied[group] = n
+        err = fut.exception()
+        if rid is not None:
+            reply = {"op": "reply", "reply": rid, "groups": self._groups()}
+            if err is not None:
+                reply["error"] = f"{type(err).__name__}: {err}"
             else:
-                h.send_staged(msg["ids"], msg["uid"])
-        elif op == "receive":
-            h.expect(msg["uid"])
-        elif op == "interrupt":
-            return [wire.request(r) for r in h.interrupt(msg["ids"])]
-        elif op == "extend":
-            h.extend([(rid, tuple(tokens)) for rid, tokens in msg["items"]])
-        elif op == "end":
-            h.end(msg["ids"])
-        elif op == "snapshot":
-            return wire.snapshot(h.snapshot_state())
-        elif op == "restore":
-            h.restore_state(wire.to_snapshot(msg["snapshot"]), Pull(msg["uid"]))
-        elif op == "step":
-            return [wire.event(e) for e in h.step()]
-        elif op == "pause":
-            h.pause()
-        elif op == "paused":
-            return h.paused()
-        elif op == "resume":
-            h.resume()
+                reply["value"] = fut.result()
+            self.channel.send(0, reply)
         else:
-            raise ValueError(f"unknown operation {op!r}")
-        return None
+            self.bus.post(None)  # the forward loop reports it applied

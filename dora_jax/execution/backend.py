@@ -30,9 +30,10 @@ environment is reproducible; on the wall clock each answer is applied when it co
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +41,11 @@ from jax.sharding import Mesh
 
 from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
-from dora_jax.execution.group import FromTrainer, GroupEvent, SyncGroup, ThreadGroup
+from dora_jax.execution import commands as c
+from dora_jax.execution.commands import GroupEvent
+from dora_jax.execution.group import GroupWorker, Place
 from dora_jax.execution.payloads import Completion, PromptPayload
+from dora_jax.execution.transport import Inline, Threaded, done
 from dora_jax.execution.turns import TurnDriver, TurnOutcome
 from dora_jax.model.params import Params
 from dora_jax.orchestrator.backend import (
@@ -58,6 +62,8 @@ from dora_jax.orchestrator.backend import (
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.rollout import Engine, Request, request_key
 from dora_jax.rollout import FinishedRequest as EngineFinished
+
+WAIT_S = 600.0  # the longest wait for a group's answer (a snapshot, an interrupt, a step)
 
 
 @dataclass
@@ -106,27 +112,26 @@ class EngineBackend:
         self.clock = clock or LogicalClock()
         self.wall = self.clock.kind == "wall"
         self.bus = bus or Bus()
-        self.cluster = cluster  # multi-process: groups on other processes get remote handles
-        transfers = cluster.transfers if cluster is not None else None
-        self.handles: list[Any] = []
+        self.cluster = cluster  # multi-process: groups on other processes get remote transports
+        self.me = cluster.index if cluster is not None else 0
+        place = Place(cluster.transfers if cluster is not None else None)
+        self._new_ticket = cluster.transfers.new_id if cluster else itertools.count(1).__next__
+        self.handles: list[Any] = []  # a transport per group
         self._hosts: list[int] = []
+        self._loads: list[Future] = []  # each group's latest weight load
         for g, m in enumerate(meshes):
             host = cluster.owner(m, f"rollout group {g}") if cluster is not None else 0
             self._hosts.append(host)
-            if cluster is not None and host != cluster.index:
-                h = cluster.remote(g, host, not self.wall, rollout_cfg.num_pages - 1)
-            else:
-                e = Engine(model_cfg, rollout_cfg, m, eos_id, interpret=interpret)
-                e.load_params(initial_params, 0)
-                if self.wall:
-                    h = ThreadGroup(g, e, self.clock.now, self.bus.post, transfers=transfers)
-                    h.start()
-                else:
-                    h = SyncGroup(g, e, self.clock.now, transfers=transfers)
-            self.handles.append(h)
-        for h in self.handles:
-            if h.params is not None and not h.params.done():  # another process's: version 0
-                h.load(FromTrainer(initial_params), 0)
+            if host != self.me:
+                self.handles.append(cluster.remote(g, host, not self.wall,
+                                                   rollout_cfg.num_pages - 1))  # fmt: skip
+                self._loads.append(self._send(g, self._load(g, 0, initial_params)))
+                continue
+            e = Engine(model_cfg, rollout_cfg, m, eos_id, interpret=interpret)
+            e.load_params(initial_params, 0)
+            w = GroupWorker(g, e, self.clock.now, place)
+            self.handles.append(Threaded(w, self.bus.post) if self.wall else Inline(w))
+            self._loads.append(done())
         self.seed = seed
         self.max_slots = rollout_cfg.max_slots
         self.tokens_per_slot_tick = rollout_cfg.decode_steps  # for utilisation figures
@@ -145,6 +150,7 @@ class EngineBackend:
         self._meta: dict[int, tuple[int, PromptPayload, list[int]]] = {}  # pg, prompt, versions
         self._held: list[GroupEvent] = []  # reports pulled while pausing, for the next step()
         self._closed = False
+        self._paused: list[Future] = []  # the last pause, per group (wall clock)
         # multi-turn conversations: the driver; requests waiting on their environment; each
         # one's last turn-end record; environment turns (and ends) that came while a request was
         # interrupted, applied when it is resubmitted; conversations ended, for the next step()
@@ -167,7 +173,7 @@ class EngineBackend:
                 GroupInfo(
                     group=g,
                     version=self._version[g],
-                    busy_ticks=0 if h.params.done() else 1,
+                    busy_ticks=0 if self._loads[g].done() else 1,
                     max_slots=self.max_slots,
                     free_slots=self._free_slots(g),
                     kv_pages_used=st.pages_used,
@@ -206,16 +212,30 @@ class EngineBackend:
                 raise BackendError(
                     f"the trainer only serves version {self.published}, not {version}"
                 )
-            src = FromTrainer(self.trainer_params(version))
+            cmd = self._load(group, version, self.trainer_params(version))
         else:
             self._check_group(source)
             if self._version[source] != version:
                 raise BackendError(
                     f"group {source} holds version {self._version[source]}, not {version}"
                 )
-            src = self.handles[source]  # (it may still be loading that version)
+            if self._hosts[source] == self._hosts[group]:  # (it may still be loading it)
+                cmd = c.Load(group, version, peer=source)
+            else:
+                cmd = c.Load(group, version, ticket=self._new_ticket())
+                self._send(source, c.OfferParams(source, cmd.ticket))
         self._version[group] = version
-        self.handles[group].load(src, version)
+        self._loads[group] = self._send(group, cmd)
+
+    def _load(self, group: int, version: int, params: Params) -> c.Load:
+        """A load of the trainer's ``params``: as they are for a group of this process, else
+        staged for the group's process to pull."""
+        if self._hosts[group] == self.me:
+            return c.Load(group, version, params=params)
+        return c.Load(group, version, ticket=self.cluster.link.stage_trainer(params, version))
+
+    def _send(self, group: int, cmd: c.GroupCommand) -> Future:
+        return self.handles[group].send(cmd)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, group: int, requests: list[RequestSpec]) -> None:
@@ -270,7 +290,7 @@ class EngineBackend:
         for r in reqs:
             self._join(r.id, group)
         if reqs:
-            self.handles[group].submit(reqs)
+            self._send(group, c.Submit(group, tuple(reqs)))
 
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         self._check_group(src)
@@ -293,7 +313,9 @@ class EngineBackend:
             self._join(rid, dst)
         faults.point("migration")
         self.overheads.migrated_requests += len(request_ids)
-        self.handles[src].migrate(list(request_ids), self.handles[dst])
+        ticket, remote = self._new_ticket(), self._hosts[src] != self._hosts[dst]
+        self._send(src, c.SendRequests(src, tuple(request_ids), ticket, remote))
+        self._send(dst, c.ReceiveRequests(dst, ticket, remote))
 
     def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]:
         by_group: dict[int, list[int]] = {}
@@ -305,7 +327,7 @@ class EngineBackend:
         for g, ids in by_group.items():
             for rid in ids:
                 self._leave(rid)  # those not returned below finished meanwhile: their event comes
-            for r in self.handles[g].interrupt(ids):
+            for r in self._send(g, c.Interrupt(g, tuple(ids))).result(WAIT_S):
                 pg, prompt, versions = self._meta[r.id]
                 out.append(
                     PartialRequest(r.id, pg, len(prompt.tokens), len(r.tokens), tuple(versions), r)
@@ -346,9 +368,9 @@ class EngineBackend:
                 self._leave(rid)
                 self._ended.append(self._conversation_over(rid, o))
         for g, items in extend.items():
-            self.handles[g].extend(items)
+            self._send(g, c.Extend(g, tuple(items)))
         for g, ids in end.items():
-            self.handles[g].end(ids)
+            self._send(g, c.End(g, tuple(ids)))
 
     def _conversation_over(self, rid: int, o: TurnOutcome) -> FinishedRequest:
         rec = self._last_turn.pop(rid)
@@ -390,15 +412,15 @@ class EngineBackend:
         if self.wall:
             events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
         else:
-            events = [e for h in self.handles for e in h.step()]
+            steps = [self._send(g, c.Step(g)) for g in range(len(self.handles))]
+            events = [e for f in steps for e in f.result(WAIT_S)]
             if self.turns is not None:  # every answer to the turns of earlier ticks: a call
                 self._take_outcomes(wait=True)  # takes one tick, its answer fed the next
         ticks, finished = [], self._ended
         self._ended = []
         for e in events:
             if e.error is not None:
-                where = "".join(traceback.format_exception(e.error)[-6:])
-                raise BackendError(f"group {e.group}'s worker failed:\n{where}") from e.error
+                raise BackendError(f"group {e.group}'s worker failed:\n{e.error}")
             if e.span is not None:
                 self._account(e.span)
                 if self.wall or e.span.activity not in ("transfer", "migrate"):
@@ -415,20 +437,24 @@ class EngineBackend:
         included; their reports wait for the next :meth:`step`). A no-op on the logical clock."""
         if not self.wall:
             return
-        for h in self.handles:
-            h.pause()
+        self._paused = [self._send(g, c.Pause(g)) for g in range(len(self.handles))]
         if self.cluster is not None:
             self.cluster.flush()
         deadline = time.monotonic() + timeout
-        while not all(h.paused() for h in self.handles):
+        while not self.paused():
             if time.monotonic() > deadline:
                 raise BackendError(f"groups did not quiesce within {timeout:.0f} s")
             self._held += self._pull(0.01)
 
+    def paused(self) -> bool:
+        """Whether every group has applied the last :meth:`pause` (and steps no more)."""
+        return not self.wall or all(f.done() for f in self._paused)
+
     def resume(self) -> None:
         if self.wall:
-            for h in self.handles:
-                h.resume()
+            self._paused = []
+            for g in range(len(self.handles)):
+                self._send(g, c.Resume(g))
             if self.cluster is not None:
                 self.cluster.flush()
 
@@ -436,9 +462,8 @@ class EngineBackend:
         """Stop the worker threads (wall clock) and the other processes' groups; the backend is
         unusable afterwards."""
         if not self._closed:
-            if self.wall:
-                for h in self.handles:
-                    h.stop()
+            for h in self.handles:
+                h.stop()
             if self.cluster is not None:
                 self.cluster.stop_hosts()
         self._closed = True
@@ -447,7 +472,7 @@ class EngineBackend:
     def state_dict(self) -> dict[str, Any]:
         """Everything in flight as plain data plus engine snapshots (KV of running requests as
         host arrays). Only at a tick boundary (logical) or while paused (wall)."""
-        if self.wall and not all(h.paused() for h in self.handles):
+        if self.wall and not (self._paused and self.paused()):
             raise BackendError("state_dict needs the groups paused (call pause() first)")
         return {
             "published": self.published,
@@ -456,7 +481,9 @@ class EngineBackend:
             "members": [list(m) for m in self._members],
             "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
             "overheads": self.overheads,
-            "engines": [h.snapshot_state() for h in self.handles],
+            "engines": [
+                self._send(g, c.Snapshot(g)).result(WAIT_S) for g in range(len(self.handles))
+            ],
             "conversations": None
             if self.turns is None
             else {
@@ -497,12 +524,15 @@ class EngineBackend:
                                 for rid, obs in conv["held_turns"].items()}  # fmt: skip
             self._over = {rid: _outcome(o) for rid, o in conv["over"].items()}
             self._ended = list(conv["ended"])
-        for g, (h, snap) in enumerate(zip(self.handles, state["engines"], strict=True)):
+        for g, snap in enumerate(state["engines"]):
             if snap.version != self._version[g]:
                 raise BackendError(
                     f"group {g}: snapshot of v{snap.version}, state v{self._version[g]}"
                 )
-            h.restore_state(snap, params_for(snap.version))  # on the group's own thread
+            load = self._load(g, snap.version, params_for(snap.version))
+            restore = c.Restore(g, snap, params=load.params, ticket=load.ticket)
+            self._send(g, restore).result(WAIT_S)  # on the group's own thread
+            self._loads[g] = done()
 
     # -- internals -------------------------------------------------------------------------------
     def _check_group(self, group) -> None:

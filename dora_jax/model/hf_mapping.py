@@ -57,17 +57,6 @@ class WeightRule:
         return "{e}" in self.hf
 
 
-def _dims(c: ModelConfig) -> tuple[int, int, int, int, int, int]:
-    return (
-        c.vocab_size,
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_heads,
-        c.num_kv_heads,
-        c.resolved_head_dim,
-    )
-
-
 def _same(w: np.ndarray, c: ModelConfig) -> np.ndarray:
     return w
 

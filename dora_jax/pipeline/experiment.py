@@ -22,9 +22,9 @@ from jax.sharding import SingleDeviceSharding
 from dora_jax.config import ConfigError, ExperimentConfig
 from dora_jax.data import Scorer
 from dora_jax.data.prompts import PromptSource
-from dora_jax.distributed.spanning_trainer import LeadTrainer
 from dora_jax.execution.backend import EngineBackend
 from dora_jax.execution.trainer import ThreadedTrainer
+from dora_jax.execution.trainer_worker import SpmdTrainer
 from dora_jax.mesh import Meshes, build_meshes, processes
 from dora_jax.model import abstract_params, param_axes
 from dora_jax.model.hf_checkpoint import load_hf_config, policy_params
@@ -54,7 +54,7 @@ from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memo
 from dora_jax.pipeline.memory_plan import resolve as resolve_pages
 from dora_jax.pipeline.warm_start import warm_start
 from dora_jax.platform import release_free_memory
-from dora_jax.sharding import trainer_rules, tree_shardings
+from dora_jax.sharding import tree_shardings
 from dora_jax.train import Trainer
 
 __all__ = ["Experiment", "ExperimentError", "build", "load_examples", "run"]
@@ -286,22 +286,16 @@ def build(
         warmed, losses = warm_start(start, cfg.model, cfg.warm_start, example, tokenizer,
                                     cache_dir=warm_dir, cache_key=warm_key,
                                     on_step=on_warm_step)  # fmt: skip
-    rules = trainer_rules(cfg.mesh.trainer)
-    if cluster is not None and len(processes(meshes.trainer)) > 1:
-        # Every trainer process builds its shards from the same source: the warm start is read
-        # back from its cache directory by all of them.
-        start_from = {"hf": str(warm_dir) if warmed is not None else cfg.model.hf_path}
-        calls = cluster.trainer_calls(meshes.trainer)
-        trainer = LeadTrainer.start(cfg, meshes.trainer, start_from, calls)
-    else:
-        shardings = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rules,
-                                   meshes.trainer)  # fmt: skip
-        params = (policy_params(cfg.model, cfg.seed, shardings, cfg.model.hf_path)
-                  if warmed is None else jax.device_put(warmed, shardings))  # fmt: skip
-        trainer = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params, rules=rules)
-        del params, warmed  # version 0 lives on as the trainer's export (engines alias it)
+    # Every trainer process builds its shards from the same source (the warm start is read back
+    # from its cache directory by all of them); one process takes the warm start as it is.
+    spanning = cluster is not None and len(processes(meshes.trainer)) > 1
+    start_from = {"hf": str(warm_dir) if warmed is not None and spanning else cfg.model.hf_path}
+    broadcast = cluster.trainer_broadcast(meshes.trainer) if spanning else None
+    trainer = SpmdTrainer.start(cfg, meshes.trainer, start_from, broadcast,
+                                params=None if spanning else warmed)  # fmt: skip
+    del warmed  # version 0 lives on as the trainer's export (engines alias it)
     trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
-    if _compiles_ahead(cfg, spanning=isinstance(trainer, LeadTrainer)):
+    if _compiles_ahead(cfg, spanning=spanning):
         trainer.compile_ahead(cfg.orchestrator.train_batch_prompts * cfg.train.group_size)
     grpo = GRPOTrainer(trainer, tokenizer, reward)
     if cluster is not None and not cluster.transfers.via_store:

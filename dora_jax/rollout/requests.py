@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -162,29 +162,3 @@ class ExportedRequests:
     @property
     def num_pages(self) -> int:
         return sum(self.page_counts)
-
-
-# Requests as plain data (lists, numbers, numpy arrays) for a message to another process; the
-# channel's codec (dora_jax.distributed) makes them bytes.
-
-
-def request_as_data(r: Request) -> dict:
-    return asdict(r) | {"key": np.asarray(r.key, np.uint32)}
-
-
-def request_from_data(d: dict) -> Request:
-    return Request(**d)
-
-
-def exported_as_data(x: ExportedRequests, with_kv: bool = True) -> dict:
-    """``with_kv=False`` leaves the pack buffer out (it travels as an array of its own)."""
-    return {
-        "requests": [request_as_data(r) for r in x.requests],
-        "page_counts": list(x.page_counts),
-        "kv": np.asarray(x.kv) if with_kv else None,
-    }
-
-
-def exported_from_data(d: dict, kv: object = None) -> ExportedRequests:
-    requests = [request_from_data(r) for r in d["requests"]]
-    return ExportedRequests(requests, list(d["page_counts"]), d["kv"] if kv is None else kv)

@@ -503,7 +503,7 @@ class Trainer:
         if self.mesh is None:
             raise ValueError("only a trainer on a mesh can adopt a compiled step")
         samples = compiled.args_info[0][1].rewards.shape[0]  # the batch's sample count
-        self._aot[(samples, rows, seq_len)] = compiled
+        self.adopt((samples, rows, seq_len), compiled)
 
     def compile_ahead(self, num_samples: int | None = None) -> None:
         """From now on compile new batch shapes on a worker thread and run a batch whose shape
@@ -514,27 +514,33 @@ class Trainer:
         now (they are known in advance: one per bucket)."""
         if self._ahead is not None:
             return
-        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
-        state = jax.tree.map(abstract, self.state)
-        routes = routes_shape(self.model_cfg)
-
-        def compile_shape(key: tuple[int, int, int]) -> Any:
-            mult = 1 if self.mesh is None else data_multiple(self.mesh)
-            batch = abstract_batch(*key, routes, batch_chunks(self.train_cfg, *key[1:], mult))
-            if self._batch_sh is not None:
-                batch = jax.tree.map(
-                    lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                    batch, self._batch_sh,
-                )  # fmt: skip
-            return self._step.lower(state, batch).compile()
-
-        self._ahead = ShapeCompiler(compile_shape)
+        self._ahead = ShapeCompiler(self.compile_shape)
         if num_samples is not None and self.train_cfg.microbatch_tokens:
             for T in reversed(self.train_cfg.length_buckets):
                 key = (num_samples, chunked_shape(self.train_cfg, T, self.row_multiple,
                                                   num_samples)[0], T)  # fmt: skip
                 if key not in self._aot:
                     self._ahead.request(key)
+
+    def compile_shape(self, key: tuple[int, int, int]) -> Any:
+        """The step for batches of ``key`` = (samples, rows, seq_len), compiled from abstract
+        values (the same lowering on every process of a mesh that spans several)."""
+        state = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state
+        )
+        mult = 1 if self.mesh is None else data_multiple(self.mesh)
+        chunks = batch_chunks(self.train_cfg, *key[1:], mult)
+        batch = abstract_batch(*key, routes_shape(self.model_cfg), chunks)
+        if self._batch_sh is not None:
+            batch = jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                batch, self._batch_sh,
+            )  # fmt: skip
+        return self._step.lower(state, batch).compile()
+
+    def adopt(self, key: tuple[int, int, int], compiled: Any) -> None:
+        """Run batches of shape ``key`` with ``compiled``."""
+        self._aot[key] = compiled
 
     def close(self) -> None:
         """Stop compiling ahead (a compilation under way finishes on its own)."""
