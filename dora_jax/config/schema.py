@@ -264,7 +264,9 @@ class TrainConfig:
         return self.loss_norm_len if self.loss_norm_len is not None else self.length_buckets[-1]
 
 
-Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
+# the names ``orchestrator.mode`` accepts: the built-in modes, and those added since by
+# ``dora_jax.orchestrator.modes.register_mode``
+MODE_NAMES = ["sync", "one_step", "partial", "oversample", "dora"]
 Clock = Literal["logical", "wall"]
 
 
@@ -272,7 +274,7 @@ Clock = Literal["logical", "wall"]
 class OrchestratorConfig:
     """The control plane: mode, staleness window K, batch sizes and planner triggers."""
 
-    mode: Mode = "dora"
+    mode: str = "dora"  # one of MODE_NAMES
     # logical: one control round per tick, every group one engine step per tick, the trainer's
     # step inline (deterministic, exactly resumable); wall: every group and the trainer on
     # their own worker threads, the control plane reacting to their events (speed)
@@ -306,6 +308,8 @@ class OrchestratorConfig:
     stall_s: float = 600.0
 
     def __post_init__(self):
+        known = ", ".join(map(repr, MODE_NAMES))
+        _check(self.mode in MODE_NAMES, "mode", f"expected one of {known}, got {self.mode!r}")
         _check(self.staleness_k >= 0, "staleness_k", f"must be >= 0, got {self.staleness_k}")
         _check(
             self.clock in ("logical", "wall"),

@@ -121,7 +121,7 @@ def orchestrator_config(cfg: SimConfig, mode: str) -> OrchestratorConfig:
         legacy_fill=o.legacy_fill,
         plan_on_idle=o.plan_on_idle,
         plan_hysteresis=o.plan_hysteresis,
-        adaptive_k=o.adaptive_k and mode == "dora",
+        adaptive_k=o.adaptive_k,  # (only a mode that adapts K uses it)
         adaptive_k_min=min(o.adaptive_k_min, o.staleness_k),
         staleness_cost=o.staleness_cost,
     )
@@ -215,13 +215,15 @@ def build(
     )
     prompts = SimPrompts(cfg.prompt, r.seed)
     runtime = Runtime(orchestrator_config(cfg, mode), o.group_size, backend, trainer, prompts)
-    runtime.plan_policy = replace(
-        runtime.plan_policy,
-        kv_aware=o.kv_aware,
-        consolidate=o.consolidate,
-        spread=o.spread,
-        legacy_fill_margin=o.legacy_fill_margin,
-    )
+    planning = getattr(runtime.policy, "plan_policy", None)  # a mode that plans (dora)
+    if planning is not None:
+        runtime.policy.plan_policy = replace(
+            planning,
+            kv_aware=o.kv_aware,
+            consolidate=o.consolidate,
+            spread=o.spread,
+            legacy_fill_margin=o.legacy_fill_margin,
+        )
     return runtime, backend, trainer
 
 
