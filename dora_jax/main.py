@@ -21,9 +21,9 @@ import traceback
 from pathlib import Path
 
 from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_config
+from dora_jax.config.schema import MODE_NAMES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
-MODES = ("sync", "one_step", "partial", "oversample", "dora")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -34,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--config", type=Path, default=None, help="YAML preset (default: configs/default.yaml)"
     )
-    p.add_argument("--mode", choices=MODES, help="shortcut for orchestrator.mode=MODE")
+    p.add_argument("--mode", choices=MODE_NAMES, help="shortcut for orchestrator.mode=MODE")
     p.add_argument("--steps", type=int, default=None, help="shortcut for train.total_steps=N")
     p.add_argument(
         "--resume",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from dora_jax.config.loading import load_dataclass
-from dora_jax.config.schema import ConfigError
+from dora_jax.config.schema import MODE_NAMES, ConfigError
 from dora_jax.orchestrator.modes import MODES
 from dora_jax.sim.hardware import HARDWARE
 from dora_jax.sim.models import MODELS
@@ -295,7 +295,7 @@ class RunConfig:
         _positive(self, "steps", "tick_s", "max_ticks")
         _check(0 <= self.warmup_steps < self.steps, "warmup_steps", "must be in [0, steps)")
         for m in self.modes:
-            _check(m in MODES, "modes", f"unknown mode {m!r}; expected some of {MODES}")
+            _check(m in MODE_NAMES, "modes", f"unknown mode {m!r}; expected some of {MODE_NAMES}")
         for m in self.colocated:
             _check(
                 m in COLOCATABLE,
