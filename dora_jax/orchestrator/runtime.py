@@ -324,8 +324,9 @@ class Runtime:
 
     def state_dict(self) -> dict:
         """The control plane as plain data, between rounds: window, transfer queue, ledger and
-        pending requests, records, counters, and the logical trainer's running step. On the wall
-        clock no train step may be running (the run publishes it first)."""
+        pending requests, records, counters, the logical trainer's running step, and the mode's
+        own keys (``dora``: its planner's). On the wall clock no train step may be running (the
+        run publishes it first)."""
         job = None
         if self._train is not None:
             if not isinstance(self.trainer, TickedTrainer):
