@@ -264,8 +264,7 @@ class TrainConfig:
         return self.loss_norm_len if self.loss_norm_len is not None else self.length_buckets[-1]
 
 
-# the names ``orchestrator.mode`` accepts: the built-in modes, and those added since by
-# ``dora_jax.orchestrator.modes.register_mode``
+# the names orchestrator.mode accepts: the built-in modes, then those of orchestrator.register_mode
 MODE_NAMES = ["sync", "one_step", "partial", "oversample", "dora"]
 Clock = Literal["logical", "wall"]
 

@@ -1,31 +1,11 @@
-"""The rollout paradigms as mode objects of one runtime loop, and their registry.
+"""The rollout paradigms, each one object the runtime loop asks what differs, and their registry.
 
-| mode | K used | in flight | barrier | at a weight update, in-flight requests ... | planner |
-|---|---|---|---|---|---|
-| ``sync`` | 0 | TBS | yes | (none: rollout idles during training) | no |
-| ``one_step`` | 1 | TBS | yes | finish under their version (one version per batch) | no |
-| ``partial`` | K | RBS | no | are interrupted, re-prefilled, continue under the new one | no |
-| ``oversample`` | 0 | RBS | yes | (none: once TBS are ready the rest are aborted, discarded) | no |
-| ``dora`` | K | RBS | no | finish under their version; groups re-partitioned | yes |
-
-*Barrier*: a rollout batch is dispatched whole, and only once the previous batch has finished.
-The window's room (``versions.py``) does the rest: with K = 0 nothing is dispatched while the
-trainer runs, which is what makes ``sync`` synchronous; with K = 1 one batch is generated under
-the previous version while the trainer runs, which is ``one_step``.
-
-A mode is one :class:`Mode` object, built from the config by its registered factory
-(:func:`register_mode`, :func:`policy_for`). The runtime asks it, and nothing else, what differs:
-
-- ``k``, ``rollout_batch``, ``per_step``: the window's bound, the prompt groups dispatched per
-  batch (barrier) or kept in flight (continuous), and those a train step takes as the window
-  counts them; ``adapts_k``: whether ``orchestrator.adaptive_k`` re-chooses K;
-- ``on_publish(rt, t, version)``: what a new version does to the requests in flight;
-- ``before_batch(rt, t)``: what happens before the idle trainer takes a batch;
-- ``route(rt, t, infos) -> infos``: group versions and dispatch, every round;
-- ``state_dict()`` / ``load_state_dict(state)``: the mode's own state, kept beside the runtime's.
-
-The base class streams: empty groups switch to the newest version as soon as no request of their
-version waits, and the newest version is topped up to ``rollout_batch`` prompt groups in flight.
+A mode is a :class:`Mode` built from the config by the factory registered under its name
+(:func:`register_mode`, :func:`policy_for`); its attributes and hooks are the runtime's decision
+points, and each class says what its paradigm does at them (the modes side by side:
+docs/control_plane.md, "Modes"). The base streams: empty groups switch to the newest version
+once no request of theirs waits, and the newest version is topped up to ``rollout_batch`` prompt
+groups in flight.
 """
 
 from __future__ import annotations
@@ -37,17 +17,8 @@ from typing import TYPE_CHECKING
 
 from dora_jax.config import schema
 from dora_jax.config.schema import OrchestratorConfig
-from dora_jax.orchestrator.backend import TRAINER, GroupInfo
-from dora_jax.orchestrator.planner import (
-    MUTABLE_TRIGGERS,
-    PlanPolicy,
-    Snapshot,
-    idle_group_waiting,
-    latest_supplement,
-    plan,
-    plan_trigger,
-    trigger_key,
-)
+from dora_jax.orchestrator import planner
+from dora_jax.orchestrator.backend import GroupInfo
 from dora_jax.orchestrator.records import PlanRecord
 
 if TYPE_CHECKING:
@@ -55,10 +26,10 @@ if TYPE_CHECKING:
 
 
 class Mode:
-    """A rollout paradigm: the base streams (see the module docstring); subclasses override."""
+    """A rollout paradigm; this base streams (module docstring), subclasses override hooks."""
 
-    name = ""
-    adapts_k = False
+    name = ""  # the name it is registered under
+    adapts_k = False  # whether orchestrator.adaptive_k re-chooses K after each step
 
     def __init__(self, cfg: OrchestratorConfig):
         self.cfg = cfg
@@ -82,18 +53,22 @@ class Mode:
         """Top the newest version up to ``rollout_batch`` prompt groups in flight."""
         if rt.dispatching:
             room = rt.window.room(rt.window.latest)
-            n = latest_supplement(rt.manager.in_flight, self.rollout_batch, room)
+            n = planner.latest_supplement(rt.manager.in_flight, self.rollout_batch, room)
             rt.manager.dispatch(rt.window.latest, n)
 
     def state_dict(self) -> dict:
+        """The mode's own keys, saved beside the runtime's (plain data)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """``state`` is the whole control-plane state (it may come from another mode's run)."""
+        """``state``: the whole control-plane state (it may come from another mode's run)."""
 
 
 class Sync(Mode):
-    """On-policy: a batch of TBS prompt groups behind a barrier, K = 0."""
+    """On-policy (K = 0): a batch of TBS prompt groups behind a barrier, dispatched whole once the
+    previous one has finished. The window's room does the rest: with K = 0 nothing is dispatched
+    while the trainer runs (rollout idles during training); with K = 1 one batch is generated
+    under the previous version while it runs (``one_step``)."""
 
     name = "sync"
 
@@ -109,7 +84,8 @@ class Sync(Mode):
 
 
 class OneStep(Sync):
-    """One-step off-policy: the next batch is generated under the previous version (K = 1)."""
+    """One-step off-policy (K = 1): the next batch is generated under the previous version while
+    the trainer runs; in-flight requests finish under their version (one version per batch)."""
 
     name = "one_step"
 
@@ -121,7 +97,8 @@ class OneStep(Sync):
 
 
 class Oversample(Sync):
-    """RBS prompt groups behind a barrier; once TBS are ready, the rest are aborted (K = 0)."""
+    """On-policy (K = 0): RBS prompt groups behind a barrier; once TBS are ready, everything else
+    is aborted and discarded (the long tail: a bias to short responses)."""
 
     name = "oversample"
 
@@ -138,35 +115,32 @@ class Oversample(Sync):
 
 
 class Partial(Mode):
-    """Streams; at each update every request is interrupted, every group switches to the new
-    version, and the requests are re-prefilled and continue under it (their span grows)."""
+    """Streams (K, RBS); at each update every request is interrupted, every group switches to the
+    new version, and the requests are re-prefilled and continue under it (their span grows)."""
 
     name = "partial"
 
     def on_publish(self, rt: Runtime, t: float, version: int) -> None:
-        infos = rt.backend.groups()
-        running = [rid for g in infos for rid in g.requests]
+        running = [rid for g in rt.backend.groups() for rid in g.requests]
         partials = rt.backend.interrupt(running) if running else []
-        host = {g.group: g.host for g in infos}
-        for g in infos:
-            if g.version != version:
-                rt.send_weights(t, g.group, version, TRAINER, host)
         rt.manager.upgrade_unstarted(version)
         rt.manager.retag_pending(version)
         rt.manager.requeue(partials, version)
+        rt.switch_empty_groups(t, rt.backend.groups())  # all of them: every request waits now
 
 
 class Dora(Mode):
-    """Streams under several versions; on a trigger the planner re-partitions the groups across
-    them (migrations, weight transfers, supplements), otherwise the newest version is topped up.
-    Its state: when it last planned, whether a version came since, and the muted triggers."""
+    """Streams (K, RBS) under several versions: in-flight requests finish under their version; on
+    a trigger the planner re-partitions the groups across versions (migrations, weight transfers,
+    supplements), otherwise the newest version is topped up. Its state: when it last planned,
+    whether a version came since, and the triggers muted (a plan of theirs moved nothing)."""
 
     name = "dora"
 
     def __init__(self, cfg: OrchestratorConfig):
         super().__init__(cfg)
         self.adapts_k = cfg.adaptive_k
-        self.plan_policy = PlanPolicy(
+        self.plan_policy = planner.PlanPolicy(
             rollout_batch_prompts=self.rollout_batch,
             kv_pressure_threshold=cfg.kv_pressure_threshold,
             legacy_fill=cfg.legacy_fill,
@@ -174,32 +148,33 @@ class Dora(Mode):
         )
         self.last_plan: float | None = None
         self.new_version = True  # the initial version counts as new: plan at the first round
-        # triggers whose last plan moved nothing, with what must change before they fire again
-        self.muted: dict[str, object] = {}
+        self.muted: dict[str, object] = {}  # trigger -> what must change before it fires again
 
     def state_dict(self) -> dict:
         return {"last_plan": self.last_plan, "new_version": self.new_version,
                 "muted": dict(self.muted)}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        self.last_plan = state.get("last_plan")
-        self.new_version = state.get("new_version", True)
+        self.last_plan, self.new_version = state.get("last_plan"), state.get("new_version", True)
         self.muted = dict(state.get("muted", {}))
 
     def on_publish(self, rt: Runtime, t: float, version: int) -> None:
         self.new_version = True
 
     def route(self, rt: Runtime, t: float, infos: list[GroupInfo]) -> list[GroupInfo]:
-        cfg, kv, now = self.cfg, self.cfg.kv_pressure_threshold, self._period_clock(rt)
+        cfg, kv, logical = self.cfg, self.cfg.kv_pressure_threshold, rt.clock.kind == "logical"
+        # plan_period_ticks counts ticks, or on the wall clock engine steps per group (groups
+        # step at their own pace, so rounds would count faster with more groups)
+        now = rt.tick_index if logical else rt.engine_steps / max(1, rt.records.num_groups)
         since = now - self.last_plan if self.last_plan is not None else now + 1
         waiting = rt.manager.pending_by_version()
-        trigger = plan_trigger(
+        trigger = planner.plan_trigger(
             new_version=self.new_version,
             groups=infos,
             kv_pressure_threshold=kv,
             ticks_since_plan=since,
             period=cfg.plan_period_ticks,
-            idle_waiting=cfg.plan_on_idle and idle_group_waiting(infos, waiting),
+            idle_waiting=cfg.plan_on_idle and planner.idle_group_waiting(infos, waiting),
             muted=self.muted,
             pending=waiting,
         )
@@ -209,7 +184,7 @@ class Dora(Mode):
         self.new_version, self.last_plan = False, now
         w = rt.window
         rt.manager.upgrade_unstarted(w.latest)
-        snap = Snapshot(
+        snap = planner.Snapshot(
             tick=t,
             latest=w.latest,
             oldest=w.oldest,
@@ -226,7 +201,7 @@ class Dora(Mode):
         gc.disable()  # a collection of the whole run's records would land in the plan's time
         try:
             t0 = time.perf_counter()
-            p = plan(snap, self.plan_policy)
+            p = planner.plan(snap, self.plan_policy)
             ms = (time.perf_counter() - t0) * 1e3
         finally:
             if collecting:
@@ -247,19 +222,11 @@ class Dora(Mode):
             rt.records.migrations.append((t, p.migrated_requests))
         if p.moves:
             self.muted.clear()  # the cluster changed: every trigger may fire again
-        elif trigger in MUTABLE_TRIGGERS and cfg.plan_hysteresis:
-            self.muted[trigger] = trigger_key(trigger, infos, snap.pending, kv)
+        elif trigger in planner.MUTABLE_TRIGGERS and cfg.plan_hysteresis:
+            self.muted[trigger] = planner.trigger_key(trigger, infos, snap.pending, kv)
         record = PlanRecord(t, trigger, ms, len(p.transfers), p.migrated_requests, n_sup)
         rt.records.plans.append(record)
         return rt.backend.groups()
-
-    @staticmethod
-    def _period_clock(rt: Runtime) -> float:
-        """What ``plan_period_ticks`` counts: ticks, or on the wall clock engine steps per group
-        (groups step at their own pace, so rounds would count faster with more groups)."""
-        if rt.clock.kind == "logical":
-            return rt.tick_index
-        return rt.engine_steps / max(1, rt.records.num_groups)
 
 
 # -- registry --------------------------------------------------------------------------------------
@@ -281,8 +248,5 @@ MODES = tuple(_FACTORIES)  # the built-in modes
 
 
 def policy_for(cfg: OrchestratorConfig) -> Mode:
-    """The mode object of ``cfg.mode``; ``one_step`` needs ``staleness_k >= 1``."""
-    factory = _FACTORIES.get(cfg.mode)
-    if factory is None:
-        raise ValueError(f"unknown mode {cfg.mode!r}; expected one of {tuple(_FACTORIES)}")
-    return factory(cfg)
+    """A new mode object for ``cfg.mode`` (the config checked the name); may raise ValueError."""
+    return _FACTORIES[cfg.mode](cfg)

@@ -128,14 +128,9 @@ class Runtime:
         self.window = VersionWindow(self.policy.k, self.policy.per_step, initial_version)
         self.queue = TransferQueue(group_size)
         self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
-        infos = backend.groups()
-        self.records = Records(
-            self.policy.name,
-            len(infos),
-            max(g.max_slots for g in infos),
-            getattr(backend, "tokens_per_slot_tick", 1),
-            clock=self.clock.kind,
-        )
+        infos, tokens = backend.groups(), getattr(backend, "tokens_per_slot_tick", 1)
+        slots = max(g.max_slots for g in infos)
+        self.records = Records(self.policy.name, len(infos), slots, tokens, clock=self.clock.kind)
         self.records.consumed = self.queue.consumed
         self.tick_index = 0
         self.steps_done = 0
@@ -181,17 +176,17 @@ class Runtime:
             self._count_wait(t)
         infos = self.policy.route(self, t, self.backend.groups())
         self.manager.admit(self.backend, infos)
+        self._step_backend(t)
+
+    def _step_backend(self, t: float) -> None:
+        """Step the backend; finished requests to the transfer queue (those of discarded prompt
+        groups that ended while being interrupted are dropped); the round's record."""
         cluster = ClusterTick(
             self.tick_index, self.manager.pending_count(), self.manager.in_flight,
             self.queue.num_ready, self._train is not None, self.window.latest,
             self.window.num_live(), t,
         )  # fmt: skip
-        self._take(self.backend.step(), cluster)
-        self.tick_index += 1
-
-    def _take(self, events, cluster: ClusterTick) -> None:
-        """Finished requests to the transfer queue (those of discarded prompt groups that ended
-        while being interrupted are dropped), and the round's record."""
+        events = self.backend.step()
         t = cluster.time if self.clock.kind == "wall" else cluster.tick
         self.engine_steps += sum(g.activity in ("prefill", "decode") for g in events.groups)
         for fr in events.finished:
@@ -199,6 +194,7 @@ class Runtime:
                 continue
             self.manager.on_finished(fr, t)
         self.records.add_tick(events, cluster)
+        self.tick_index += 1
 
     @contextmanager
     def quiesce(self) -> Iterator[None]:
@@ -218,13 +214,7 @@ class Runtime:
         """Wall clock: pause every group and take in what they reported."""
         self.backend.pause()
         self._held = True
-        cluster = ClusterTick(
-            self.tick_index, self.manager.pending_count(), self.manager.in_flight,
-            self.queue.num_ready, self._train is not None, self.window.latest,
-            self.window.num_live(), self.now(),
-        )  # fmt: skip
-        self._take(self.backend.step(), cluster)
-        self.tick_index += 1
+        self._step_backend(self.now())
 
     def _release(self) -> None:
         self.backend.resume()
@@ -333,6 +323,7 @@ class Runtime:
                 raise RuntimeError("a train step is running: publish it before saving")
             job = self.trainer._job
         self.records.flush(keep_last_step=self._train is not None)
+        ad, waited = self.adaptive, (self._blocked, self._last_publish, self._last_round)
         return {
             "format": self.STATE_FORMAT,
             "clock": self.clock.kind,
@@ -343,15 +334,7 @@ class Runtime:
             "train": self._train,
             "train_job": job,
             **self.policy.state_dict(),
-            "adaptive": (
-                self._blocked,
-                self._last_publish,
-                self._last_round,
-                self._batch_staleness,
-                dict(self.adaptive.costs),
-                self.adaptive.seen,
-                dict(self.adaptive.last),
-            ),
+            "adaptive": (*waited, self._batch_staleness, dict(ad.costs), ad.seen, dict(ad.last)),
             "engine_steps": self.engine_steps,
             "window": self.window.state_dict(),
             "queue": self.queue.state_dict(),
@@ -396,12 +379,8 @@ class Runtime:
     # -- running ---------------------------------------------------------------------------------
 
     def done_draining(self) -> bool:
-        return (
-            self._train is None
-            and self.manager.in_flight == 0
-            and self.queue.num_ready == 0
-            and self.manager.pending_count() == 0
-        )
+        busy = self.manager.in_flight or self.queue.num_ready or self.manager.pending_count()
+        return self._train is None and not busy
 
     def run(
         self,

@@ -12,18 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from dora_jax.config.errors import check as _check
 from dora_jax.config.loading import load_dataclass
-from dora_jax.config.schema import MODE_NAMES, ConfigError
+from dora_jax.config.schema import MODE_NAMES
 from dora_jax.orchestrator.modes import MODES
 from dora_jax.sim.hardware import HARDWARE
 from dora_jax.sim.models import MODELS
 
 COLOCATABLE = ("sync", "partial", "oversample")  # modes whose rollout can pause while training
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(name, message)
 
 
 def _positive(obj: object, *names: str) -> None:
