@@ -3,15 +3,11 @@ either clock (``clock.py``).
 
 Each :meth:`Runtime.tick` (one control round):
 
-1. if the running train step has ended, publish its version (window, backend), let the mode
-   act on the requests in flight (``mode.on_publish``: ``partial`` interrupts them, switches
-   every group and re-queues them) and tell the observers (metrics, evaluation, checkpoints);
-2. if the trainer is idle, let the mode act first (``mode.before_batch``: ``oversample`` aborts
-   the surplus), then take a batch: ``TBS`` ready prompt groups, oldest version first, when the
-   window allows;
-3. the mode sets group versions and dispatches (``mode.route``: ``dora`` plans on a trigger and
-   carries the plan out, else tops up; the others switch empty groups to the newest version and
-   dispatch a batch behind a barrier or top up);
+1. if the running train step has ended, publish its version (window, backend), then
+   ``mode.on_publish`` (what it does to the requests in flight), then tell the observers;
+2. if the trainer is idle, ``mode.before_batch``, then take ``TBS`` ready prompt groups, oldest
+   version first, when the window allows;
+3. ``mode.route``: group versions and dispatch (``dora``: the planner);
 4. admit pending requests to free slots of groups holding their version;
 5. step the backend; finished requests go to the transfer queue; record the round.
 

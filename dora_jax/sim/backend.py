@@ -68,6 +68,7 @@ from dora_jax.orchestrator.backend import (
     RequestSpec,
     Source,
     StepEvents,
+    check_submit,
 )
 from dora_jax.sim.conversations import US, Conversations
 from dora_jax.sim.cost_model import CostModel
@@ -217,22 +218,10 @@ class SimBackend(WaitingRequests):
         busy = np.ceil(self.busy / self.tick_s - 1e-9).astype(np.int64)
         out = []
         for g in range(self.num_groups):
-            k = int(self.n[g])
-            ids = tuple(self.rid[g, :k].tolist())
-            pg = tuple(pages[g, :k].tolist())
-            out.append(
-                GroupInfo(
-                    g,
-                    int(self.version[g]),
-                    int(busy[g]),
-                    self.max_slots,
-                    int(free[g]),
-                    int(used[g]),
-                    total,
-                    ids,
-                    pg,
-                )
-            )
+            k, v, b = int(self.n[g]), int(self.version[g]), int(busy[g])
+            ids, pg = tuple(self.rid[g, :k].tolist()), tuple(pages[g, :k].tolist())
+            info = GroupInfo(g, v, b, self.max_slots, int(free[g]), int(used[g]), total, ids, pg)
+            out.append(info)
         return out
 
     # -- commands --------------------------------------------------------------------------------
@@ -276,21 +265,8 @@ class SimBackend(WaitingRequests):
         g = self._group(group)
         if not requests:
             return
-        free = self._free_one(g)
-        if len(requests) > free:
-            raise BackendError(f"submit: {len(requests)} requests, group {group} has {free} slots")
-        for spec in requests:
-            if spec.version != self.version[g]:
-                raise BackendError(
-                    f"submit: request {spec.request_id} is for version "
-                    f"{spec.version}, group {group} holds {self.version[g]}"
-                )
-            if not 0 < spec.prompt_len <= self.max_prompt_len:
-                raise BackendError(f"submit: prompt_len {spec.prompt_len} out of range")
-            if spec.resume is None and spec.request_id in self._seen:
-                raise BackendError(f"submit: request {spec.request_id} was already submitted")
-            if spec.resume is not None and spec.request_id not in self._interrupted:
-                raise BackendError(f"submit: request {spec.request_id} was not interrupted")
+        check_submit(group, requests, self._free_one(g), int(self.version[g]),
+                     self.max_prompt_len, self._seen, self._interrupted)  # fmt: skip
         if len({s.request_id for s in requests}) < len(requests):
             raise BackendError("submit: duplicate request ids")
         rows = np.zeros((len(_FIELDS), len(requests)), np.int64)

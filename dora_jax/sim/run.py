@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from dora_jax.config.schema import OrchestratorConfig
+from dora_jax.orchestrator.records import plan_counts
 from dora_jax.orchestrator.runtime import RunResult, Runtime
 from dora_jax.sim.backend import CATEGORIES, DECODE, PREFILL, SimBackend
 from dora_jax.sim.config import SimConfig
@@ -284,9 +285,6 @@ def metrics(
         "gpu_moves_s": (cat["transfer"] + cat["migrate"]) * per,
         "gpu_idle_s": cat["idle"] * per + idle_trainer_ticks * dt * trainer_gpus / (gpus * steps),
     }
-    by_trigger: dict[str, int] = {}
-    for p in plans:
-        by_trigger[p.trigger] = by_trigger.get(p.trigger, 0) + 1
     st = [c.staleness for c in consumed]
     tr = [s for s in trainer.steps if v_lo < s.version <= v_hi]
     return SimMetrics(
@@ -318,8 +316,7 @@ def metrics(
         wall_s=wall_s,
         gpus=gpus,
         **decomposition,
-        plans_by_trigger=by_trigger,
-        plans_moving=sum(1 for p in plans if p.transfers or p.migrated),
+        **plan_counts(plans),
         plan_ms_max=max((p.ms for p in plans), default=0.0),
         conversations=conversation_figures(backend, rec, consumed, t0, t1, span)
         if backend.conversations is not None
