@@ -247,9 +247,8 @@ class FakeBackend:
             r = g.reqs.pop(rid)
             g.reserved -= r.reserve
             self._interrupted[rid] = (r.target, r.cached())
-            out.append(
-                PartialRequest(rid, r.pg, r.prompt_len, r.generated, tuple(r.versions), r.payload)
-            )
+            versions = tuple(r.versions)
+            out.append(PartialRequest(rid, r.pg, r.prompt_len, r.generated, versions, r.payload))
         return out
 
     def step(self) -> StepEvents:

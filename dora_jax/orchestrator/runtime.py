@@ -163,10 +163,8 @@ class Runtime:
             done = self.trainer.poll(t)
             if done is not None:
                 self._publish(t, *done)
-        limit = self._step_limit
-        if self.max_steps is not None:
-            limit = self.max_steps if limit is None else min(limit, self.max_steps)
-        if self._train is None and not self.stopping and (limit is None or self.steps_done < limit):
+        limit = min(n for n in (self._step_limit, self.max_steps, float("inf")) if n is not None)
+        if self._train is None and not self.stopping and self.steps_done < limit:
             self._maybe_train(t)
         if self.policy.adapts_k:
             self._count_wait(t)

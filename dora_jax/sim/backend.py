@@ -367,9 +367,8 @@ class SimBackend(WaitingRequests):
                 row[_RP] = plen + gen - int(self.pf[g, i])  # cached: re-prefilled on resume
                 self._interrupted[r] = row
                 versions = self._versions(r, g, bool(self.vflag[g, i]))
-                out[r] = PartialRequest(
-                    r, int(self.pg[g, i]), plen, gen, versions, self._payload.pop(r, None)
-                )
+                payload = self._payload.pop(r, None)
+                out[r] = PartialRequest(r, int(self.pg[g, i]), plen, gen, versions, payload)
                 del self._where[r]
             self._remove(g, rows)
         if discard:  # never resubmitted: its conversation ends here
@@ -490,20 +489,9 @@ class SimBackend(WaitingRequests):
         act = np.where((busy >= fill) & (busy >= dec), moving, act)
         act = np.where(np.maximum(np.maximum(busy, fill), dec) <= 0, 0, act)
         time_s = dt - secs[:, IDLE] - secs[:, TRAIN]
-        cols = zip(
-            range(G),
-            self.version.tolist(),
-            act.tolist(),
-            held.tolist(),
-            tokens.tolist(),
-            counts[:, 0].tolist(),
-            counts[:, 1].tolist(),
-            time_s.tolist(),
-            strict=True,
-        )
-        ticks = tuple(
-            [GroupTick(g, v, _ACTIVITY[a], h, k, p, r, x) for g, v, a, h, k, p, r, x in cols]
-        )
+        cols = (self.version, act, held, tokens, counts[:, 0], counts[:, 1], time_s)
+        rows = zip(range(G), *(c.tolist() for c in cols), strict=True)
+        ticks = tuple(GroupTick(g, v, _ACTIVITY[a], *rest) for g, v, a, *rest in rows)
         self._tick += 1
         return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
 
@@ -595,11 +583,8 @@ class SimBackend(WaitingRequests):
                 self._log_conversations(gi, ri)
                 self._env_release(self.rid[gi, ri].tolist())
             for g, r, p, pl, ng in cols:
-                finished.append(
-                    FinishedRequest(
-                        r, p, pl, ng, self._versions(r, g, True), self._payload.pop(r, None)
-                    )
-                )
+                versions, payload = self._versions(r, g, True), self._payload.pop(r, None)
+                finished.append(FinishedRequest(r, p, pl, ng, versions, payload))
                 del self._where[r]
             for g in np.unique(gi).tolist():
                 self._remove(g, ri[gi == g])
