@@ -64,12 +64,12 @@ class Restart(Mode):
 
 
 @pytest.fixture
-def restart():
+def restart(monkeypatch):
     """``restart`` registered for one test; the (process-wide) registry is left as found."""
+    monkeypatch.setattr(modes, "_FACTORIES", dict(modes._FACTORIES))
+    monkeypatch.setattr(schema, "Mode", schema.Mode)
     register_mode("restart", Restart)
-    yield Restart
-    modes._FACTORIES.pop("restart")
-    schema.MODE_NAMES.remove("restart")
+    return Restart
 
 
 def _run(k=2, steps=8, drain=False, seed=1):

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from dora_jax.config.errors import ConfigError
 from dora_jax.config.errors import check as _check
@@ -264,8 +264,8 @@ class TrainConfig:
         return self.loss_norm_len if self.loss_norm_len is not None else self.length_buckets[-1]
 
 
-# the names orchestrator.mode accepts: the built-in modes, then those of orchestrator.register_mode
-MODE_NAMES = ["sync", "one_step", "partial", "oversample", "dora"]
+# orchestrator.mode: the built-in modes; orchestrator.register_mode adds each name it registers
+Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
 Clock = Literal["logical", "wall"]
 
 
@@ -273,7 +273,7 @@ Clock = Literal["logical", "wall"]
 class OrchestratorConfig:
     """The control plane: mode, staleness window K, batch sizes and planner triggers."""
 
-    mode: str = "dora"  # one of MODE_NAMES
+    mode: Mode = "dora"
     # logical: one control round per tick, every group one engine step per tick, the trainer's
     # step inline (deterministic, exactly resumable); wall: every group and the trainer on
     # their own worker threads, the control plane reacting to their events (speed)
@@ -307,8 +307,8 @@ class OrchestratorConfig:
     stall_s: float = 600.0
 
     def __post_init__(self):
-        known = ", ".join(map(repr, MODE_NAMES))
-        _check(self.mode in MODE_NAMES, "mode", f"expected one of {known}, got {self.mode!r}")
+        known = ", ".join(map(repr, get_args(Mode)))
+        _check(self.mode in get_args(Mode), "mode", f"expected one of {known}, got {self.mode!r}")
         _check(self.staleness_k >= 0, "staleness_k", f"must be >= 0, got {self.staleness_k}")
         _check(
             self.clock in ("logical", "wall"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 from dora_jax.config import schema
 from dora_jax.config.schema import OrchestratorConfig
@@ -238,8 +238,8 @@ def register_mode(name: str, factory: Callable[[OrchestratorConfig], Mode]) -> N
     """Make ``orchestrator.mode: name`` run the mode ``factory(cfg)`` builds (a :class:`Mode`
     subclass is such a factory); config validation accepts the name from now on."""
     _FACTORIES[name] = factory
-    if name not in schema.MODE_NAMES:
-        schema.MODE_NAMES.append(name)
+    if name not in get_args(schema.Mode):  # the config's orchestrator.mode takes it from now on
+        schema.Mode = Literal[(*get_args(schema.Mode), name)]
 
 
 for _cls in (Sync, OneStep, Partial, Oversample, Dora):

@@ -128,8 +128,7 @@ class Runtime:
         slots = max(g.max_slots for g in infos)
         self.records = Records(self.policy.name, len(infos), slots, tokens, clock=self.clock.kind)
         self.records.consumed = self.queue.consumed
-        self.tick_index = 0
-        self.steps_done = 0
+        self.tick_index = self.steps_done = 0
         self.dispatching = True  # False while draining: no new prompts
         self.observers: list[Observer] = []
         self.trainer_host = 0  # the process of the trainer (weights it sends count as moves)

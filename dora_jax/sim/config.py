@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
+from dora_jax.config import schema
 from dora_jax.config.errors import check as _check
 from dora_jax.config.loading import load_dataclass
-from dora_jax.config.schema import MODE_NAMES
 from dora_jax.orchestrator.modes import MODES
 from dora_jax.sim.hardware import HARDWARE
 from dora_jax.sim.models import MODELS
@@ -291,7 +291,8 @@ class RunConfig:
         _positive(self, "steps", "tick_s", "max_ticks")
         _check(0 <= self.warmup_steps < self.steps, "warmup_steps", "must be in [0, steps)")
         for m in self.modes:
-            _check(m in MODE_NAMES, "modes", f"unknown mode {m!r}; expected some of {MODE_NAMES}")
+            known = get_args(schema.Mode)  # (registered modes included)
+            _check(m in known, "modes", f"unknown mode {m!r}; expected some of {known}")
         for m in self.colocated:
             _check(
                 m in COLOCATABLE,
