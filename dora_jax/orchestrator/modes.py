@@ -151,8 +151,7 @@ class Dora(Mode):
         self.muted: dict[str, object] = {}  # trigger -> what must change before it fires again
 
     def state_dict(self) -> dict:
-        return {"last_plan": self.last_plan, "new_version": self.new_version,
-                "muted": dict(self.muted)}  # fmt: skip
+        return dict(last_plan=self.last_plan, new_version=self.new_version, muted=dict(self.muted))
 
     def load_state_dict(self, state: dict) -> None:
         self.last_plan, self.new_version = state.get("last_plan"), state.get("new_version", True)
@@ -235,8 +234,8 @@ _FACTORIES: dict[str, Callable[[OrchestratorConfig], Mode]] = {}
 
 
 def register_mode(name: str, factory: Callable[[OrchestratorConfig], Mode]) -> None:
-    """Make ``orchestrator.mode: name`` run the mode ``factory(cfg)`` builds (a :class:`Mode`
-    subclass is such a factory); config validation accepts the name from now on."""
+    """Make ``orchestrator.mode: name`` run the mode ``factory(cfg)`` builds (its ``name``:
+    ``name``; a :class:`Mode` subclass is such a factory); the config accepts the name from now."""
     _FACTORIES[name] = factory
     if name not in get_args(schema.Mode):  # the config's orchestrator.mode takes it from now on
         schema.Mode = Literal[(*get_args(schema.Mode), name)]
@@ -248,5 +247,6 @@ MODES = tuple(_FACTORIES)  # the built-in modes
 
 
 def policy_for(cfg: OrchestratorConfig) -> Mode:
-    """A new mode object for ``cfg.mode`` (the config checked the name); may raise ValueError."""
+    """A new mode object for ``cfg.mode`` (the config checked the name); ValueError where the
+    mode refuses the config (``one_step`` needs ``staleness_k >= 1``)."""
     return _FACTORIES[cfg.mode](cfg)

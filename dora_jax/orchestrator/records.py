@@ -400,10 +400,8 @@ def plan_counts(plans: list[PlanRecord]) -> dict:
     by: dict[str, int] = {}
     for p in plans:
         by[p.trigger] = by.get(p.trigger, 0) + 1
-    return {
-        "plans_by_trigger": by,
-        "plans_moving": sum(1 for p in plans if p.transfers or p.migrated),
-    }
+    moving = sum(1 for p in plans if p.transfers or p.migrated)
+    return {"plans_by_trigger": by, "plans_moving": moving}
 
 
 def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
