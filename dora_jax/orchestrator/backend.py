@@ -41,8 +41,8 @@ def check_submit(group: int, requests: list[RequestSpec], free: int, version: in
     for spec in requests:
         rid = spec.request_id
         if spec.version != version:
-            raise BackendError(f"submit: request {rid} is for version {spec.version}, group "
-                               f"{group} holds {version}")  # fmt: skip
+            held = f"group {group} holds {version}"
+            raise BackendError(f"submit: request {rid} is for version {spec.version}, {held}")
         if not 0 < spec.prompt_len <= max_prompt_len:
             raise BackendError(f"submit: prompt_len {spec.prompt_len} out of range")
         if spec.resume is None and rid in seen:

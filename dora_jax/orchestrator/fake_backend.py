@@ -198,8 +198,8 @@ class FakeBackend:
 
     def submit(self, group: int, requests: list[RequestSpec]) -> None:
         g = self._group(group)
-        check_submit(group, requests, self._free_slots(g), g.version, self.cfg.max_prompt_len,
-                     self._seen, self._interrupted)  # fmt: skip
+        free, limit = self._free_slots(g), self.cfg.max_prompt_len
+        check_submit(group, requests, free, g.version, limit, self._seen, self._interrupted)
         for spec in requests:
             reserve = -(-(spec.prompt_len + self.cfg.max_new_tokens) // self.cfg.page_size)
             if spec.resume is None:

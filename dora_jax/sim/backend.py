@@ -265,8 +265,8 @@ class SimBackend(WaitingRequests):
         g = self._group(group)
         if not requests:
             return
-        check_submit(group, requests, self._free_one(g), int(self.version[g]),
-                     self.max_prompt_len, self._seen, self._interrupted)  # fmt: skip
+        free, v = self._free_one(g), int(self.version[g])
+        check_submit(group, requests, free, v, self.max_prompt_len, self._seen, self._interrupted)
         if len({s.request_id for s in requests}) < len(requests):
             raise BackendError("submit: duplicate request ids")
         rows = np.zeros((len(_FIELDS), len(requests)), np.int64)
