@@ -19,11 +19,11 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import get_args
 
-from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_config
+from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_config, schema
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
-MODES = ("sync", "one_step", "partial", "oversample", "dora")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -34,7 +34,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--config", type=Path, default=None, help="YAML preset (default: configs/default.yaml)"
     )
-    p.add_argument("--mode", choices=MODES, help="shortcut for orchestrator.mode=MODE")
+    modes = get_args(schema.Mode)  # the built-in modes and those registered
+    p.add_argument("--mode", choices=modes, help="shortcut for orchestrator.mode=MODE")
     p.add_argument("--steps", type=int, default=None, help="shortcut for train.total_steps=N")
     p.add_argument(
         "--resume",

@@ -15,13 +15,15 @@ def assert_run_invariants(
     ledger: dict,
     trainer_batches,
     live_requests: int,
+    discards: bool = False,
 ) -> None:
-    """``trainer_batches``: ``[(version, request ids), ...]`` as the trainer received them."""
+    """``trainer_batches``: ``[(version, request ids), ...]`` as the trainer received them;
+    ``discards``: the mode may discard requests (``oversample`` always may)."""
     rec = records
     # 1. every dispatched request ends exactly once
     assert len(ledger) == runtime.manager.dispatched_prompt_groups * group_size > 0
     states = Counter(ledger.values())
-    allowed = {"consumed", "discarded"} if mode == "oversample" else {"consumed"}
+    allowed = {"consumed", "discarded"} if mode == "oversample" or discards else {"consumed"}
     assert set(states) <= allowed, states
     fed = [rid for _, ids in trainer_batches for rid in ids]
     assert len(fed) == len(set(fed)) == states["consumed"]

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from dora_jax.config.errors import ConfigError
 from dora_jax.config.errors import check as _check
@@ -264,6 +264,7 @@ class TrainConfig:
         return self.loss_norm_len if self.loss_norm_len is not None else self.length_buckets[-1]
 
 
+# orchestrator.mode: the built-in modes; orchestrator.register_mode adds each name it registers
 Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
 Clock = Literal["logical", "wall"]
 
@@ -306,6 +307,8 @@ class OrchestratorConfig:
     stall_s: float = 600.0
 
     def __post_init__(self):
+        known = ", ".join(map(repr, get_args(Mode)))
+        _check(self.mode in get_args(Mode), "mode", f"expected one of {known}, got {self.mode!r}")
         _check(self.staleness_k >= 0, "staleness_k", f"must be >= 0, got {self.staleness_k}")
         _check(
             self.clock in ("logical", "wall"),

@@ -1,7 +1,7 @@
 """The DORA control plane: groups, versions and requests, never arrays.
 
 ``backend.RolloutBackend`` is the seam to execution (fake, simulator, real engines);
-``runtime.Runtime`` is the loop that runs the five modes of ``modes.py`` over it; ``planner.plan``
+``runtime.Runtime`` is the loop that runs a mode object of ``modes.py`` over it; ``planner.plan``
 is the pure load-balancing planner; ``records.Records`` holds what every group did every tick.
 """
 
@@ -18,7 +18,7 @@ from dora_jax.orchestrator.backend import (
 )
 from dora_jax.orchestrator.fake_backend import FakeBackend, FakeBackendConfig
 from dora_jax.orchestrator.fake_trainer import FakeRun, FakeTrainer, run_fake
-from dora_jax.orchestrator.modes import MODES, ModePolicy, policy_for
+from dora_jax.orchestrator.modes import MODES, Mode, policy_for, register_mode
 from dora_jax.orchestrator.planner import (
     Migration,
     Plan,
@@ -47,7 +47,7 @@ __all__ = [
     "GroupInfo",
     "GroupTick",
     "Migration",
-    "ModePolicy",
+    "Mode",
     "PartialRequest",
     "Plan",
     "PlanPolicy",
@@ -73,5 +73,6 @@ __all__ = [
     "plan",
     "plan_trigger",
     "policy_for",
+    "register_mode",
     "run_fake",
 ]

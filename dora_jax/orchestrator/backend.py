@@ -32,6 +32,25 @@ class BackendError(RuntimeError):
     """A call broke the backend contract (a control-plane bug, never a recoverable condition)."""
 
 
+def check_submit(group: int, requests: list[RequestSpec], free: int, version: int,
+                 max_prompt_len: int, seen: set[int], interrupted: dict) -> None:  # fmt: skip
+    """``submit``'s contract, for the in-memory backends: ``group`` has ``free`` slots and holds
+    ``version``; ``seen``: the request ids submitted so far, ``interrupted``: those interrupted."""
+    if len(requests) > free:
+        raise BackendError(f"submit: {len(requests)} requests, group {group} has {free} slots")
+    for spec in requests:
+        rid = spec.request_id
+        if spec.version != version:
+            held = f"group {group} holds {version}"
+            raise BackendError(f"submit: request {rid} is for version {spec.version}, {held}")
+        if not 0 < spec.prompt_len <= max_prompt_len:
+            raise BackendError(f"submit: prompt_len {spec.prompt_len} out of range")
+        if spec.resume is None and rid in seen:
+            raise BackendError(f"submit: request {rid} was already submitted")
+        if spec.resume is not None and rid not in interrupted:
+            raise BackendError(f"submit: request {rid} was not interrupted")
+
+
 class GroupInfo(NamedTuple):
     """What the control plane may know about one rollout group, at the start of a tick."""
 

@@ -31,6 +31,7 @@ from dora_jax.orchestrator.backend import (
     RequestSpec,
     Source,
     StepEvents,
+    check_submit,
 )
 
 _Z99 = 2.3263478740408408  # the 0.99 quantile of the standard normal
@@ -197,21 +198,8 @@ class FakeBackend:
 
     def submit(self, group: int, requests: list[RequestSpec]) -> None:
         g = self._group(group)
-        free = self._free_slots(g)
-        if len(requests) > free:
-            raise BackendError(f"submit: {len(requests)} requests, group {group} has {free} slots")
-        for spec in requests:
-            if spec.version != g.version:
-                raise BackendError(
-                    f"submit: request {spec.request_id} is for version {spec.version}, "
-                    f"group {group} holds {g.version}"
-                )
-            if spec.prompt_len <= 0 or spec.prompt_len > self.cfg.max_prompt_len:
-                raise BackendError(f"submit: prompt_len {spec.prompt_len} out of range")
-            if spec.resume is None and spec.request_id in self._seen:
-                raise BackendError(f"submit: request {spec.request_id} was already submitted")
-            if spec.resume is not None and spec.request_id not in self._interrupted:
-                raise BackendError(f"submit: request {spec.request_id} was not interrupted")
+        free, limit = self._free_slots(g), self.cfg.max_prompt_len
+        check_submit(group, requests, free, g.version, limit, self._seen, self._interrupted)
         for spec in requests:
             reserve = -(-(spec.prompt_len + self.cfg.max_new_tokens) // self.cfg.page_size)
             if spec.resume is None:
@@ -259,9 +247,8 @@ class FakeBackend:
             r = g.reqs.pop(rid)
             g.reserved -= r.reserve
             self._interrupted[rid] = (r.target, r.cached())
-            out.append(
-                PartialRequest(rid, r.pg, r.prompt_len, r.generated, tuple(r.versions), r.payload)
-            )
+            versions = tuple(r.versions)
+            out.append(PartialRequest(rid, r.pg, r.prompt_len, r.generated, versions, r.payload))
         return out
 
     def step(self) -> StepEvents:

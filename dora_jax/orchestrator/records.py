@@ -356,7 +356,7 @@ class Records:
             "max_version_span": max((c.version_span for c in consumed), default=0),
             "cross_host_weight_transfers": sum(1 for m in moves if m[1] == "weights"),
             "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
-            **_plan_counts(plans),
+            **plan_counts(plans),
         }
 
     def timeline(self, every: int = 1, end: int | None = None) -> list[str]:
@@ -395,15 +395,13 @@ def _decode(kind: str, rows: list) -> list:
     return [make(*r) if make is not None else tuple(r) for r in rows]
 
 
-def _plan_counts(plans: list[PlanRecord]) -> dict:
+def plan_counts(plans: list[PlanRecord]) -> dict:
     """Plans per trigger (in order of first use) and how many moved weights or requests."""
     by: dict[str, int] = {}
     for p in plans:
         by[p.trigger] = by.get(p.trigger, 0) + 1
-    return {
-        "plans_by_trigger": by,
-        "plans_moving": sum(1 for p in plans if p.transfers or p.migrated),
-    }
+    moving = sum(1 for p in plans if p.transfers or p.migrated)
+    return {"plans_by_trigger": by, "plans_moving": moving}
 
 
 def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

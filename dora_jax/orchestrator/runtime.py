@@ -1,18 +1,13 @@
-"""The control-plane loop: one runtime, five modes (``modes.py``), any ``RolloutBackend``, either
-clock (``clock.py``).
+"""The control-plane loop: one runtime, any mode object (``modes.py``), any ``RolloutBackend``,
+either clock (``clock.py``).
 
 Each :meth:`Runtime.tick` (one control round):
 
-1. if the running train step has ended, publish its version (window, backend) and tell the
-   observers (metrics, evaluation, checkpoints); in ``partial`` mode every in-flight request is
-   interrupted, every group switches to the new version, and the requests wait to be
-   re-prefilled under it;
-2. if the trainer is idle, take a batch: ``TBS`` ready prompt groups, oldest version first, when
-   the window allows (``oversample``: abort and discard everything else first);
-3. ``dora``: on a trigger (new version, KV pressure, period, a group idle while requests of
-   another version wait) run the planner and carry its plan out (migrations, weight transfers,
-   supplements); otherwise top the newest version up to ``RBS`` prompt groups in flight. Other
-   modes: empty groups switch to the newest version; dispatch per the mode (batch or top-up);
+1. if the running train step has ended, publish its version (window, backend), then
+   ``mode.on_publish`` (what it does to the requests in flight), then tell the observers;
+2. if the trainer is idle, ``mode.before_batch``, then take ``TBS`` ready prompt groups, oldest
+   version first, when the window allows;
+3. ``mode.route``: group versions and dispatch (``dora``: the planner);
 4. admit pending requests to free slots of groups holding their version;
 5. step the backend; finished requests go to the transfer queue; record the round.
 
@@ -30,7 +25,6 @@ training ticks exactly as far as the mode's window allows.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,20 +32,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dora_jax.config.schema import OrchestratorConfig
-from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend
+from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend, Source
 from dora_jax.orchestrator.clock import LogicalClock, WallClock
-from dora_jax.orchestrator.modes import ModePolicy, policy_for
-from dora_jax.orchestrator.planner import (
-    MUTABLE_TRIGGERS,
-    PlanPolicy,
-    Snapshot,
-    idle_group_waiting,
-    latest_supplement,
-    plan,
-    plan_trigger,
-    trigger_key,
-)
-from dora_jax.orchestrator.records import ClusterTick, PlanRecord, Records, StepRecord, Summary
+from dora_jax.orchestrator.modes import Mode, policy_for
+from dora_jax.orchestrator.records import ClusterTick, Records, StepRecord, Summary
 from dora_jax.orchestrator.rollout_manager import DISCARDED, PromptSource, RolloutManager
 from dora_jax.orchestrator.staleness import AdaptiveK
 from dora_jax.orchestrator.transfer_queue import ReadyGroup, TransferQueue
@@ -133,30 +117,18 @@ class Runtime:
     ):
         self.cfg = cfg
         self.clock = clock or LogicalClock()
-        self.policy: ModePolicy = policy_for(cfg)
+        self.policy: Mode = policy_for(cfg)  # the mode object
         self.group_size = group_size
         self.backend = backend
         self.trainer: StepRunner = trainer if hasattr(trainer, "poll") else TickedTrainer(trainer)
         self.window = VersionWindow(self.policy.k, self.policy.per_step, initial_version)
         self.queue = TransferQueue(group_size)
         self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
-        self.plan_policy = PlanPolicy(
-            rollout_batch_prompts=self.policy.rollout_batch,
-            kv_pressure_threshold=cfg.kv_pressure_threshold,
-            legacy_fill=self.policy.legacy_fill,
-            prefer_local=cfg.prefer_local_moves,
-        )
-        infos = backend.groups()
-        self.records = Records(
-            self.policy.name,
-            len(infos),
-            max(g.max_slots for g in infos),
-            getattr(backend, "tokens_per_slot_tick", 1),
-            clock=self.clock.kind,
-        )
+        infos, tokens = backend.groups(), getattr(backend, "tokens_per_slot_tick", 1)
+        slots = max(g.max_slots for g in infos)
+        self.records = Records(self.policy.name, len(infos), slots, tokens, clock=self.clock.kind)
         self.records.consumed = self.queue.consumed
-        self.tick_index = 0
-        self.steps_done = 0
+        self.tick_index = self.steps_done = 0
         self.dispatching = True  # False while draining: no new prompts
         self.observers: list[Observer] = []
         self.trainer_host = 0  # the process of the trainer (weights it sends count as moves)
@@ -166,11 +138,7 @@ class Runtime:
         self.max_steps: int | None = None  # no step beyond this many, on either clock
         self._held = False  # wall clock: the groups are paused (between runs)
         self._train: tuple[float, int, int] | None = None  # (start, new version, max staleness)
-        self._last_plan: float | None = None
-        self._engine_steps = 0  # wall clock: engine steps reported by all groups
-        self._new_version = True  # the initial version counts as new: plan at the first tick
-        # triggers whose last plan moved nothing, with what must change before they fire again
-        self._muted: dict[str, object] = {}
+        self.engine_steps = 0  # wall clock: engine steps reported by all groups
         # adaptive K (orchestrator/staleness.py): time the idle trainer waited for the window
         # since the last publish, when the last publish and round were, the running batch's
         # mean staleness, and the per-K costs
@@ -194,38 +162,32 @@ class Runtime:
             done = self.trainer.poll(t)
             if done is not None:
                 self._publish(t, *done)
-        limit = self._step_limit
-        if self.max_steps is not None:
-            limit = self.max_steps if limit is None else min(limit, self.max_steps)
-        if self._train is None and not self.stopping and (limit is None or self.steps_done < limit):
+        limit = min(n for n in (self._step_limit, self.max_steps, float("inf")) if n is not None)
+        if self._train is None and not self.stopping and self.steps_done < limit:
             self._maybe_train(t)
-        if self.cfg.adaptive_k and self.policy.planner:
+        if self.policy.adapts_k:
             self._count_wait(t)
-        infos = self.backend.groups()
-        if self.policy.planner:
-            infos = self._plan_or_top_up(t, infos)
-        else:
-            infos = self._switch_empty_groups(t, infos)
-            self._dispatch()
+        infos = self.policy.route(self, t, self.backend.groups())
         self.manager.admit(self.backend, infos)
+        self._step_backend(t)
+
+    def _step_backend(self, t: float) -> None:
+        """Step the backend; finished requests to the transfer queue (those of discarded prompt
+        groups that ended while being interrupted are dropped); the round's record."""
         cluster = ClusterTick(
             self.tick_index, self.manager.pending_count(), self.manager.in_flight,
             self.queue.num_ready, self._train is not None, self.window.latest,
             self.window.num_live(), t,
         )  # fmt: skip
-        self._take(self.backend.step(), cluster)
-        self.tick_index += 1
-
-    def _take(self, events, cluster: ClusterTick) -> None:
-        """Finished requests to the transfer queue (those of discarded prompt groups that ended
-        while being interrupted are dropped), and the round's record."""
+        events = self.backend.step()
         t = cluster.time if self.clock.kind == "wall" else cluster.tick
-        self._engine_steps += sum(g.activity in ("prefill", "decode") for g in events.groups)
+        self.engine_steps += sum(g.activity in ("prefill", "decode") for g in events.groups)
         for fr in events.finished:
             if self.manager.status.get(fr.request_id) == DISCARDED:
                 continue
             self.manager.on_finished(fr, t)
         self.records.add_tick(events, cluster)
+        self.tick_index += 1
 
     @contextmanager
     def quiesce(self) -> Iterator[None]:
@@ -245,13 +207,7 @@ class Runtime:
         """Wall clock: pause every group and take in what they reported."""
         self.backend.pause()
         self._held = True
-        cluster = ClusterTick(
-            self.tick_index, self.manager.pending_count(), self.manager.in_flight,
-            self.queue.num_ready, self._train is not None, self.window.latest,
-            self.window.num_live(), self.now(),
-        )  # fmt: skip
-        self._take(self.backend.step(), cluster)
-        self.tick_index += 1
+        self._step_backend(self.now())
 
     def _release(self) -> None:
         self.backend.resume()
@@ -269,22 +225,9 @@ class Runtime:
             start, t = t0, t1
         self.records.steps[-1] = StepRecord(start, t, version, n, maxst)
         self._train = None
-        self._new_version = True
-        if self.cfg.adaptive_k and self.policy.planner:
+        if self.policy.adapts_k:
             self._adapt_k(t, version)
-        if self.policy.on_update == "reprefill":
-            infos = self.backend.groups()
-            running = [rid for g in infos for rid in g.requests]
-            partials = self.backend.interrupt(running) if running else []
-            for g in infos:
-                if g.version != version:
-                    self.backend.set_version(g.group, version, TRAINER)
-                    self.records.transfers.append((t, g.group, version))
-                    if g.host != self.trainer_host:
-                        self.records.cross_host.append((t, "weights", -1, g.group, 1))
-            self.manager.upgrade_unstarted(version)
-            self.manager.retag_pending(version)
-            self.manager.requeue(partials, version)
+        self.policy.on_publish(self, t, version)
         self.records.flush()  # (attached to history files: the records so far go to disk)
         for obs in self.observers:
             obs.on_publish(self, version)
@@ -315,12 +258,7 @@ class Runtime:
 
     def _maybe_train(self, t: int) -> None:
         tbs = self.cfg.train_batch_prompts
-        if self.policy.abort_surplus and self.queue.num_ready >= tbs:
-            keep = {rg.prompt_group for rg in self.queue.select(tbs)}
-            drop = [rg.prompt_group for rg in self.queue.ready_groups()
-                    if rg.prompt_group not in keep] + self.queue.open_groups()  # fmt: skip
-            if drop:
-                self.records.discards.append((t, self.manager.abort(self.backend, drop)))
+        self.policy.before_batch(self, t)
         flush = not self.dispatching and self.manager.in_flight == 0
         if self.queue.num_ready < tbs and not (flush and self.queue.num_ready):
             return
@@ -339,108 +277,29 @@ class Runtime:
 
     # -- group versions and dispatch -------------------------------------------------------------
 
-    def _switch_empty_groups(self, t: int, infos: list[GroupInfo]) -> list[GroupInfo]:
-        latest, changed = self.window.latest, False
-        for g in infos:
-            if g.version != latest and not g.requests and not self.manager.pending_count(g.version):
-                self.backend.set_version(g.group, latest, TRAINER)
-                self.records.transfers.append((t, g.group, latest))
-                if g.host != self.trainer_host:
-                    self.records.cross_host.append((t, "weights", -1, g.group, 1))
-                changed = True
-        return self.backend.groups() if changed else infos
+    def switch_empty_groups(self, t: float, infos: list[GroupInfo]) -> list[GroupInfo]:
+        """Every group that holds no request, and whose version no pending request needs,
+        switches to the newest version; returns the groups as they are now."""
+        latest, host = self.window.latest, {g.group: g.host for g in infos}
+        empty = [g.group for g in infos if g.version != latest and not g.requests
+                 and not self.manager.pending_count(g.version)]  # fmt: skip
+        for group in empty:
+            self.send_weights(t, group, latest, TRAINER, host)
+        return self.backend.groups() if empty else infos
 
-    def _dispatch(self) -> None:
-        if not self.dispatching:
-            return
-        v, n = self.window.latest, self.policy.rollout_batch
-        if self.policy.barrier:
-            if self.manager.in_flight == 0 and self.window.room(v) >= n:
-                self.manager.dispatch(v, n)
-        else:
-            in_flight = self.manager.in_flight
-            self.manager.dispatch(v, latest_supplement(in_flight, n, self.window.room(v)))
+    def send_weights(self, t: float, group: int, version: int, source: Source, host: dict) -> None:
+        """Load ``version`` onto the empty ``group`` from ``source`` (``TRAINER`` or a group
+        holding it), recorded; ``host``: group -> process (a move between processes counts)."""
+        self.backend.set_version(group, version, source)
+        self.records.transfers.append((t, group, version))
+        src = -1 if source == TRAINER else source
+        if (self.trainer_host if src < 0 else host[src]) != host[group]:
+            self.records.cross_host.append((t, "weights", src, group, 1))
 
-    def _plan_or_top_up(self, t: int, infos: list[GroupInfo]) -> list[GroupInfo]:
-        now = self._period_clock()
-        since = now - self._last_plan if self._last_plan is not None else now + 1
-        waiting = self.manager.pending_by_version()
-        idle_waiting = self.policy.plan_on_idle and idle_group_waiting(infos, waiting)
-        trigger = plan_trigger(
-            new_version=self._new_version,
-            groups=infos,
-            kv_pressure_threshold=self.cfg.kv_pressure_threshold,
-            ticks_since_plan=since,
-            period=self.cfg.plan_period_ticks,
-            idle_waiting=idle_waiting,
-            muted=self._muted,
-            pending=waiting,
-        )
-        if trigger is None:
-            self._dispatch()
-            return infos
-        self._new_version = False
-        self._last_plan = now
-        w = self.window
-        self.manager.upgrade_unstarted(w.latest)
-        snap = Snapshot(
-            tick=t,
-            latest=w.latest,
-            oldest=w.oldest,
-            groups=tuple(infos),
-            pending=self.manager.pending_by_version(),
-            in_flight=self.manager.in_flight if self.dispatching else self.policy.rollout_batch,
-            room={v: w.room(v) for v in range(max(w.oldest, w.first), w.latest + 1)},
-            group_size=self.group_size,
-            trigger=trigger,
-            ready=self.queue.num_ready,
-            train_batch=self.cfg.train_batch_prompts,
-        )
-        collecting = gc.isenabled()
-        gc.disable()  # a collection of the whole run's records would land in the plan's time
-        try:
-            t0 = time.perf_counter()
-            p = plan(snap, self.plan_policy)
-            ms = (time.perf_counter() - t0) * 1e3
-        finally:
-            if collecting:
-                gc.enable()
-        host = {g.group: g.host for g in infos}
-        for m in p.migrations:
-            self.backend.migrate(list(m.request_ids), m.src, m.dst)
-            if host[m.src] != host[m.dst]:
-                self.records.cross_host.append((t, "kv", m.src, m.dst, len(m.request_ids)))
-        for x in p.transfers:
-            self.backend.set_version(x.group, x.version, x.source)
-            self.records.transfers.append((t, x.group, x.version))
-            src_host = self.trainer_host if x.source == TRAINER else host[x.source]
-            if src_host != host[x.group]:
-                src = -1 if x.source == TRAINER else x.source
-                self.records.cross_host.append((t, "weights", src, x.group, 1))
-        n_sup = 0
-        if self.dispatching:
-            for v, n in p.supplements:
-                self.manager.dispatch(v, n)
-                n_sup += n
-        if p.migrations:
-            self.records.migrations.append((t, p.migrated_requests))
-        if p.moves:
-            self._muted.clear()  # the cluster changed: every trigger may fire again
-        elif trigger in MUTABLE_TRIGGERS and self.cfg.plan_hysteresis:
-            self._muted[trigger] = trigger_key(
-                trigger, infos, snap.pending, self.cfg.kv_pressure_threshold
-            )
-        self.records.plans.append(
-            PlanRecord(t, trigger, ms, len(p.transfers), p.migrated_requests, n_sup)
-        )
-        return self.backend.groups()
-
-    def _period_clock(self) -> float:
-        """What ``plan_period_ticks`` counts: ticks, or on the wall clock engine steps per group
-        (groups step at their own pace, so rounds would count faster with more groups)."""
-        if self.clock.kind == "logical":
-            return self.tick_index
-        return self._engine_steps / max(1, self.records.num_groups)
+    def discard(self, t: float, prompt_groups: list[int]) -> None:
+        """Abort ``prompt_groups`` (running members interrupted, the rest dropped), counted."""
+        if prompt_groups:
+            self.records.discards.append((t, self.manager.abort(self.backend, prompt_groups)))
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -448,14 +307,16 @@ class Runtime:
 
     def state_dict(self) -> dict:
         """The control plane as plain data, between rounds: window, transfer queue, ledger and
-        pending requests, records, counters, and the logical trainer's running step. On the wall
-        clock no train step may be running (the run publishes it first)."""
+        pending requests, records, counters, the logical trainer's running step, and the mode's
+        own keys (``dora``: its planner's). On the wall clock no train step may be running (the
+        run publishes it first)."""
         job = None
         if self._train is not None:
             if not isinstance(self.trainer, TickedTrainer):
                 raise RuntimeError("a train step is running: publish it before saving")
             job = self.trainer._job
         self.records.flush(keep_last_step=self._train is not None)
+        ad, waited = self.adaptive, (self._blocked, self._last_publish, self._last_round)
         return {
             "format": self.STATE_FORMAT,
             "clock": self.clock.kind,
@@ -465,19 +326,9 @@ class Runtime:
             "dispatching": self.dispatching,
             "train": self._train,
             "train_job": job,
-            "last_plan": self._last_plan,
-            "new_version": self._new_version,
-            "muted": dict(self._muted),
-            "adaptive": (
-                self._blocked,
-                self._last_publish,
-                self._last_round,
-                self._batch_staleness,
-                dict(self.adaptive.costs),
-                self.adaptive.seen,
-                dict(self.adaptive.last),
-            ),
-            "engine_steps": self._engine_steps,
+            **self.policy.state_dict(),
+            "adaptive": (*waited, self._batch_staleness, dict(ad.costs), ad.seen, dict(ad.last)),
+            "engine_steps": self.engine_steps,
             "window": self.window.state_dict(),
             "queue": self.queue.state_dict(),
             "manager": self.manager.state_dict(),
@@ -492,13 +343,12 @@ class Runtime:
             )
         self.tick_index, self.steps_done = state["tick_index"], state["steps_done"]
         self.dispatching, self._train = state["dispatching"], state["train"]
-        self._last_plan, self._new_version = state["last_plan"], state["new_version"]
-        self._muted = dict(state.get("muted", {}))
+        self.policy.load_state_dict(state)
         adaptive = state.get("adaptive", (0.0, 0.0, None, 0.0, {}, 0, {}))
         self._blocked, self._last_publish, self._last_round, self._batch_staleness = adaptive[:4]
         self.adaptive.costs, self.adaptive.seen = dict(adaptive[4]), adaptive[5]
         self.adaptive.last = dict(adaptive[6])
-        self._engine_steps = state["engine_steps"]
+        self.engine_steps = state["engine_steps"]
         if isinstance(self.trainer, TickedTrainer):
             self.trainer._job = state["train_job"]
         elif self._train is not None:
@@ -508,8 +358,7 @@ class Runtime:
         # a resume may change the mode, K or batch sizes: the bound is this run's K (an adaptive
         # K keeps the saved one within it); resume.check_restored refuses a K the groups in
         # flight cannot be consumed within
-        adapt = self.cfg.adaptive_k and self.policy.planner
-        w, k = self.window, self.policy.k
+        adapt, w, k = self.policy.adapts_k, self.window, self.policy.k
         w.k = min(w.k, k) if adapt else k
         w.target_k = min(w.target_k, w.k) if adapt else k
         self.records = state["records"]
@@ -523,12 +372,8 @@ class Runtime:
     # -- running ---------------------------------------------------------------------------------
 
     def done_draining(self) -> bool:
-        return (
-            self._train is None
-            and self.manager.in_flight == 0
-            and self.queue.num_ready == 0
-            and self.manager.pending_count() == 0
-        )
+        busy = self.manager.in_flight or self.queue.num_ready or self.manager.pending_count()
+        return self._train is None and not busy
 
     def run(
         self,

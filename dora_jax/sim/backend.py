@@ -68,6 +68,7 @@ from dora_jax.orchestrator.backend import (
     RequestSpec,
     Source,
     StepEvents,
+    check_submit,
 )
 from dora_jax.sim.conversations import US, Conversations
 from dora_jax.sim.cost_model import CostModel
@@ -217,22 +218,10 @@ class SimBackend(WaitingRequests):
         busy = np.ceil(self.busy / self.tick_s - 1e-9).astype(np.int64)
         out = []
         for g in range(self.num_groups):
-            k = int(self.n[g])
-            ids = tuple(self.rid[g, :k].tolist())
-            pg = tuple(pages[g, :k].tolist())
-            out.append(
-                GroupInfo(
-                    g,
-                    int(self.version[g]),
-                    int(busy[g]),
-                    self.max_slots,
-                    int(free[g]),
-                    int(used[g]),
-                    total,
-                    ids,
-                    pg,
-                )
-            )
+            k, v, b = int(self.n[g]), int(self.version[g]), int(busy[g])
+            ids, pg = tuple(self.rid[g, :k].tolist()), tuple(pages[g, :k].tolist())
+            info = GroupInfo(g, v, b, self.max_slots, int(free[g]), int(used[g]), total, ids, pg)
+            out.append(info)
         return out
 
     # -- commands --------------------------------------------------------------------------------
@@ -276,21 +265,8 @@ class SimBackend(WaitingRequests):
         g = self._group(group)
         if not requests:
             return
-        free = self._free_one(g)
-        if len(requests) > free:
-            raise BackendError(f"submit: {len(requests)} requests, group {group} has {free} slots")
-        for spec in requests:
-            if spec.version != self.version[g]:
-                raise BackendError(
-                    f"submit: request {spec.request_id} is for version "
-                    f"{spec.version}, group {group} holds {self.version[g]}"
-                )
-            if not 0 < spec.prompt_len <= self.max_prompt_len:
-                raise BackendError(f"submit: prompt_len {spec.prompt_len} out of range")
-            if spec.resume is None and spec.request_id in self._seen:
-                raise BackendError(f"submit: request {spec.request_id} was already submitted")
-            if spec.resume is not None and spec.request_id not in self._interrupted:
-                raise BackendError(f"submit: request {spec.request_id} was not interrupted")
+        free, v = self._free_one(g), int(self.version[g])
+        check_submit(group, requests, free, v, self.max_prompt_len, self._seen, self._interrupted)
         if len({s.request_id for s in requests}) < len(requests):
             raise BackendError("submit: duplicate request ids")
         rows = np.zeros((len(_FIELDS), len(requests)), np.int64)
@@ -391,9 +367,8 @@ class SimBackend(WaitingRequests):
                 row[_RP] = plen + gen - int(self.pf[g, i])  # cached: re-prefilled on resume
                 self._interrupted[r] = row
                 versions = self._versions(r, g, bool(self.vflag[g, i]))
-                out[r] = PartialRequest(
-                    r, int(self.pg[g, i]), plen, gen, versions, self._payload.pop(r, None)
-                )
+                payload = self._payload.pop(r, None)
+                out[r] = PartialRequest(r, int(self.pg[g, i]), plen, gen, versions, payload)
                 del self._where[r]
             self._remove(g, rows)
         if discard:  # never resubmitted: its conversation ends here
@@ -514,20 +489,9 @@ class SimBackend(WaitingRequests):
         act = np.where((busy >= fill) & (busy >= dec), moving, act)
         act = np.where(np.maximum(np.maximum(busy, fill), dec) <= 0, 0, act)
         time_s = dt - secs[:, IDLE] - secs[:, TRAIN]
-        cols = zip(
-            range(G),
-            self.version.tolist(),
-            act.tolist(),
-            held.tolist(),
-            tokens.tolist(),
-            counts[:, 0].tolist(),
-            counts[:, 1].tolist(),
-            time_s.tolist(),
-            strict=True,
-        )
-        ticks = tuple(
-            [GroupTick(g, v, _ACTIVITY[a], h, k, p, r, x) for g, v, a, h, k, p, r, x in cols]
-        )
+        cols = (self.version, act, held, tokens, counts[:, 0], counts[:, 1], time_s)
+        rows = zip(range(G), *(c.tolist() for c in cols), strict=True)
+        ticks = tuple(GroupTick(g, v, _ACTIVITY[a], *rest) for g, v, a, *rest in rows)
         self._tick += 1
         return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
 
@@ -619,11 +583,8 @@ class SimBackend(WaitingRequests):
                 self._log_conversations(gi, ri)
                 self._env_release(self.rid[gi, ri].tolist())
             for g, r, p, pl, ng in cols:
-                finished.append(
-                    FinishedRequest(
-                        r, p, pl, ng, self._versions(r, g, True), self._payload.pop(r, None)
-                    )
-                )
+                versions, payload = self._versions(r, g, True), self._payload.pop(r, None)
+                finished.append(FinishedRequest(r, p, pl, ng, versions, payload))
                 del self._where[r]
             for g in np.unique(gi).tolist():
                 self._remove(g, ri[gi == g])

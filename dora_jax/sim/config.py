@@ -10,20 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
+from dora_jax.config import schema
+from dora_jax.config.errors import check as _check
 from dora_jax.config.loading import load_dataclass
-from dora_jax.config.schema import ConfigError
 from dora_jax.orchestrator.modes import MODES
 from dora_jax.sim.hardware import HARDWARE
 from dora_jax.sim.models import MODELS
 
 COLOCATABLE = ("sync", "partial", "oversample")  # modes whose rollout can pause while training
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(name, message)
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -295,7 +291,8 @@ class RunConfig:
         _positive(self, "steps", "tick_s", "max_ticks")
         _check(0 <= self.warmup_steps < self.steps, "warmup_steps", "must be in [0, steps)")
         for m in self.modes:
-            _check(m in MODES, "modes", f"unknown mode {m!r}; expected some of {MODES}")
+            known = get_args(schema.Mode)  # (registered modes included)
+            _check(m in known, "modes", f"unknown mode {m!r}; expected some of {known}")
         for m in self.colocated:
             _check(
                 m in COLOCATABLE,

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from dora_jax.config.schema import OrchestratorConfig
+from dora_jax.orchestrator.records import plan_counts
 from dora_jax.orchestrator.runtime import RunResult, Runtime
 from dora_jax.sim.backend import CATEGORIES, DECODE, PREFILL, SimBackend
 from dora_jax.sim.config import SimConfig
@@ -121,7 +122,7 @@ def orchestrator_config(cfg: SimConfig, mode: str) -> OrchestratorConfig:
         legacy_fill=o.legacy_fill,
         plan_on_idle=o.plan_on_idle,
         plan_hysteresis=o.plan_hysteresis,
-        adaptive_k=o.adaptive_k and mode == "dora",
+        adaptive_k=o.adaptive_k,  # (only a mode that adapts K uses it)
         adaptive_k_min=min(o.adaptive_k_min, o.staleness_k),
         staleness_cost=o.staleness_cost,
     )
@@ -215,13 +216,15 @@ def build(
     )
     prompts = SimPrompts(cfg.prompt, r.seed)
     runtime = Runtime(orchestrator_config(cfg, mode), o.group_size, backend, trainer, prompts)
-    runtime.plan_policy = replace(
-        runtime.plan_policy,
-        kv_aware=o.kv_aware,
-        consolidate=o.consolidate,
-        spread=o.spread,
-        legacy_fill_margin=o.legacy_fill_margin,
-    )
+    planning = getattr(runtime.policy, "plan_policy", None)  # a mode that plans (dora)
+    if planning is not None:
+        runtime.policy.plan_policy = replace(
+            planning,
+            kv_aware=o.kv_aware,
+            consolidate=o.consolidate,
+            spread=o.spread,
+            legacy_fill_margin=o.legacy_fill_margin,
+        )
     return runtime, backend, trainer
 
 
@@ -282,9 +285,6 @@ def metrics(
         "gpu_moves_s": (cat["transfer"] + cat["migrate"]) * per,
         "gpu_idle_s": cat["idle"] * per + idle_trainer_ticks * dt * trainer_gpus / (gpus * steps),
     }
-    by_trigger: dict[str, int] = {}
-    for p in plans:
-        by_trigger[p.trigger] = by_trigger.get(p.trigger, 0) + 1
     st = [c.staleness for c in consumed]
     tr = [s for s in trainer.steps if v_lo < s.version <= v_hi]
     return SimMetrics(
@@ -316,8 +316,7 @@ def metrics(
         wall_s=wall_s,
         gpus=gpus,
         **decomposition,
-        plans_by_trigger=by_trigger,
-        plans_moving=sum(1 for p in plans if p.transfers or p.migrated),
+        **plan_counts(plans),
         plan_ms_max=max((p.ms for p in plans), default=0.0),
         conversations=conversation_figures(backend, rec, consumed, t0, t1, span)
         if backend.conversations is not None
