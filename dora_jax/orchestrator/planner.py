@@ -8,7 +8,7 @@ in this order:
    groups are in flight (within the window's room). Their requests count as pending work below.
 2. **Targets**, in KV pages, not slot counts. Each version with running requests first gets the
    groups its requests need: at most the groups that hold requests of it now, shrunk to
-   ``ceil(pages / (consolidate_fill * pages per group))`` (*consolidation*: the tail of an older
+   ``ceil(pages / (CONSOLIDATE_FILL * pages per group))`` (*consolidation*: the tail of an older
    version is packed onto as few groups as its KV needs, so the freed groups switch to the
    newest version sooner); a version whose requests still wait for a slot has no tail yet and
    is not packed. The **gate**, the oldest version with running requests (the trainer
@@ -18,7 +18,7 @@ in this order:
    left are shared in proportion to pending work (at least one for every version with pending
    requests). Groups still left are *spare*: while the trainer waits only for the gate (enough
    is ready for its next step), they go to the gate, spread over up to
-   ``ceil(pages / (spread_fill * pages per group))`` groups so that its requests decode in
+   ``ceil(pages / (SPREAD_FILL * pages per group))`` groups so that its requests decode in
    smaller, faster batches. Idle groups of versions without work pre-warm the newest version.
 3. **Reassignments** with the least weight traffic: only ``target - current`` groups change
    version; the cheapest to empty go first (idle ones, then the fewest pages), and a group is
@@ -81,6 +81,10 @@ class Snapshot:
     train_batch: int = 0  # TBS: prompt groups one train step takes (0: unknown)
 
 
+CONSOLIDATE_FILL = 0.9  # KV share an older version's groups are packed to
+SPREAD_FILL = 0.15  # the gate version is spread until its groups hold this share of KV
+
+
 @dataclass(frozen=True)
 class PlanPolicy:
     rollout_batch_prompts: int  # RBS
@@ -89,13 +93,10 @@ class PlanPolicy:
     # legacy fill only at versions that stay consumable for at least this many more train steps
     # (v - oldest): a request started one step before its deadline holds the window up
     legacy_fill_margin: int = 2
-    rebalance: bool = True  # relieve KV pressure (and spread the gate) inside a version
     prewarm: bool = True  # move idle groups of versions without work to the newest version
     kv_aware: bool = True  # False: budget slots only (planner v1), KV pages ignored
     consolidate: bool = True  # pack older versions' tails onto as few groups as their KV needs
-    consolidate_fill: float = 0.9  # KV share an older version's groups are packed to
     spread: bool = True  # spare groups take over part of the gate version's load
-    spread_fill: float = 0.15  # the gate is spread until its groups hold this share of KV
     # several processes: moves within a host first (migration destinations, weight sources)
     prefer_local: bool = True
 
@@ -334,7 +335,7 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
     kv = policy.kv_aware and pages_total > 0
     level = policy.kv_pressure_threshold * pages_total if pages_total else math.inf
     limit = level if kv else math.inf  # no move fills a destination past this many pages
-    fill = min(policy.consolidate_fill, policy.kv_pressure_threshold) * pages_total
+    fill = min(CONSOLIDATE_FILL, policy.kv_pressure_threshold) * pages_total
     max_slots = max(g.max_slots for g in s.groups)
     # requests a fresh group admits (slots and KV reservation): what pending work needs per group
     per_group = max(1, min((len(g.requests) + g.free_slots for g in s.groups), default=1))
@@ -391,7 +392,7 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
     # with spare groups the trainer's wait for the gate is the cost to cut: spread it
     spreading = bool(spare and policy.spread and kv and critical and gate != s.latest)
     if spreading and gate in targets:
-        spread = min(running[gate], math.ceil(pages[gate] / (policy.spread_fill * pages_total)))
+        spread = min(running[gate], math.ceil(pages[gate] / (SPREAD_FILL * pages_total)))
         extra = min(spare, max(0, spread - targets[gate]))
         if extra:
             targets[gate] += extra
@@ -454,12 +455,11 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
                 transfers.append(WeightTransfer(gid, s.latest, TRAINER))
 
     # -- migrations inside a version: relieve KV pressure; spread the gate evenly
-    if policy.rebalance:
-        for v, ids in kept.items():
-            ready = [loads[i] for i in sorted(ids) if i not in moved]
-            if len(ready) > 1:
-                even = policy.spread and kv and critical and v == gate and v != s.latest
-                _rebalance(ready, level, limit, pages_total, even, migrations)
+    for v, ids in kept.items():
+        ready = [loads[i] for i in sorted(ids) if i not in moved]
+        if len(ready) > 1:
+            even = policy.spread and kv and critical and v == gate and v != s.latest
+            _rebalance(ready, level, limit, pages_total, even, migrations)
 
     # -- legacy supplement: fill idle slots of older versions, newest first
     supplements = [(s.latest, s_latest)] if s_latest else []

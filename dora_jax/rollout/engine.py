@@ -1,7 +1,7 @@
 """The host-side rollout engine of one group: continuous batching over fixed slots, one version.
 
-Method names mirror JetStream's Engine API (``load_params``, ``prefill``, ``generate``,
-``max_concurrent_decodes``; see docs/jetstream.md), extended with what DORA needs: a policy
+Method names follow JetStream's Engine API where they mean the same (``load_params``,
+``prefill``, ``free_resource``; see docs/jetstream.md), extended with what DORA needs: a policy
 version, behavior logprobs, moving requests out and in with their KV pages (``export_requests`` /
 ``import_requests``, ``park`` to host memory, ``interrupt``: :mod:`dora_jax.rollout.moves`), and
 multi-turn conversations.
@@ -195,10 +195,6 @@ class Engine(RequestMoves):
 
     # -- JetStream-style API -------------------------------------------------------------------
     @property
-    def max_concurrent_decodes(self) -> int:
-        return self.rcfg.max_slots
-
-    @property
     def param_shardings(self) -> Params:
         """Where this engine keeps its params (the group mesh, rollout rules)."""
         return self._param_shardings
@@ -231,10 +227,6 @@ class Engine(RequestMoves):
     def prefill(self, requests: Sequence[Request]) -> list[FinishedRequest]:
         """Prefill ``requests`` into free slots now (chunked), sampling each first token."""
         return self._prefill(list(requests), StepReport([]))
-
-    def generate(self) -> list[FinishedRequest]:
-        """One decode step for every running request."""
-        return self._decode(StepReport([]))
 
     def free_resource(self, slot: int) -> None:
         r = self.slots[slot]
