@@ -34,7 +34,8 @@ import numpy as np
 
 INLINE_BYTES = 1 << 14
 
-# The record types a host state may hold: "module:Name". Decoding builds nothing else.
+# The record types a host state may hold: "module:Name", or "module:*" for the records a module
+# lists in its RECORDS tuple. Decoding builds nothing else.
 RECORD_TYPES = (
     "dora_jax.orchestrator.backend:GroupInfo",
     "dora_jax.orchestrator.backend:GroupTick",
@@ -57,31 +58,7 @@ RECORD_TYPES = (
     "dora_jax.rollout.requests:ExportedRequests",
     "dora_jax.rollout.moves:EngineSnapshot",
     "dora_jax.train.batch:TrainBatch",
-    *(
-        f"dora_jax.execution.commands:{name}"
-        for name in (
-            "Load",
-            "OfferParams",
-            "Submit",
-            "SendRequests",
-            "ReceiveRequests",
-            "Interrupt",
-            "Extend",
-            "End",
-            "Step",
-            "Pause",
-            "Resume",
-            "Snapshot",
-            "Restore",
-            "StartTrainer",
-            "TrainStep",
-            "ExportParams",
-            "GatherState",
-            "RestoreState",
-            "GroupStatus",
-            "GroupEvent",
-        )
-    ),
+    "dora_jax.execution.commands:*",  # every record its RECORDS tuple names
 )
 
 
@@ -89,16 +66,24 @@ class StateCodecError(ValueError):
     """A value the codec cannot write, or a stored tree it cannot read back."""
 
 
+def _listed(module: str, qualname: str) -> bool:
+    if f"{module}:{qualname}" in RECORD_TYPES:
+        return True
+    if f"{module}:*" not in RECORD_TYPES:
+        return False
+    records = getattr(importlib.import_module(module), "RECORDS", ())
+    return any(r.__qualname__ == qualname for r in records)
+
+
 def _record_name(x: Any) -> str | None:
-    cls = type(x)
-    name = f"{cls.__module__}:{cls.__qualname__}"
-    return name if name in RECORD_TYPES else None
+    module, qualname = type(x).__module__, type(x).__qualname__
+    return f"{module}:{qualname}" if _listed(module, qualname) else None
 
 
 def _record_type(name: str) -> type:
-    if name not in RECORD_TYPES:
+    module, _, qualname = name.partition(":")
+    if not _listed(module, qualname):
         raise StateCodecError(f"the state names a record type {name!r} this version does not read")
-    module, qualname = name.split(":")
     return getattr(importlib.import_module(module), qualname)
 
 

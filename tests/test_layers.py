@@ -22,6 +22,7 @@ PLACES = (
     ("faults.py", "base"),
     ("platform.py", "base"),
     ("user_code.py", "base"),
+    ("worker_process.py", "base"),
     ("kernels/*", "kernels"),
     ("sharding.py", "sharding"),
     ("mesh.py", "sharding"),

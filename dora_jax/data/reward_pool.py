@@ -15,18 +15,16 @@ from __future__ import annotations
 import json
 import os
 import select
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from dora_jax.worker_process import WorkerProcess
 
 ERROR_KINDS = ("timeout", "exception", "invalid", "crash")
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _MAX_FAILED_STARTS = 3
 
 
@@ -45,41 +43,10 @@ class RewardPoolError(RuntimeError):
     """The workers cannot start (the reward function fails to load in them)."""
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, spec: str):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dora_jax.data.reward_worker", spec],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-        )  # fmt: skip
-        self.fd = self.proc.stdout.fileno()
-        self.buf = b""
-        self.ready = False
+        super().__init__("dora_jax.data.reward_worker", spec)
         self.job: tuple[int, float, float] | None = None  # (call id, sent: monotonic, now())
-
-    def send(self, msg: dict) -> None:
-        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def read(self) -> list[dict] | None:
-        """The complete lines now readable; None at end of file (the process died)."""
-        data = os.read(self.fd, 1 << 16)
-        if not data:
-            return None
-        self.buf += data
-        *lines, self.buf = self.buf.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
 
 
 class RewardPool:

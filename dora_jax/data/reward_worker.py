@@ -11,19 +11,13 @@ so it cannot corrupt the answers.
 from __future__ import annotations
 
 import json
-import os
 import sys
+
+from dora_jax.worker_process import answers
 
 
 def main(spec: str) -> int:
-    # answers go to a private copy of stdout; the function's prints go to stderr
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-    def send(msg: dict) -> None:
-        out.write(json.dumps(msg, allow_nan=False) + "\n")
-        out.flush()
+    send = answers()  # the answers' channel; prints go to stderr
 
     from dora_jax.data.reward_functions import InvalidReward, arity, call, load_reward_function
     from dora_jax.data.reward_functions import outcome as to_outcome

@@ -25,20 +25,17 @@ from __future__ import annotations
 import json
 import os
 import select
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dora_jax.envs.protocol import EnvOutcome, Step
+from dora_jax.worker_process import WorkerProcess
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _MAX_FAILED_STARTS = 3
 
 
@@ -69,42 +66,13 @@ class _Job:
     limit: float = 0.0
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, spec: str, kwargs_json: str):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "dora_jax.envs.worker", spec, kwargs_json]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self.fd = self.proc.stdout.fileno()
-        self.buf = b""
-        self.ready = False
+        super().__init__("dora_jax.envs.worker", spec, kwargs_json)
         self.dead = False  # killed and not replaced (the workers cannot start)
         self.job: _Job | None = None
         self.queue: deque[_Job] = deque()
         self.holds: set[int] = set()  # episodes whose instance lives in this process
-
-    def send(self, msg: dict) -> None:
-        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def read(self) -> list[dict] | None:
-        """The complete lines now readable; None at end of file (the process died)."""
-        data = os.read(self.fd, 1 << 16)
-        if not data:
-            return None
-        self.buf += data
-        *lines, self.buf = self.buf.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
 
 
 class EnvPool:

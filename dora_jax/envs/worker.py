@@ -23,11 +23,11 @@ import asyncio
 import hashlib
 import inspect
 import json
-import os
 import sys
 from typing import Any
 
 from dora_jax.envs.protocol import InvalidEnvReturn, Step, check_reset, check_step
+from dora_jax.worker_process import answers
 
 
 def invoke(method: Any, *args: Any) -> Any:
@@ -69,13 +69,7 @@ class _ReplayMismatch(Exception):
 
 
 def main(spec: str, kwargs_json: str) -> int:
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-    def send(msg: dict) -> None:
-        out.write(json.dumps(msg, allow_nan=False) + "\n")
-        out.flush()
+    send = answers()  # the answers' channel; prints go to stderr
 
     from dora_jax.envs.loading import load_environment_class, make_environment
     from dora_jax.envs.protocol import stop_strings

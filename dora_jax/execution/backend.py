@@ -58,6 +58,8 @@ from dora_jax.orchestrator.backend import (
     RequestSpec,
     Source,
     StepEvents,
+    check_migrate,
+    check_set_version,
 )
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.rollout import Engine, Request, request_key
@@ -203,27 +205,18 @@ class EngineBackend:
 
     def set_version(self, group: int, version: int, source: Source) -> None:
         self._check_group(group)
-        if self._version[group] == version:
-            return
-        if self._members[group]:
-            raise BackendError(f"group {group} still holds {len(self._members[group])} request(s)")
-        if source == TRAINER:
-            if version != self.published:
-                raise BackendError(
-                    f"the trainer only serves version {self.published}, not {version}"
-                )
-            cmd = self._load(group, version, self.trainer_params(version))
-        else:
+        if source != TRAINER:
             self._check_group(source)
-            if self._version[source] != version:
-                raise BackendError(
-                    f"group {source} holds version {self._version[source]}, not {version}"
-                )
-            if self._hosts[source] == self._hosts[group]:  # (it may still be loading it)
-                cmd = c.Load(group, version, peer=source)
-            else:
-                cmd = c.Load(group, version, ticket=self._new_ticket())
-                self._send(source, c.OfferParams(source, cmd.ticket))
+        held, version_of = len(self._members[group]), self._version.__getitem__
+        if not check_set_version(group, version, source, held, self.published, version_of):
+            return
+        if source == TRAINER:
+            cmd = self._load(group, version, self.trainer_params(version))
+        elif self._hosts[source] == self._hosts[group]:  # (it may still be loading it)
+            cmd = c.Load(group, version, peer=source)
+        else:
+            cmd = c.Load(group, version, ticket=self._new_ticket())
+            self._send(source, c.OfferParams(source, cmd.ticket))
         self._version[group] = version
         self._loads[group] = self._send(group, cmd)
 
@@ -295,19 +288,8 @@ class EngineBackend:
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         self._check_group(src)
         self._check_group(dst)
-        if src == dst:
-            raise BackendError(f"cannot migrate from group {src} to itself")
-        if self._version[src] != self._version[dst]:
-            raise BackendError(
-                f"cannot migrate from group {src} (version {self._version[src]}) to group "
-                f"{dst} (version {self._version[dst]})"
-            )
-        for rid in request_ids:
-            if self._where.get(rid) != src:
-                raise BackendError(f"request {rid} is not on group {src}")
-        free = self._free_slots(dst)
-        if len(request_ids) > free:
-            raise BackendError(f"group {dst} has {free} free slots for {len(request_ids)}")
+        check_migrate(request_ids, src, dst, self._version.__getitem__, self._where.get,
+                      self._free_slots(dst))  # fmt: skip
         for rid in request_ids:
             self._leave(rid)
             self._join(rid, dst)

@@ -190,7 +190,7 @@ class GroupEvent:
     turn_ends: tuple = ()
 
 
-GROUP_COMMANDS = (Load, OfferParams, Submit, SendRequests, ReceiveRequests, Interrupt, Extend,
-                  End, Step, Pause, Resume, Snapshot, Restore)  # fmt: skip
-TRAINER_COMMANDS = (StartTrainer, TrainStep, ExportParams, GatherState, RestoreState)
-RECORDS = (*GROUP_COMMANDS, *TRAINER_COMMANDS, GroupStatus, GroupEvent)
+# what the record codec (dora_jax.state_codec) writes and reads back
+RECORDS = (Load, OfferParams, Submit, SendRequests, ReceiveRequests, Interrupt, Extend, End, Step,
+           Pause, Resume, Snapshot, Restore, StartTrainer, TrainStep, ExportParams, GatherState,
+           RestoreState, GroupStatus, GroupEvent)  # fmt: skip

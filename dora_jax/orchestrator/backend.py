@@ -15,6 +15,7 @@ Identifiers are plain ints: ``group`` indexes ``groups()``; ``request_id`` is un
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -49,6 +50,42 @@ def check_submit(group: int, requests: list[RequestSpec], free: int, version: in
             raise BackendError(f"submit: request {rid} was already submitted")
         if spec.resume is not None and rid not in interrupted:
             raise BackendError(f"submit: request {rid} was not interrupted")
+
+
+def check_set_version(group: int, version: int, source: Source, held: int, published: int,
+                      version_of: Callable[[int], int]) -> bool:  # fmt: skip
+    """``set_version``'s contract for every backend: ``held`` requests on ``group``, the trainer's
+    ``published`` version, ``version_of(g)``: what group ``g`` holds. False: a no-op (it holds
+    ``version`` already)."""
+    if version_of(group) == version:
+        return False
+    if held:
+        raise BackendError(f"set_version: group {group} still holds {held} request(s)")
+    if source == TRAINER:
+        if version != published:
+            raise BackendError(f"set_version: the trainer only holds version {published}, "
+                               f"not {version}")  # fmt: skip
+    elif source == group or version_of(source) != version:
+        raise BackendError(f"set_version: group {source} does not hold version {version}")
+    return True
+
+
+def check_migrate(ids: list[int], src: int, dst: int, version_of: Callable[[int], int],
+                  where: Callable[[int], int | None], free: int | None) -> None:  # fmt: skip
+    """``migrate``'s contract for every backend: ``where(r)``: the group holding request ``r``;
+    ``free``: the slots ``dst`` has for them (None: the caller counts them itself)."""
+    if src == dst:
+        raise BackendError("migrate: src and dst are the same group")
+    if version_of(src) != version_of(dst):
+        raise BackendError(f"migrate: group {src} holds v{version_of(src)}, group {dst} "
+                           f"v{version_of(dst)}")  # fmt: skip
+    bad = next((r for r in ids if where(r) != src), None)
+    if bad is not None:
+        raise BackendError(f"migrate: request {bad} is not on group {src}")
+    if len(set(ids)) < len(ids):
+        raise BackendError("migrate: duplicate request ids")
+    if free is not None and len(ids) > free:
+        raise BackendError(f"migrate: group {dst} has {free} free slots for {len(ids)}")
 
 
 class GroupInfo(NamedTuple):

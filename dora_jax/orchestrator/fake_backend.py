@@ -31,6 +31,8 @@ from dora_jax.orchestrator.backend import (
     RequestSpec,
     Source,
     StepEvents,
+    check_migrate,
+    check_set_version,
     check_submit,
 )
 
@@ -178,21 +180,12 @@ class FakeBackend:
 
     def set_version(self, group: int, version: int, source: Source) -> None:
         g = self._group(group)
-        if g.version == version:
+        if source != TRAINER:
+            self._group(int(source))
+        version_of = lambda i: self._groups[i].version  # noqa: E731
+        if not check_set_version(group, version, source, len(g.reqs), self._published, version_of):
             return
-        if g.reqs:
-            raise BackendError(f"set_version: group {group} still holds {len(g.reqs)} requests")
-        if source == TRAINER:
-            if version != self._published:
-                raise BackendError(
-                    f"set_version: the trainer only holds version {self._published}, not {version}"
-                )
-            wait = 0
-        else:
-            src = self._group(int(source))
-            if src is g or src.version != version:
-                raise BackendError(f"set_version: group {source} does not hold version {version}")
-            wait = src.transfer_left
+        wait = 0 if source == TRAINER else self._groups[int(source)].transfer_left
         g.version = version
         g.transfer_left = wait + self.cfg.weight_transfer_ticks
 
@@ -220,15 +213,9 @@ class FakeBackend:
 
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         s, d = self._group(src), self._group(dst)
-        if s is d:
-            raise BackendError("migrate: src and dst are the same group")
-        if s.version != d.version:
-            raise BackendError(f"migrate: group {src} holds v{s.version}, group {dst} v{d.version}")
-        for rid in request_ids:
-            if self._where.get(rid) is not s:
-                raise BackendError(f"migrate: request {rid} is not on group {src}")
-        if len(request_ids) > self._free_slots(d):
-            raise BackendError(f"migrate: group {dst} has {self._free_slots(d)} free slots")
+        where = lambda r: getattr(self._where.get(r), "gid", None)  # noqa: E731
+        version_of = lambda i: self._groups[i].version  # noqa: E731
+        check_migrate(request_ids, src, dst, version_of, where, self._free_slots(d))
         for rid in request_ids:
             r = s.reqs.pop(rid)
             s.reserved -= r.reserve

@@ -68,6 +68,8 @@ from dora_jax.orchestrator.backend import (
     RequestSpec,
     Source,
     StepEvents,
+    check_migrate,
+    check_set_version,
     check_submit,
 )
 from dora_jax.sim.conversations import US, Conversations
@@ -242,22 +244,13 @@ class SimBackend(WaitingRequests):
 
     def set_version(self, group: int, version: int, source: Source) -> None:
         g = self._group(group)
-        if self.version[g] == version:
+        if source != TRAINER:
+            self._group(int(source))
+        held, version_of = int(self.n[g]), lambda i: int(self.version[i])
+        if not check_set_version(g, version, source, held, self._published, version_of):
             return
-        if self.n[g]:
-            raise BackendError(f"set_version: group {group} still holds {self.n[g]} requests")
-        if source == TRAINER:
-            if version != self._published:
-                raise BackendError(
-                    f"set_version: the trainer only holds version {self._published}, not {version}"
-                )
-            wait = 0.0
-        else:
-            s = self._group(int(source))
-            if s == g or self.version[s] != version:
-                raise BackendError(f"set_version: group {source} does not hold version {version}")
-            wait = float(self.busy[s])
         self.version[g] = version
+        wait = 0.0 if source == TRAINER else float(self.busy[int(source)])
         self.busy[g] = wait + self.cost.weight_transfer_s()
         self.weight_transfers += 1
 
@@ -316,17 +309,7 @@ class SimBackend(WaitingRequests):
 
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         s, d = self._group(src), self._group(dst)
-        if s == d:
-            raise BackendError("migrate: src and dst are the same group")
-        if self.version[s] != self.version[d]:
-            raise BackendError(
-                f"migrate: group {src} holds v{self.version[s]}, group {dst} v{self.version[d]}"
-            )
-        if any(self._where.get(r) != s for r in request_ids):
-            bad = next(r for r in request_ids if self._where.get(r) != s)
-            raise BackendError(f"migrate: request {bad} is not on group {src}")
-        if len(set(request_ids)) < len(request_ids):
-            raise BackendError("migrate: duplicate request ids")
+        check_migrate(request_ids, s, d, lambda i: int(self.version[i]), self._where.get, None)
         room, need = self.max_slots - int(self.n[d]), len(request_ids)
         if self.conversations is not None and request_ids:  # waiting requests take no slot
             w = int(self.n.max())

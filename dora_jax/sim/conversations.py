@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from dora_jax.sim.config import TurnsConfig
-from dora_jax.sim.workload import Z99, ResponseLengths, _phi
+from dora_jax.sim.workload import Z99, ResponseLengths, _phi, read_numbers
 
 # streams of the counter-based draws (one per random quantity)
 _TURNS, _MODEL, _MIX, _OBS, _LATENCY = 1, 2, 3, 4, 5
@@ -73,49 +73,16 @@ def normals(*keys) -> np.ndarray:
 
 
 def load_seconds(path: str | Path) -> np.ndarray:
-    """Measured environment seconds: one number per line (blank lines and ``#`` comments
-    skipped), sorted."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"environment latency file {str(p)!r} does not exist")
-    vals = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
-        s = line.split("#", 1)[0].strip()
-        if not s:
-            continue
-        try:
-            v = float(s)
-        except ValueError:
-            raise ValueError(f"{p}:{i}: expected seconds, got {s!r}") from None
-        if not v > 0 or not math.isfinite(v):
-            raise ValueError(f"{p}:{i}: seconds must be finite and > 0, got {s}")
-        vals.append(v)
-    if not vals:
-        raise ValueError(f"{p}: no latencies")
-    return np.sort(np.asarray(vals, dtype=np.float64))
+    """Measured environment seconds: one number per line."""
+    return read_numbers(path, "environment latency", float,
+                        lambda v: v > 0 and math.isfinite(v), "seconds",
+                        "seconds must be finite and > 0")  # fmt: skip
 
 
 def load_turns(path: str | Path) -> np.ndarray:
-    """Measured model turns per conversation: one integer >= 1 per line (blank lines and ``#``
-    comments skipped), sorted."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"turn count file {str(p)!r} does not exist")
-    vals = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
-        s = line.split("#", 1)[0].strip()
-        if not s:
-            continue
-        try:
-            v = int(s)
-        except ValueError:
-            raise ValueError(f"{p}:{i}: expected a number of turns, got {s!r}") from None
-        if v < 1:
-            raise ValueError(f"{p}:{i}: turns must be >= 1, got {v}")
-        vals.append(v)
-    if not vals:
-        raise ValueError(f"{p}: no turn counts")
-    return np.sort(np.asarray(vals, dtype=np.float64))
+    """Measured model turns per conversation: one integer >= 1 per line."""
+    return read_numbers(path, "turn count", int, lambda v: v >= 1, "a number of turns",
+                        "turns must be >= 1")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -34,26 +34,34 @@ def _phi(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + erf(z / math.sqrt(2.0)).astype(np.float64))
 
 
-def load_lengths(path: str | Path) -> np.ndarray:
-    """Measured response lengths: one integer per line (blank lines and ``#`` comments skipped)."""
+def read_numbers(path: str | Path, what: str, parse, check, unit: str, bound: str) -> np.ndarray:
+    """The numbers of a measurement file, sorted: one per line (blank lines and ``#`` comments
+    skipped); ``parse`` reads one (``expected {unit}`` when it cannot), ``check`` says whether
+    it is in range (``{bound}``)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"response length file {str(p)!r} does not exist")
+        raise FileNotFoundError(f"{what} file {str(p)!r} does not exist")
     vals = []
     for i, line in enumerate(p.read_text().splitlines(), 1):
         s = line.split("#", 1)[0].strip()
         if not s:
             continue
         try:
-            v = int(float(s))
+            v = parse(s)
         except ValueError:
-            raise ValueError(f"{p}:{i}: expected a token count, got {s!r}") from None
-        if v <= 0:
-            raise ValueError(f"{p}:{i}: token counts must be > 0, got {v}")
+            raise ValueError(f"{p}:{i}: expected {unit}, got {s!r}") from None
+        if not check(v):
+            raise ValueError(f"{p}:{i}: {bound}, got {s}")
         vals.append(v)
     if not vals:
-        raise ValueError(f"{p}: no lengths")
+        raise ValueError(f"{p}: no {what} in the file")
     return np.sort(np.asarray(vals, dtype=np.float64))
+
+
+def load_lengths(path: str | Path) -> np.ndarray:
+    """Measured response lengths: one integer per line."""
+    return read_numbers(path, "response length", lambda s: int(float(s)), lambda v: v > 0,
+                        "a token count", "token counts must be > 0")  # fmt: skip
 
 
 class ResponseLengths:
