@@ -236,6 +236,11 @@ class SpmdTrainer:
     def compile_ahead(self, num_samples: int | None = None) -> None:
         self.trainer.compile_ahead(num_samples)
 
+    @property
+    def compiled_ahead(self) -> dict:
+        """The batch shapes compiled on the worker thread, with each one's seconds."""
+        return self.trainer.compiled_ahead
+
     def close(self) -> None:
         self.trainer.close()
 
