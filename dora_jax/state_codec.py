@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -66,6 +67,7 @@ class StateCodecError(ValueError):
     """A value the codec cannot write, or a stored tree it cannot read back."""
 
 
+@functools.cache
 def _listed(module: str, qualname: str) -> bool:
     if f"{module}:{qualname}" in RECORD_TYPES:
         return True
