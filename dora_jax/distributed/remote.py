@@ -33,7 +33,9 @@ import jax
 from dora_jax.distributed.channel import Channel
 from dora_jax.distributed.transfers import Transfers
 from dora_jax.execution.commands import GroupCommand, GroupEvent, GroupStatus
-from dora_jax.execution.transport import done
+from dora_jax.execution.group import GroupWorker, Place
+from dora_jax.execution.transport import Inline, Threaded, done
+from dora_jax.orchestrator.clock import Bus
 
 WAIT_S = 600.0
 
@@ -180,10 +182,6 @@ class GroupHost:
     """Runs this process's groups for process 0 (every process but 0)."""
 
     def __init__(self, channel: Channel, transfers: Transfers, engines: dict, wall: bool):
-        from dora_jax.execution.group import GroupWorker, Place
-        from dora_jax.execution.transport import Inline, Threaded
-        from dora_jax.orchestrator.clock import Bus
-
         self.channel, self.transfers, self.wall = channel, transfers, wall
         self.bus = Bus()
         self.stopped = threading.Event()

@@ -29,6 +29,7 @@ import hashlib
 import re
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -249,8 +250,6 @@ class FollowTrainer:
     """A trainer process other than 0: process 0's commands, run in order on a thread."""
 
     def __init__(self, cfg, mesh):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.worker = TrainerWorker(cfg, mesh, lead=False, spans=True)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="follow-trainer")
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend, Source
@@ -54,6 +54,7 @@ class Trainer(Protocol):
         ...
 
 
+@runtime_checkable
 class StepRunner(Protocol):
     """The runtime's view of a trainer: a step runs between ``start`` and the ``poll`` that
     returns ``(new_version, t0, t1)`` (when it ran, on the run's clock); ``None`` until then."""
@@ -120,7 +121,7 @@ class Runtime:
         self.policy: Mode = policy_for(cfg)  # the mode object
         self.group_size = group_size
         self.backend = backend
-        self.trainer: StepRunner = trainer if hasattr(trainer, "poll") else TickedTrainer(trainer)
+        self.trainer = trainer if isinstance(trainer, StepRunner) else TickedTrainer(trainer)
         self.window = VersionWindow(self.policy.k, self.policy.per_step, initial_version)
         self.queue = TransferQueue(group_size)
         self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
