@@ -127,7 +127,8 @@ class EngineBackend:
             if host != self.me:
                 self.handles.append(cluster.remote(g, host, not self.wall,
                                                    rollout_cfg.num_pages - 1))  # fmt: skip
-                self._loads.append(self._send(g, self._load(g, 0, initial_params)))
+                src = self._trainer_source(g, 0, initial_params)
+                self._loads.append(self._send(g, c.Load(g, 0, **src)))
                 continue
             e = Engine(model_cfg, rollout_cfg, m, eos_id, interpret=interpret)
             e.load_params(initial_params, 0)
@@ -211,7 +212,8 @@ class EngineBackend:
         if not check_set_version(group, version, source, held, self.published, version_of):
             return
         if source == TRAINER:
-            cmd = self._load(group, version, self.trainer_params(version))
+            src = self._trainer_source(group, version, self.trainer_params(version))
+            cmd = c.Load(group, version, **src)
         elif self._hosts[source] == self._hosts[group]:  # (it may still be loading it)
             cmd = c.Load(group, version, peer=source)
         else:
@@ -220,12 +222,12 @@ class EngineBackend:
         self._version[group] = version
         self._loads[group] = self._send(group, cmd)
 
-    def _load(self, group: int, version: int, params: Params) -> c.Load:
-        """A load of the trainer's ``params``: as they are for a group of this process, else
-        staged for the group's process to pull."""
+    def _trainer_source(self, group: int, version: int, params: Params) -> dict:
+        """Where ``group`` takes the trainer's ``params``: as they are for a group of this
+        process, else staged for the group's process to pull (``Load``/``Restore`` fields)."""
         if self._hosts[group] == self.me:
-            return c.Load(group, version, params=params)
-        return c.Load(group, version, ticket=self.cluster.link.stage_trainer(params, version))
+            return {"params": params}
+        return {"ticket": self.cluster.link.stage_trainer(params, version)}
 
     def _send(self, group: int, cmd: c.GroupCommand) -> Future:
         return self.handles[group].send(cmd)
@@ -511,9 +513,8 @@ class EngineBackend:
                 raise BackendError(
                     f"group {g}: snapshot of v{snap.version}, state v{self._version[g]}"
                 )
-            load = self._load(g, snap.version, params_for(snap.version))
-            restore = c.Restore(g, snap, params=load.params, ticket=load.ticket)
-            self._send(g, restore).result(WAIT_S)  # on the group's own thread
+            source = self._trainer_source(g, snap.version, params_for(snap.version))
+            self._send(g, c.Restore(g, snap, **source)).result(WAIT_S)  # on the group's thread
             self._loads[g] = done()
 
     # -- internals -------------------------------------------------------------------------------

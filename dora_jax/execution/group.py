@@ -12,6 +12,7 @@ a send nor an offer of params ever waits on anything, so no cycle of waits can f
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import traceback
 from collections.abc import Callable, Hashable
@@ -25,7 +26,6 @@ from dora_jax.execution.commands import GroupEvent, GroupStatus
 from dora_jax.orchestrator.backend import GroupTick
 from dora_jax.rollout import Engine
 from dora_jax.rollout.engine import Handover
-from dora_jax.rollout.requests import ExportedRequests
 
 # Weight loads read arrays that other threads may be reading at the same moment (one published
 # version loaded into several groups at once). Splitting a sharded array into its shards for a
@@ -185,9 +185,8 @@ class GroupWorker:
         if slot is not None:
             slot.set_result(out)
             return
-        running = out.running
-        meta = {"running": None if running is None else ExportedRequests(running.requests,
-                                                                        running.page_counts, None),
+        running = out.running  # its pack buffer travels as an array of its own
+        meta = {"running": None if running is None else dataclasses.replace(running, kv=None),
                 "queued": out.queued, "parked": out.parked}  # fmt: skip
         self.place.transfers.serve(cmd.ticket, [running.kv] if running is not None else [], meta)
 
@@ -199,7 +198,7 @@ class GroupWorker:
                 p.wait_s,
             )  # fmt: skip
             r = meta["running"]
-            running = None if r is None else ExportedRequests(r.requests, r.page_counts, arrays[0])
+            running = None if r is None else dataclasses.replace(r, kv=arrays[0])
             handover = Handover(running, list(meta["queued"]), list(meta["parked"]))
         else:
             handover = p.handoffs.take(cmd.ticket, p.wait_s)

@@ -55,7 +55,6 @@ from dora_jax.pipeline.memory_plan import resolve as resolve_pages
 from dora_jax.pipeline.warm_start import warm_start
 from dora_jax.platform import release_free_memory
 from dora_jax.sharding import tree_shardings
-from dora_jax.train import Trainer
 
 __all__ = ["Experiment", "ExperimentError", "build", "load_examples", "run"]
 
@@ -80,7 +79,7 @@ class Experiment:
     env: EnvRun | None = None  # multi-turn environments (env.spec): pool, turn driver, prompts
 
     @property
-    def trainer(self) -> Trainer:
+    def trainer(self) -> SpmdTrainer:
         return self.grpo.trainer
 
     def close(self) -> None:
@@ -91,8 +90,7 @@ class Experiment:
         self.reward.close()
         if self.env is not None:
             self.env.close()
-        if isinstance(self.trainer, Trainer):
-            self.trainer.close()
+        self.trainer.close()
 
     # -- what a checkpoint holds (dora_jax.checkpoint calls these) ------------------------------
 
