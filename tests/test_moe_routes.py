@@ -17,7 +17,7 @@ from dora_jax.mesh import make_mesh
 from dora_jax.model import hidden_states, init_params
 from dora_jax.rollout import Engine, Request, request_key
 from dora_jax.train.batch import Trajectory, pack_batch
-from dora_jax.train.step import Trainer
+from dora_jax.train.trainer import Trainer
 
 CFG = ModelConfig(family="qwen3_moe", attention_bias=False, vocab_size=64,
                   hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

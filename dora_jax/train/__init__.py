@@ -22,7 +22,8 @@ from dora_jax.train.state import (
     state_shardings,
     uses_master,
 )
-from dora_jax.train.step import Trainer, train_step, train_step_with_grads
+from dora_jax.train.step import train_step, train_step_with_grads
+from dora_jax.train.trainer import Trainer
 
 __all__ = [
     "Surrogate",
