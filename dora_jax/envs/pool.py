@@ -23,8 +23,6 @@ it: one reset forked into the members of a prompt group, or episodes restored fr
 from __future__ import annotations
 
 import json
-import os
-import select
 import threading
 import time
 from collections import Counter, deque
@@ -34,9 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dora_jax.envs.protocol import EnvOutcome, Step
-from dora_jax.worker_process import WorkerProcess
-
-_MAX_FAILED_STARTS = 3
+from dora_jax.worker_process import WorkerPool, WorkerProcess
 
 
 class EnvPoolError(RuntimeError):
@@ -65,17 +61,21 @@ class _Job:
     t0: float = 0.0  # now()
     limit: float = 0.0
 
+    @property
+    def deadline(self) -> float:
+        return self.sent + self.limit
+
 
 class _Worker(WorkerProcess):
     def __init__(self, spec: str, kwargs_json: str):
         super().__init__("dora_jax.envs.worker", spec, kwargs_json)
-        self.dead = False  # killed and not replaced (the workers cannot start)
-        self.job: _Job | None = None
         self.queue: deque[_Job] = deque()
         self.holds: set[int] = set()  # episodes whose instance lives in this process
 
 
-class EnvPool:
+class EnvPool(WorkerPool):
+    kind = "environment"
+
     def __init__(
         self,
         spec: str,
@@ -87,22 +87,15 @@ class EnvPool:
     ):
         if workers < 1 or timeout_s <= 0:
             raise ValueError(f"need workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
-        self.spec, self.timeout_s, self.now = spec, timeout_s, now
+        self.spec = spec
         self._kwargs_json = json.dumps(kwargs or {})
         self.spans: deque[tuple[str, str, float, float]] = deque(maxlen=100_000)
         self.errors: Counter[str] = Counter()
         self.stop_strings: tuple[str, ...] = ()
-        self._lock = threading.RLock()
         self._episodes: dict[int, _Episode] = {}
         self._next_call = self._next_episode = 0
-        self._closed = False
-        self._fatal: str | None = None
-        self._failed_starts = 0
         self._started = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
-        self._workers = [_Worker(spec, self._kwargs_json) for _ in range(workers)]
-        self._thread = threading.Thread(target=self._loop, name="env-pool", daemon=True)
-        self._thread.start()
+        super().__init__(workers, timeout_s, now)
         if not self._started.wait(start_timeout_s):
             self.close()
             raise EnvPoolError(f"env: no worker started within {start_timeout_s:g} s")
@@ -140,7 +133,7 @@ class EnvPool:
                 w = self._workers[ep.worker]
                 w.queue.append(_Job(-1, "close", episode, {"op": "close", "episode": episode},
                                     Future()))  # fmt: skip
-        os.write(self._wake_w, b"x")
+        self._wake()
 
     def episode_state(self, episode: int) -> dict[str, Any]:
         """What rebuilds the episode elsewhere, as plain JSON data: ``seed``, ``task``,
@@ -176,21 +169,6 @@ class EnvPool:
         with self._lock:
             return sum(1 for e in self._episodes.values() if e.ended is None)
 
-    def close(self) -> None:
-        """Stop the workers; calls not yet answered end ``crash``. Safe to call twice."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        os.write(self._wake_w, b"x")
-        self._thread.join(timeout=30)
-        for w in self._workers:
-            if not w.dead:
-                w.kill()
-        if not self._thread.is_alive():
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-
     def _live(self, episode: int) -> _Episode:
         ep = self._episodes.get(episode)
         if ep is None or ep.ended is not None:
@@ -212,34 +190,16 @@ class EnvPool:
             return fut
         self._next_call += 1
         self._workers[w].queue.append(_Job(self._next_call, op, eid, msg, fut))
-        os.write(self._wake_w, b"x")
+        self._wake()
         return fut
 
-    # -- the dispatcher thread -------------------------------------------------------------------
+    # -- the dispatcher thread's hooks -----------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    break
-                self._assign()
-                timeout = self._next_deadline()
-                fds = [self._wake_r] + [w.fd for w in self._workers if not w.dead]
-            readable, _, _ = select.select(fds, [], [], timeout)
-            with self._lock:
-                if self._wake_r in readable:
-                    os.read(self._wake_r, 1 << 12)
-                for w in list(self._workers):
-                    if not w.dead and w.fd in readable:
-                        self._receive(w)
-                self._expire()
-        with self._lock:
-            for w in self._workers:
-                for job in [w.job, *w.queue]:
-                    if job is not None and job.cid >= 0:
-                        self._resolve(job, EnvOutcome(None, "crash", "the environment pool closed"))
-                w.job, w.queue = None, deque()
-        self._started.set()
+    def _spawn(self, old: _Worker | None) -> _Worker:
+        fresh = _Worker(self.spec, self._kwargs_json)
+        if old is not None:  # the fresh worker takes over the killed one's queue
+            fresh.queue = old.queue
+        return fresh
 
     def _assign(self) -> None:
         for w in self._workers:
@@ -264,59 +224,47 @@ class EnvPool:
                 w.job = job
                 self._send(w, {"id": job.cid, **job.msg})
 
-    def _send(self, w: _Worker, msg: dict) -> None:
-        try:
-            w.send(msg)
-        except (BrokenPipeError, OSError):
-            pass  # the process died: its end of file is read next and the call ends "crash"
+    def _ready(self, w: _Worker, msg: dict) -> None:
+        self.stop_strings = tuple(msg.get("stop", ()))
+        self._started.set()
 
-    def _next_deadline(self) -> float | None:
-        busy = [w.job.sent + w.job.limit for w in self._workers if w.job is not None]
-        if not busy:
-            return None
-        return max(0.0, min(busy) - time.monotonic()) + 1e-3
-
-    def _receive(self, w: _Worker) -> None:
-        try:
-            msgs = w.read()
-        except (OSError, json.JSONDecodeError):
-            msgs = None
-        if msgs is None:
-            fatal = None if w.ready else "an environment worker exited while starting"
-            self._replace(w, EnvOutcome(None, "crash", "the worker process died"), fatal)
+    def _answer(self, w: _Worker, msg: dict) -> None:
+        job, w.job = w.job, None
+        if "error" in msg:
+            w.holds.discard(job.episode)
+            self._resolve(job, EnvOutcome(None, msg["error"], msg.get("message", "")))
             return
-        for msg in msgs:
-            if "fatal" in msg:
-                self._replace(w, None, msg["fatal"])
-                return
-            if msg.get("ready"):
-                w.ready = True
-                self._failed_starts = 0
-                self.stop_strings = tuple(msg.get("stop", ()))
-                self._started.set()
-            elif w.job is not None and msg.get("id") == w.job.cid:
-                job, w.job = w.job, None
-                if "error" in msg:
-                    w.holds.discard(job.episode)
-                    self._resolve(job, EnvOutcome(None, msg["error"], msg.get("message", "")))
-                    continue
-                w.holds.add(job.episode)
-                ep = self._episodes.get(job.episode)
-                if ep is not None:
-                    ep.digest = msg["digest"]
-                    if job.op == "step":
-                        ep.actions.append(job.msg["action"])
-                r = msg["result"]
-                step = Step(r["observation"], float(r["reward"]), bool(r["terminated"]),
-                            bool(r["truncated"]), dict(r["info"]))  # fmt: skip
-                self._resolve(job, EnvOutcome(step))
+        w.holds.add(job.episode)
+        ep = self._episodes.get(job.episode)
+        if ep is not None:
+            ep.digest = msg["digest"]
+            if job.op == "step":
+                ep.actions.append(job.msg["action"])
+        r = msg["result"]
+        step = Step(r["observation"], float(r["reward"]), bool(r["terminated"]),
+                    bool(r["truncated"]), dict(r["info"]))  # fmt: skip
+        self._resolve(job, EnvOutcome(step))
 
-    def _expire(self) -> None:
-        t = time.monotonic()
-        for w in list(self._workers):
-            if w.job is not None and t - w.job.sent > w.job.limit:
-                msg = f"no answer within the environment timeout of {w.job.limit:g} s"
-                self._replace(w, EnvOutcome(None, "timeout", msg), None)
+    def _timeout_message(self, job: _Job) -> str:
+        return f"no answer within the environment timeout of {job.limit:g} s"
+
+    def _finish(self, job: _Job, error: str, message: str) -> None:
+        self._resolve(job, EnvOutcome(None, error, message))
+
+    def _gave_up(self, w: _Worker) -> None:
+        for job in w.queue:
+            if job.cid >= 0:
+                self._finish(job, "crash", self._fatal)
+        w.queue.clear()
+        self._started.set()
+
+    def _drain(self) -> None:
+        for w in self._workers:
+            for job in [w.job, *w.queue]:
+                if job is not None and job.cid >= 0:
+                    self._finish(job, "crash", "the environment pool closed")
+            w.job, w.queue = None, deque()
+        self._started.set()
 
     def _resolve(self, job: _Job, out: EnvOutcome) -> None:
         seconds = time.monotonic() - job.sent if job.sent else 0.0
@@ -330,27 +278,3 @@ class EnvPool:
         if out.error is not None:
             self.errors[out.error] += 1
         job.fut.set_result(out)
-
-    def _replace(self, w: _Worker, out: EnvOutcome | None, fatal: str | None) -> None:
-        """Kill worker ``w`` (its call, if any, ends with ``out``) and start a fresh one that takes
-        over its queue, unless workers keep failing to start (then every call ends ``crash``)."""
-        if w.job is not None:
-            job, w.job = w.job, None
-            self._resolve(job, out or EnvOutcome(None, "crash", fatal or ""))
-        w.kill()
-        if fatal is not None:
-            self._failed_starts += 1
-            if self._failed_starts >= _MAX_FAILED_STARTS:
-                self._fatal = f"environment workers cannot start: {fatal}"
-                self._started.set()
-        i = self._workers.index(w)
-        if self._fatal is not None:
-            for job in w.queue:
-                if job.cid >= 0:
-                    self._resolve(job, EnvOutcome(None, "crash", self._fatal))
-            w.queue.clear()
-            w.ready, w.dead = False, True
-            return
-        fresh = _Worker(self.spec, self._kwargs_json)
-        fresh.queue = w.queue
-        self._workers[i] = fresh
