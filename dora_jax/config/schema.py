@@ -290,7 +290,6 @@ BUILT_IN_REWARDS = ("exact", "boxed_math", "partial_credit")
 # (``jax.random.key`` keeps the low 32 bits without x64: seeds 2**32 apart would share their
 # initial params), so it must be an integer in [0, SEED_MAX].
 SEED_MAX = 2**32 - 1
-DATA_FILE_TASKS = ("jsonl", "parquet", "hf")
 
 
 @dataclass(frozen=True)
