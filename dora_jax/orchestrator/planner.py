@@ -60,7 +60,6 @@ from itertools import accumulate
 
 from dora_jax.orchestrator.backend import TRAINER, GroupInfo, Source
 
-TRIGGERS = ("new_version", "kv_pressure", "period", "idle")
 MUTABLE_TRIGGERS = ("kv_pressure", "idle")  # the others fire on events or on a clock
 
 
