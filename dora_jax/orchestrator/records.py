@@ -160,10 +160,6 @@ class Records:
         self.history_offsets = self._files.offsets
         return self._files.short
 
-    @property
-    def attached(self) -> bool:
-        return self._files is not None
-
     def flush(self, keep_last_step: bool = False) -> None:
         """Write what the lists hold to the history files and empty them (a no-op in memory).
         ``keep_last_step``: the last train step is still running (its record changes when it is
