@@ -237,13 +237,14 @@ class Records:
         full = self.full()
         if full is not self:
             return full.summary(steps)
-        if self.clock == "wall":
-            return self._wall_summary(steps)
         end = self.horizon(steps)
         steps_in, common = self._common(end)
+        if self.clock == "wall":
+            return self._wall_summary(end, steps_in, common)
         rows = self.groups[:end]
         gt = max(1, end * self.num_groups)
-        idle = prefill = transfer = migrate = tokens = reprefill = 0
+        idle = tokens = reprefill = 0
+        cat: Counter = Counter()  # group-ticks per activity, idle ones aside
         max_live = 0
         idle_by_group = [0] * self.num_groups
         busy_ticks: list[tuple[float, float]] = []
@@ -255,12 +256,8 @@ class Records:
                 if (g.activity == "idle" and g.active == 0) or g.activity == "env_wait":
                     idle += 1
                     idle_by_group[g.group] += 1
-                elif g.activity == "prefill":
-                    prefill += 1
-                elif g.activity == "transfer":
-                    transfer += 1
-                elif g.activity == "migrate":
-                    migrate += 1
+                else:
+                    cat[g.activity] += 1
                 if g.active:
                     live.add(g.version)
                 rolling = rolling or g.activity in ("prefill", "decode")
@@ -275,9 +272,9 @@ class Records:
             tokens_per_tick=common["tokens"] / end if end else 0.0,
             bubble=idle / gt,
             utilisation=tokens / (gt * self.max_slots * self.tokens_per_slot_tick),
-            prefill_frac=prefill / gt,
-            weight_transfer_frac=transfer / gt,
-            migration_frac=migrate / gt,
+            prefill_frac=cat["prefill"] / gt,
+            weight_transfer_frac=cat["transfer"] / gt,
+            migration_frac=cat["migrate"] / gt,
             reprefill_tokens=reprefill,
             max_live_versions=max_live,
             overlap=_overlap(self.steps, end, busy_ticks),
@@ -285,9 +282,7 @@ class Records:
             **common,
         )
 
-    def _wall_summary(self, steps: int | None) -> Summary:
-        end = self.horizon(steps)
-        steps_in, common = self._common(end)
+    def _wall_summary(self, end: float, steps_in: list[StepRecord], common: dict) -> Summary:
         spans = [g for g in self.spans if g.t0 < end]
         span = max(end, 1e-12)
         busy = [0.0] * self.num_groups
@@ -393,11 +388,8 @@ def _decode(kind: str, rows: list) -> list:
 
 def plan_counts(plans: list[PlanRecord]) -> dict:
     """Plans per trigger (in order of first use) and how many moved weights or requests."""
-    by: dict[str, int] = {}
-    for p in plans:
-        by[p.trigger] = by.get(p.trigger, 0) + 1
     moving = sum(1 for p in plans if p.transfers or p.migrated)
-    return {"plans_by_trigger": by, "plans_moving": moving}
+    return {"plans_by_trigger": dict(Counter(p.trigger for p in plans)), "plans_moving": moving}
 
 
 def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
