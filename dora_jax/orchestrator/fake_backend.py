@@ -101,12 +101,18 @@ class _Req:
 
     def __init__(self, spec: RequestSpec, target: int, reserve: int, ready_at: int):
         self.rid, self.pg, self.prompt_len = spec.request_id, spec.prompt_group, spec.prompt_len
-        self.target, self.reserve, self.ready_at, self.payload = target, reserve, ready_at, None
+        self.target, self.reserve, self.ready_at = target, reserve, ready_at
+        self.payload = spec.payload
         self.generated, self.reprefill_left, self.versions = 0, 0, []
         self.prefill_left = spec.prompt_len
 
     def cached(self) -> int:
         return self.prompt_len + self.generated - self.prefill_left
+
+
+def _result(r: _Req) -> tuple:
+    """A Finished- or PartialRequest's fields: id, prompt group, lengths, versions, payload."""
+    return r.rid, r.pg, r.prompt_len, r.generated, tuple(r.versions), r.payload
 
 
 class _Group:
@@ -139,20 +145,10 @@ class FakeBackend:
 
     def groups(self) -> list[GroupInfo]:
         ps, slots, total = self.cfg.page_size, self.cfg.max_slots, self._kv_total
-        per_req = self.cfg.pages_per_request
         out = []
         for g in self._groups:
-            if g.reqs:
-                ids = tuple(g.reqs)
-                pages = tuple([
-                    (r.prompt_len + r.generated - r.prefill_left + ps - 1) // ps
-                    for r in g.reqs.values()
-                ])  # fmt: skip
-                used = sum(pages)
-            else:
-                ids = pages = ()
-                used = 0
-            free = max(0, min(slots - len(ids), (total - g.reserved) // per_req))
+            ids, pages = tuple(g.reqs), tuple(-(-r.cached() // ps) for r in g.reqs.values())
+            free, used = self._free_slots(g), sum(pages)
             out.append(
                 GroupInfo(g.gid, g.version, g.transfer_left, slots, free, used, total, ids, pages)
             )
@@ -205,7 +201,6 @@ class FakeBackend:
                 r.prefill_left = spec.prompt_len + r.generated
                 r.reprefill_left = cached
                 r.versions = list(spec.resume.versions)
-            r.payload = spec.payload
             self._seen.add(spec.request_id)
             g.reqs[r.rid] = r
             g.reserved += reserve
@@ -234,8 +229,7 @@ class FakeBackend:
             r = g.reqs.pop(rid)
             g.reserved -= r.reserve
             self._interrupted[rid] = (r.target, r.cached())
-            versions = tuple(r.versions)
-            out.append(PartialRequest(rid, r.pg, r.prompt_len, r.generated, versions, r.payload))
+            out.append(PartialRequest(*_result(r)))
         return out
 
     def step(self) -> StepEvents:
@@ -275,16 +269,7 @@ class FakeBackend:
                             del reqs[r.rid]
                             del self._where[r.rid]
                             g.reserved -= r.reserve
-                            finished.append(
-                                FinishedRequest(
-                                    r.rid,
-                                    r.pg,
-                                    r.prompt_len,
-                                    r.generated,
-                                    tuple(r.versions),
-                                    r.payload,
-                                )  # fmt: skip
-                            )
+                            finished.append(FinishedRequest(*_result(r)))
                     tokens = len(runnable)
                 else:
                     activity = "idle"
