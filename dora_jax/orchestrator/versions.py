@@ -82,14 +82,12 @@ class VersionWindow:
         c, k = self.consume_version, min(self.k, self.target_k)
         if version > self.latest or version < max(c - k, self.first):
             return 0
-        cum = sum(n for v, n in self._open.items() if v <= version)
-        best = None
+        cum = sum(n for v, n in self._open.items() if v < version)
+        caps = []  # room under the bound of every version w >= version
         for w in range(version, self.latest + 1):
-            if w > version:
-                cum += self._open.get(w, 0)
-            cap = (w + k - c + 1) * self.per_step - cum
-            best = cap if best is None else min(best, cap)
-        return max(0, best if best is not None else 0)
+            cum += self._open.get(w, 0)
+            caps.append((w + k - c + 1) * self.per_step - cum)
+        return max(0, min(caps))
 
     def staleness(self, version: int) -> int:
         """Staleness of a trajectory of ``version`` if the next step consumed it."""
