@@ -151,14 +151,10 @@ class Runtime:
 
     # -- one tick --------------------------------------------------------------------------------
 
-    def now(self) -> float:
-        """The tick index (logical clock) or seconds since the start (wall clock)."""
-        return self.clock.now()
-
     def tick(self) -> None:
         if self.clock.kind == "logical":
             self.clock.tick = self.tick_index
-        t = self.now()
+        t = self.clock.now()
         if self._train is not None:
             done = self.trainer.poll(t)
             if done is not None:
@@ -208,7 +204,7 @@ class Runtime:
         """Wall clock: pause every group and take in what they reported."""
         self.backend.pause()
         self._held = True
-        self._step_backend(self.now())
+        self._step_backend(self.clock.now())
 
     def _release(self) -> None:
         self.backend.resume()
