@@ -75,12 +75,6 @@ class FakeBackendConfig:
         """Pages reserved by a request with the longest prompt and response."""
         return -(-(self.max_prompt_len + self.max_new_tokens) // self.page_size)
 
-    @property
-    def resolved_kv_pages(self) -> int:
-        if self.kv_pages is not None:
-            return self.kv_pages
-        return self.max_slots * self.pages_per_request
-
 
 def response_length(cfg: FakeBackendConfig, request_id: int, prompt_group: int) -> int:
     """The response length of a request: a pure function of the seed and the ids."""
@@ -129,7 +123,7 @@ class FakeBackend:
 
     def __init__(self, cfg: FakeBackendConfig):
         self.cfg = cfg
-        self._kv_total = cfg.resolved_kv_pages
+        self._kv_total = cfg.kv_pages or cfg.max_slots * cfg.pages_per_request  # (never 0)
         self._groups = [_Group(g, 0) for g in range(cfg.num_groups)]
         self._published = 0
         self._tick = 0
@@ -153,11 +147,6 @@ class FakeBackend:
                 GroupInfo(g.gid, g.version, g.transfer_left, slots, free, used, total, ids, pages)
             )
         return out
-
-    @property
-    def tick(self) -> int:
-        """Ticks run so far (the index of the next one)."""
-        return self._tick
 
     def live_requests(self) -> int:
         return len(self._where)
