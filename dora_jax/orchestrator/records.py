@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import astuple, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import NamedTuple
 
@@ -437,12 +438,10 @@ def _max_live(spans: list[GroupTick], num_groups: int) -> int:
     events: list[tuple[float, int, int]] = []  # (time, +1 start / -1 end, version)
     for own in by_group:
         own.sort(key=lambda x: x.t0)
-        for i, g in enumerate(own):
-            if not g.active:
-                continue
-            nxt = own[i + 1] if i + 1 < len(own) else None
-            until = nxt.t0 if nxt is not None and nxt.active else g.t1
-            events += [(g.t0, 1, g.version), (max(until, g.t0), -1, g.version)]
+        for g, nxt in pairwise([*own, None]):  # (each span with the next one of its group)
+            if g.active:
+                until = nxt.t0 if nxt is not None and nxt.active else g.t1
+                events += [(g.t0, 1, g.version), (max(until, g.t0), -1, g.version)]
     live: Counter = Counter()
     best = 0
     for _, d, v in sorted(events, key=lambda e: (e[0], e[1])):  # ends before starts at a tie

@@ -187,11 +187,8 @@ class VersionWindow:
             self._open.pop(version, None)
 
     def retag(self, old: int, new: int, n: int = 1) -> None:
-        """Move ``n`` open prompt groups from ``old`` to the newer ``new`` (not started yet).
-
-        This only lowers ``open(<= w)`` for ``old <= w < new`` and leaves it unchanged elsewhere,
-        so the bound keeps holding.
-        """
+        """Move ``n`` open prompt groups from ``old`` to the newer ``new`` (not started yet). This
+        only lowers ``open(<= w)`` for ``old <= w < new``, so the bound keeps holding."""
         if not old <= new <= self.latest or new < self.first:
             raise WindowError(f"cannot re-tag v{old} -> v{new} (latest v{self.latest})")
         self.close(old, n)
