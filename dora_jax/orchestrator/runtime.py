@@ -113,7 +113,6 @@ class Runtime:
         trainer: Trainer,
         prompts: PromptSource,
         *,
-        initial_version: int = 0,
         clock: LogicalClock | WallClock | None = None,
     ):
         self.cfg = cfg
@@ -122,7 +121,7 @@ class Runtime:
         self.group_size = group_size
         self.backend = backend
         self.trainer = trainer if isinstance(trainer, StepRunner) else TickedTrainer(trainer)
-        self.window = VersionWindow(self.policy.k, self.policy.per_step, initial_version)
+        self.window = VersionWindow(self.policy.k, self.policy.per_step)
         self.queue = TransferQueue(group_size)
         self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
         infos, tokens = backend.groups(), getattr(backend, "tokens_per_slot_tick", 1)
