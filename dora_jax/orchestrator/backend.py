@@ -103,9 +103,8 @@ class GroupInfo(NamedTuple):
     requests: tuple[int, ...] = ()
     request_pages: tuple[int, ...] = ()
     host: int = 0  # the process whose devices hold the group (multi-process runs)
-    # the requests of ``requests`` that wait on their environment (multi-turn conversations):
-    # they hold KV pages and pin their version but no decode slot (``free_slots`` counts them
-    # out)
+    # the requests of ``requests`` that wait on their environment (multi-turn conversations): they
+    # hold KV pages and pin their version but no decode slot (``free_slots`` counts them out)
     waiting: tuple[int, ...] = ()
 
     @property

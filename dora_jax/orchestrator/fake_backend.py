@@ -75,12 +75,6 @@ class FakeBackendConfig:
         """Pages reserved by a request with the longest prompt and response."""
         return -(-(self.max_prompt_len + self.max_new_tokens) // self.page_size)
 
-    @property
-    def resolved_kv_pages(self) -> int:
-        if self.kv_pages is not None:
-            return self.kv_pages
-        return self.max_slots * self.pages_per_request
-
 
 def response_length(cfg: FakeBackendConfig, request_id: int, prompt_group: int) -> int:
     """The response length of a request: a pure function of the seed and the ids."""
@@ -101,12 +95,18 @@ class _Req:
 
     def __init__(self, spec: RequestSpec, target: int, reserve: int, ready_at: int):
         self.rid, self.pg, self.prompt_len = spec.request_id, spec.prompt_group, spec.prompt_len
-        self.target, self.reserve, self.ready_at, self.payload = target, reserve, ready_at, None
+        self.target, self.reserve, self.ready_at = target, reserve, ready_at
+        self.payload = spec.payload
         self.generated, self.reprefill_left, self.versions = 0, 0, []
         self.prefill_left = spec.prompt_len
 
     def cached(self) -> int:
         return self.prompt_len + self.generated - self.prefill_left
+
+
+def _result(r: _Req) -> tuple:
+    """A Finished- or PartialRequest's fields: id, prompt group, lengths, versions, payload."""
+    return r.rid, r.pg, r.prompt_len, r.generated, tuple(r.versions), r.payload
 
 
 class _Group:
@@ -123,7 +123,7 @@ class FakeBackend:
 
     def __init__(self, cfg: FakeBackendConfig):
         self.cfg = cfg
-        self._kv_total = cfg.resolved_kv_pages
+        self._kv_total = cfg.kv_pages or cfg.max_slots * cfg.pages_per_request  # (never 0)
         self._groups = [_Group(g, 0) for g in range(cfg.num_groups)]
         self._published = 0
         self._tick = 0
@@ -139,29 +139,14 @@ class FakeBackend:
 
     def groups(self) -> list[GroupInfo]:
         ps, slots, total = self.cfg.page_size, self.cfg.max_slots, self._kv_total
-        per_req = self.cfg.pages_per_request
         out = []
         for g in self._groups:
-            if g.reqs:
-                ids = tuple(g.reqs)
-                pages = tuple([
-                    (r.prompt_len + r.generated - r.prefill_left + ps - 1) // ps
-                    for r in g.reqs.values()
-                ])  # fmt: skip
-                used = sum(pages)
-            else:
-                ids = pages = ()
-                used = 0
-            free = max(0, min(slots - len(ids), (total - g.reserved) // per_req))
+            ids, pages = tuple(g.reqs), tuple(-(-r.cached() // ps) for r in g.reqs.values())
+            free, used = self._free_slots(g), sum(pages)
             out.append(
                 GroupInfo(g.gid, g.version, g.transfer_left, slots, free, used, total, ids, pages)
             )
         return out
-
-    @property
-    def tick(self) -> int:
-        """Ticks run so far (the index of the next one)."""
-        return self._tick
 
     def live_requests(self) -> int:
         return len(self._where)
@@ -205,7 +190,6 @@ class FakeBackend:
                 r.prefill_left = spec.prompt_len + r.generated
                 r.reprefill_left = cached
                 r.versions = list(spec.resume.versions)
-            r.payload = spec.payload
             self._seen.add(spec.request_id)
             g.reqs[r.rid] = r
             g.reserved += reserve
@@ -234,8 +218,7 @@ class FakeBackend:
             r = g.reqs.pop(rid)
             g.reserved -= r.reserve
             self._interrupted[rid] = (r.target, r.cached())
-            versions = tuple(r.versions)
-            out.append(PartialRequest(rid, r.pg, r.prompt_len, r.generated, versions, r.payload))
+            out.append(PartialRequest(*_result(r)))
         return out
 
     def step(self) -> StepEvents:
@@ -275,16 +258,7 @@ class FakeBackend:
                             del reqs[r.rid]
                             del self._where[r.rid]
                             g.reserved -= r.reserve
-                            finished.append(
-                                FinishedRequest(
-                                    r.rid,
-                                    r.pg,
-                                    r.prompt_len,
-                                    r.generated,
-                                    tuple(r.versions),
-                                    r.payload,
-                                )  # fmt: skip
-                            )
+                            finished.append(FinishedRequest(*_result(r)))
                     tokens = len(runnable)
                 else:
                     activity = "idle"

@@ -49,14 +49,13 @@ def run_fake(
     *,
     num_steps: int,
     step_ticks: int = 8,
-    ticks_per_ktoken: float = 0.0,
     prompt_len: tuple[int, int] = (16, 128),
     drain: bool = False,
     max_ticks: int = 1_000_000,
 ) -> FakeRun:
     """Run ``cfg.mode`` on the fake backend with a fake trainer for ``num_steps`` steps."""
     backend = FakeBackend(backend_cfg)
-    trainer = FakeTrainer(step_ticks, ticks_per_ktoken)
+    trainer = FakeTrainer(step_ticks)
     prompts = SyntheticPrompts(backend_cfg.seed, *prompt_len)
     runtime = Runtime(cfg, group_size, backend, trainer, prompts)
     result = runtime.run(num_steps, drain=drain, max_ticks=max_ticks)

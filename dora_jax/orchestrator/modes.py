@@ -2,10 +2,9 @@
 
 A mode is a :class:`Mode` built from the config by the factory registered under its name
 (:func:`register_mode`, :func:`policy_for`); its attributes and hooks are the runtime's decision
-points, and each class says what its paradigm does at them (the modes side by side:
-docs/control_plane.md, "Modes"). The base streams: empty groups switch to the newest version
-once no request of theirs waits, and the newest version is topped up to ``rollout_batch`` prompt
-groups in flight.
+points, and each class says what its paradigm does at them. The base streams: empty groups switch
+to the newest version once no request of theirs waits, and the newest version is topped up to
+``rollout_batch`` prompt groups in flight.
 """
 
 from __future__ import annotations
@@ -212,17 +211,16 @@ class Dora(Mode):
                 rt.records.cross_host.append((t, "kv", m.src, m.dst, len(m.request_ids)))
         for x in p.transfers:
             rt.send_weights(t, x.group, x.version, x.source, host)
-        n_sup = 0
-        if rt.dispatching:
-            for v, n in p.supplements:
-                rt.manager.dispatch(v, n)
-                n_sup += n
+        supplements = p.supplements if rt.dispatching else ()
+        for v, n in supplements:
+            rt.manager.dispatch(v, n)
         if p.migrations:
             rt.records.migrations.append((t, p.migrated_requests))
         if p.moves:
             self.muted.clear()  # the cluster changed: every trigger may fire again
         elif trigger in planner.MUTABLE_TRIGGERS and cfg.plan_hysteresis:
             self.muted[trigger] = planner.trigger_key(trigger, infos, snap.pending, kv)
+        n_sup = sum(n for _, n in supplements)
         record = PlanRecord(t, trigger, ms, len(p.transfers), p.migrated_requests, n_sup)
         rt.records.plans.append(record)
         return rt.backend.groups()

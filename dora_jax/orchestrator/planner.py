@@ -55,12 +55,11 @@ import heapq
 import math
 from bisect import bisect_right
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 
 from dora_jax.orchestrator.backend import TRAINER, GroupInfo, Source
 
-TRIGGERS = ("new_version", "kv_pressure", "period", "idle")
 MUTABLE_TRIGGERS = ("kv_pressure", "idle")  # the others fire on events or on a clock
 
 
@@ -122,7 +121,7 @@ class Plan:
     transfers: tuple[WeightTransfer, ...] = ()
     migrations: tuple[Migration, ...] = ()
     supplements: tuple[tuple[int, int], ...] = ()  # (version, prompt groups), in dispatch order
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = ()
 
     @property
     def migrated_requests(self) -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import astuple, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import NamedTuple
 
@@ -160,10 +161,6 @@ class Records:
         self.history_offsets = self._files.offsets
         return self._files.short
 
-    @property
-    def attached(self) -> bool:
-        return self._files is not None
-
     def flush(self, keep_last_step: bool = False) -> None:
         """Write what the lists hold to the history files and empty them (a no-op in memory).
         ``keep_last_step``: the last train step is still running (its record changes when it is
@@ -241,13 +238,14 @@ class Records:
         full = self.full()
         if full is not self:
             return full.summary(steps)
-        if self.clock == "wall":
-            return self._wall_summary(steps)
         end = self.horizon(steps)
         steps_in, common = self._common(end)
+        if self.clock == "wall":
+            return self._wall_summary(end, steps_in, common)
         rows = self.groups[:end]
         gt = max(1, end * self.num_groups)
-        idle = prefill = transfer = migrate = tokens = reprefill = 0
+        idle = tokens = reprefill = 0
+        cat: Counter = Counter()  # group-ticks per activity, idle ones aside
         max_live = 0
         idle_by_group = [0] * self.num_groups
         busy_ticks: list[tuple[float, float]] = []
@@ -259,12 +257,8 @@ class Records:
                 if (g.activity == "idle" and g.active == 0) or g.activity == "env_wait":
                     idle += 1
                     idle_by_group[g.group] += 1
-                elif g.activity == "prefill":
-                    prefill += 1
-                elif g.activity == "transfer":
-                    transfer += 1
-                elif g.activity == "migrate":
-                    migrate += 1
+                else:
+                    cat[g.activity] += 1
                 if g.active:
                     live.add(g.version)
                 rolling = rolling or g.activity in ("prefill", "decode")
@@ -279,9 +273,9 @@ class Records:
             tokens_per_tick=common["tokens"] / end if end else 0.0,
             bubble=idle / gt,
             utilisation=tokens / (gt * self.max_slots * self.tokens_per_slot_tick),
-            prefill_frac=prefill / gt,
-            weight_transfer_frac=transfer / gt,
-            migration_frac=migrate / gt,
+            prefill_frac=cat["prefill"] / gt,
+            weight_transfer_frac=cat["transfer"] / gt,
+            migration_frac=cat["migrate"] / gt,
             reprefill_tokens=reprefill,
             max_live_versions=max_live,
             overlap=_overlap(self.steps, end, busy_ticks),
@@ -289,9 +283,7 @@ class Records:
             **common,
         )
 
-    def _wall_summary(self, steps: int | None) -> Summary:
-        end = self.horizon(steps)
-        steps_in, common = self._common(end)
+    def _wall_summary(self, end: float, steps_in: list[StepRecord], common: dict) -> Summary:
         spans = [g for g in self.spans if g.t0 < end]
         span = max(end, 1e-12)
         busy = [0.0] * self.num_groups
@@ -397,11 +389,8 @@ def _decode(kind: str, rows: list) -> list:
 
 def plan_counts(plans: list[PlanRecord]) -> dict:
     """Plans per trigger (in order of first use) and how many moved weights or requests."""
-    by: dict[str, int] = {}
-    for p in plans:
-        by[p.trigger] = by.get(p.trigger, 0) + 1
     moving = sum(1 for p in plans if p.transfers or p.migrated)
-    return {"plans_by_trigger": by, "plans_moving": moving}
+    return {"plans_by_trigger": dict(Counter(p.trigger for p in plans)), "plans_moving": moving}
 
 
 def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -449,12 +438,10 @@ def _max_live(spans: list[GroupTick], num_groups: int) -> int:
     events: list[tuple[float, int, int]] = []  # (time, +1 start / -1 end, version)
     for own in by_group:
         own.sort(key=lambda x: x.t0)
-        for i, g in enumerate(own):
-            if not g.active:
-                continue
-            nxt = own[i + 1] if i + 1 < len(own) else None
-            until = nxt.t0 if nxt is not None and nxt.active else g.t1
-            events += [(g.t0, 1, g.version), (max(until, g.t0), -1, g.version)]
+        for g, nxt in pairwise([*own, None]):  # (each span with the next one of its group)
+            if g.active:
+                until = nxt.t0 if nxt is not None and nxt.active else g.t1
+                events += [(g.t0, 1, g.version), (max(until, g.t0), -1, g.version)]
     live: Counter = Counter()
     best = 0
     for _, d, v in sorted(events, key=lambda e: (e[0], e[1])):  # ends before starts at a tie

@@ -197,12 +197,9 @@ class RolloutManager:
                                      p.payload, resume=p))  # fmt: skip
 
     def upgrade_unstarted(self, version: int) -> int:
-        """Re-tag prompt groups none of whose requests has started to the newer ``version``.
-
-        A prompt group's version binds when its first request lands on a group; before that
-        moving it to a newer version only makes it fresher, and never breaks the window's bound.
-        Returns the number of prompt groups moved.
-        """
+        """Re-tag prompt groups none of whose requests has started to the newer ``version``; returns
+        how many. A prompt group's version binds when its first request lands on a group; before
+        that moving it to a newer version only makes it fresher, and never breaks the bound."""
         moved = 0
         for v in sorted(self.pending):
             if v >= version or not self.pending[v]:
@@ -277,10 +274,8 @@ class RolloutManager:
                 self._started.discard(rg.prompt_group)
 
     def abort(self, backend: RolloutBackend, prompt_groups: list[int]) -> int:
-        """Discard prompt groups (oversample): interrupt their running members, drop the rest.
-
-        Returns the number of requests discarded.
-        """
+        """Discard prompt groups (oversample): interrupt their running members, drop the rest;
+        returns the number of requests discarded."""
         drop = set(prompt_groups)
         running = [
             rid for pg in prompt_groups for rid in self._pg_members[pg]

@@ -113,7 +113,6 @@ class Runtime:
         trainer: Trainer,
         prompts: PromptSource,
         *,
-        initial_version: int = 0,
         clock: LogicalClock | WallClock | None = None,
     ):
         self.cfg = cfg
@@ -122,7 +121,7 @@ class Runtime:
         self.group_size = group_size
         self.backend = backend
         self.trainer = trainer if isinstance(trainer, StepRunner) else TickedTrainer(trainer)
-        self.window = VersionWindow(self.policy.k, self.policy.per_step, initial_version)
+        self.window = VersionWindow(self.policy.k, self.policy.per_step)
         self.queue = TransferQueue(group_size)
         self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
         infos, tokens = backend.groups(), getattr(backend, "tokens_per_slot_tick", 1)
@@ -151,14 +150,10 @@ class Runtime:
 
     # -- one tick --------------------------------------------------------------------------------
 
-    def now(self) -> float:
-        """The tick index (logical clock) or seconds since the start (wall clock)."""
-        return self.clock.now()
-
     def tick(self) -> None:
         if self.clock.kind == "logical":
             self.clock.tick = self.tick_index
-        t = self.now()
+        t = self.clock.now()
         if self._train is not None:
             done = self.trainer.poll(t)
             if done is not None:
@@ -208,7 +203,7 @@ class Runtime:
         """Wall clock: pause every group and take in what they reported."""
         self.backend.pause()
         self._held = True
-        self._step_backend(self.now())
+        self._step_backend(self.clock.now())
 
     def _release(self) -> None:
         self.backend.resume()

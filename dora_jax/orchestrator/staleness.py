@@ -18,10 +18,9 @@ kept as a moving average per K (:class:`AdaptiveK`). The next K is the one of ``
 first (K + 1 when the step waited more than one unit of staleness costs, else K - 1): the cost
 of a K shows only some steps later (dispatch runs K steps ahead) and drifts with the workload.
 A lower K applies at once to dispatch, and to consumption as soon as the prompt groups already
-dispatched fit it
-(:meth:`VersionWindow.set_k`); the first ``warmup`` steps (an empty cluster: no waiting, no
-staleness) are not scored. One step at a time, so a burst of waiting cannot swing K across its
-range.
+dispatched fit it (:meth:`VersionWindow.set_k`); the first ``warmup`` steps (an empty cluster: no
+waiting, no staleness) are not scored. One step at a time, so a burst of waiting cannot swing K
+across its range.
 """
 
 from __future__ import annotations

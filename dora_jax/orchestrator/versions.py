@@ -82,14 +82,12 @@ class VersionWindow:
         c, k = self.consume_version, min(self.k, self.target_k)
         if version > self.latest or version < max(c - k, self.first):
             return 0
-        cum = sum(n for v, n in self._open.items() if v <= version)
-        best = None
+        cum = sum(n for v, n in self._open.items() if v < version)
+        caps = []  # room under the bound of every version w >= version
         for w in range(version, self.latest + 1):
-            if w > version:
-                cum += self._open.get(w, 0)
-            cap = (w + k - c + 1) * self.per_step - cum
-            best = cap if best is None else min(best, cap)
-        return max(0, best if best is not None else 0)
+            cum += self._open.get(w, 0)
+            caps.append((w + k - c + 1) * self.per_step - cum)
+        return max(0, min(caps))
 
     def staleness(self, version: int) -> int:
         """Staleness of a trajectory of ``version`` if the next step consumed it."""
@@ -189,11 +187,8 @@ class VersionWindow:
             self._open.pop(version, None)
 
     def retag(self, old: int, new: int, n: int = 1) -> None:
-        """Move ``n`` open prompt groups from ``old`` to the newer ``new`` (not started yet).
-
-        This only lowers ``open(<= w)`` for ``old <= w < new`` and leaves it unchanged elsewhere,
-        so the bound keeps holding.
-        """
+        """Move ``n`` open prompt groups from ``old`` to the newer ``new`` (not started yet). This
+        only lowers ``open(<= w)`` for ``old <= w < new``, so the bound keeps holding."""
         if not old <= new <= self.latest or new < self.first:
             raise WindowError(f"cannot re-tag v{old} -> v{new} (latest v{self.latest})")
         self.close(old, n)
