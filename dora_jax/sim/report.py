@@ -324,12 +324,10 @@ def write_json(
 
 def timeline_png(run: SimRun, path: Path) -> Path:
     """Groups x modeled time over ``timeline_steps`` train steps after the warm-up, drawn by
-    :func:`dora_jax.report.plot_timeline` (the real runs' timeline: colour = version, light =
-    prefill or requests waiting (also while a colocated trainer holds the devices), grey =
-    weight transfer, near-black = KV move, white = idle; the trainer and migrations lanes on
-    top), x in modeled seconds. A run with conversations is drawn by
-    :func:`dora_jax.sim.timeline.conversation_timeline_png`: the same picture, with environment
-    waits in their own colour."""
+    :func:`dora_jax.report.plot_timeline` (the real runs' timeline; groups whose devices a
+    colocated trainer holds are light, holding requests), x in modeled seconds; a run with
+    conversations by :func:`dora_jax.sim.timeline.conversation_timeline_png` (the same picture,
+    with environment waits in their own colour)."""
     cfg, rec = run.cfg, run.result.records
     w, k = cfg.run.warmup_steps, cfg.run.timeline_steps
     t0 = rec.steps[w - 1].end if w else 0
