@@ -28,6 +28,12 @@ def _positive(obj: object, *names: str) -> None:
         _check(v > 0, n, f"must be > 0, got {v}")
 
 
+def _at_least(obj: object, low: float, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _check(v >= low, n, f"must be >= {low}, got {v}")
+
+
 def _fraction(obj: object, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
@@ -105,16 +111,10 @@ class EfficiencyConfig:
 
     def __post_init__(self):
         _fraction(self, "hbm", "decode_mfu", "prefill_mfu", "train_mfu", "comm")
-        for n in (
-            "step_overhead_s",
-            "allreduce_latency_s",
-            "weight_sync_latency_s",
-            "kv_transfer_latency_s",
-            "train_step_overhead_s",
-        ):
-            _check(getattr(self, n) >= 0, n, f"must be >= 0, got {getattr(self, n)}")
+        _at_least(self, 0, "step_overhead_s", "allreduce_latency_s", "weight_sync_latency_s")
+        _at_least(self, 0, "kv_transfer_latency_s", "train_step_overhead_s")
         _positive(self, "prefill_chunk_tokens")
-        _check(self.exp_prep_forwards >= 0, "exp_prep_forwards", "must be >= 0")
+        _at_least(self, 0, "exp_prep_forwards")
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,7 @@ class ResponseConfig:
 
     def __post_init__(self):
         _positive(self, "median", "max_tokens", "tail_median")
-        _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
-        _check(self.tail_p99_ratio >= 1, "tail_p99_ratio", "must be >= 1")
+        _at_least(self, 1, "p99_ratio", "tail_p99_ratio")
         _check(
             0 <= self.tail_weight < 1, "tail_weight", f"must be in [0, 1), got {self.tail_weight}"
         )
@@ -158,7 +157,7 @@ class ObservationConfig:
 
     def __post_init__(self):
         _positive(self, "median", "max_tokens")
-        _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
+        _at_least(self, 1, "p99_ratio")
 
 
 @dataclass(frozen=True)
@@ -184,7 +183,7 @@ class LatencyConfig:
 
     def __post_init__(self):
         _positive(self, "median_s", "max_s")
-        _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
+        _at_least(self, 1, "p99_ratio")
         _check(self.kind != "file" or bool(self.path), "path", "kind 'file' needs a path")
         _check(self.workers >= 0, "workers", f"must be >= 0 (0: unlimited), got {self.workers}")
 
@@ -213,8 +212,7 @@ class TurnsConfig:
 
     def __post_init__(self):
         _check(self.median >= 1, "median", f"must be >= 1 (turns), got {self.median}")
-        _check(self.p99_ratio >= 1, "p99_ratio", f"must be >= 1, got {self.p99_ratio}")
-        _check(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
+        _at_least(self, 1, "p99_ratio", "max_turns")
         _check(0 <= self.prompt_corr <= 1, "prompt_corr", "must be in [0, 1]")
         _positive(self, "max_total_tokens")
         _check(self.kind != "file" or bool(self.path), "path", "kind 'file' needs a path")
@@ -231,7 +229,7 @@ class PromptConfig:
 
     def __post_init__(self):
         _positive(self, "median", "min_tokens")
-        _check(self.p99_ratio >= 1, "p99_ratio", "must be >= 1")
+        _at_least(self, 1, "p99_ratio")
         _check(self.max_tokens >= self.min_tokens, "max_tokens", "must be >= min_tokens")
 
 
@@ -263,8 +261,8 @@ class OrchestrationConfig:
     staleness_cost: float = 0.05
 
     def __post_init__(self):
-        _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
-        _check(self.legacy_fill_margin >= 1, "legacy_fill_margin", "must be >= 1")
+        _at_least(self, 0, "staleness_k")
+        _at_least(self, 1, "legacy_fill_margin")
         _positive(
             self, "train_batch_prompts", "group_size", "plan_period_s", "kv_admit_reserve_tokens"
         )
@@ -300,7 +298,7 @@ class RunConfig:
                 f"{m!r} cannot run colocated; only "
                 f"{COLOCATABLE} (their rollout may pause while training)",
             )
-        _check(self.timeline_steps >= 0, "timeline_steps", "must be >= 0")
+        _at_least(self, 0, "timeline_steps")
 
 
 @dataclass(frozen=True)

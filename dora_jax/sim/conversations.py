@@ -105,8 +105,7 @@ class Conversations:
     def __init__(self, cfg: TurnsConfig, lengths: ResponseLengths, seed: int = 0):
         self.cfg, self.lengths, self.seed = cfg, lengths, int(seed)
         self.group_size = lengths.group_size
-        lat = cfg.latency
-        self._measured = load_seconds(lat.path) if lat.kind == "file" else None
+        self._measured = load_seconds(cfg.latency.path) if cfg.latency.kind == "file" else None
         self._turns = load_turns(cfg.path) if cfg.kind == "file" else None
 
     def _ids(self, pg, members) -> tuple[np.ndarray, np.ndarray]:

@@ -18,6 +18,7 @@ Dense Qwen2 and Qwen3 and the Qwen3 MoE parameter counts are computed from the a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 BF16 = 2  # bytes per parameter and per KV element
 
@@ -52,6 +53,24 @@ class ModelSpec:
         return self.expert_params > 0
 
 
+def _decoder(name, layers, hidden, q, kv, vocab, tied, per_layer, active_layer, **moe) -> ModelSpec:
+    """The spec of a decoder of ``layers`` blocks of ``per_layer`` weights (``active_layer`` of
+    them multiplied per token), ``q`` / ``kv`` the widths of its query and key/value heads, and
+    the embeddings: the input one is a lookup, the LM head (tied or not) multiplies."""
+    embed = vocab * hidden
+    return ModelSpec(
+        name=name,
+        params_total=float(layers * per_layer + embed * (1 if tied else 2) + hidden),
+        params_active=float(layers * active_layer + embed + hidden),
+        num_layers=layers,
+        hidden=hidden,
+        kv_bytes_per_token=2 * layers * kv * BF16,
+        attn_flops_per_pair=4.0 * layers * q,
+        allreduces_per_forward=2 * layers,
+        **moe,
+    )
+
+
 def qwen2_dense(
     name: str,
     *,
@@ -75,18 +94,7 @@ def qwen2_dense(
         + 3 * hidden * ffn  # gate, up, down
         + 2 * hidden  # two RMSNorms
     )
-    embed = vocab * hidden
-    total = layers * per_layer + embed * (1 if tied else 2) + hidden
-    return ModelSpec(
-        name=name,
-        params_total=float(total),
-        params_active=float(total - embed) if not tied else float(total),
-        num_layers=layers,
-        hidden=hidden,
-        kv_bytes_per_token=2 * layers * kv * BF16,
-        attn_flops_per_pair=4.0 * layers * q,
-        allreduces_per_forward=2 * layers,
-    )
+    return _decoder(name, layers, hidden, q, kv, vocab, tied, per_layer, per_layer)
 
 
 def qwen3(
@@ -102,40 +110,24 @@ def qwen3(
     experts_per_token: int = 0,
     expert_ffn: int = 0,
     head_dim: int = 128,
-    tied: bool = False,
 ) -> ModelSpec:
-    """A Qwen3-family decoder from its ``config.json``: no QKV bias, an RMSNorm on each q and k
-    head, SwiGLU; dense (``ffn``) or a routed MoE in every layer (``experts`` of ``expert_ffn``,
-    ``experts_per_token`` per token, a linear router, no shared expert)."""
+    """A Qwen3-family decoder (untied) from its ``config.json``: no QKV bias, an RMSNorm on each
+    q and k head, SwiGLU; dense (``ffn``) or a routed MoE in every layer (``experts`` of
+    ``expert_ffn``, ``experts_per_token`` per token, a linear router, no shared expert)."""
     kv = kv_heads * head_dim
     q = heads * head_dim
     attn = hidden * q + 2 * hidden * kv + q * hidden + 2 * head_dim  # q, k, v, o; q/k norms
     norms = 2 * hidden
+    moe = {"num_experts": experts, "active_experts": float(experts_per_token)}
     if experts:
         one_expert = 3 * hidden * expert_ffn
-        expert_params = float(layers * experts * one_expert)
+        moe["expert_params"] = float(layers * experts * one_expert)
         router = hidden * experts
         per_layer = attn + norms + router + experts * one_expert
         active_layer = attn + norms + router + experts_per_token * one_expert
     else:
-        expert_params = 0.0
         per_layer = active_layer = attn + norms + 3 * hidden * ffn
-    embed = vocab * hidden
-    total = layers * per_layer + embed * (1 if tied else 2) + hidden
-    active = layers * active_layer + (0 if tied else embed) + hidden
-    return ModelSpec(
-        name=name,
-        params_total=float(total),
-        params_active=float(active),
-        num_layers=layers,
-        hidden=hidden,
-        kv_bytes_per_token=2 * layers * kv * BF16,
-        attn_flops_per_pair=4.0 * layers * q,
-        allreduces_per_forward=2 * layers,
-        expert_params=expert_params,
-        num_experts=experts,
-        active_experts=float(experts_per_token),
-    )
+    return _decoder(name, layers, hidden, q, kv, vocab, False, per_layer, active_layer, **moe)
 
 
 def _longcat_flash() -> ModelSpec:
@@ -169,6 +161,9 @@ def _longcat_flash() -> ModelSpec:
     )
 
 
+# what the Qwen3 MoE configs below share: 4 KV heads, 128 experts, 8 per token, vocab 151936
+_qwen3_moe = partial(qwen3, kv_heads=4, vocab=151936, experts=128, experts_per_token=8)
+
 MODELS: dict[str, ModelSpec] = {
     # Qwen2.5-7B config.json (huggingface.co/Qwen/Qwen2.5-7B): 28 layers, hidden 3584, 28 Q / 4
     # KV heads, intermediate 18944, vocab 152064, tie_word_embeddings false -> 7.62B parameters
@@ -191,30 +186,12 @@ MODELS: dict[str, ModelSpec] = {
     # Qwen3-30B-A3B config.json: 48 layers, hidden 2048, 32 Q / 4 KV heads of 128, 128 experts of
     # moe_intermediate_size 768, 8 per token, vocab 151936, untied -> 30.5B total, 3.0B multiplied
     # per token (model card: 30.5B, 3.3B activated, which counts the input embedding too).
-    "qwen3-30b-a3b": qwen3(
-        "qwen3-30b-a3b",
-        layers=48,
-        hidden=2048,
-        heads=32,
-        kv_heads=4,
-        vocab=151936,
-        experts=128,
-        experts_per_token=8,
-        expert_ffn=768,
-    ),
+    "qwen3-30b-a3b": _qwen3_moe("qwen3-30b-a3b", layers=48, hidden=2048, heads=32, expert_ffn=768),
     # Qwen3-235B-A22B config.json: 94 layers, hidden 4096, 64 Q / 4 KV heads of 128, 128 experts
     # of 1536, 8 per token, vocab 151936, untied -> 235.1B total, 21.6B multiplied per token
     # (model card: 235B, 22B activated).
-    "qwen3-235b-a22b": qwen3(
-        "qwen3-235b-a22b",
-        layers=94,
-        hidden=4096,
-        heads=64,
-        kv_heads=4,
-        vocab=151936,
-        experts=128,
-        experts_per_token=8,
-        expert_ffn=1536,
+    "qwen3-235b-a22b": _qwen3_moe(
+        "qwen3-235b-a22b", layers=94, hidden=4096, heads=64, expert_ffn=1536
     ),
     "longcat-flash-560b": _longcat_flash(),
     # the default task's policy (configs/default.yaml): 2 layers, hidden 64, 4 Q / 2 KV heads of
@@ -230,7 +207,7 @@ MODELS: dict[str, ModelSpec] = {
         vocab=64,
         head_dim=16,
         tied=True,
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -185,29 +185,23 @@ def paper_comparison(metrics: list[SimMetrics], paper: dict | None) -> str:
             + f"{_fmt(pv):>8}{note}"
         )
     s_ro = [f"{by[k].rollout_only_frac:.2f} ({k})" for k in ("sync/co", "sync/dis") if k in by]
-    lines.append(
-        f"{'sync rollout-only fraction':<34}{', '.join(s_ro):<28}"
-        f"{_fmt(p.get('sync_rollout_only_fraction')):>6}"
-    )
-    lines.append(
-        f"{'dora rollout-only fraction':<34}{dora.rollout_only_frac:<28.2f}"
-        f"{_fmt(p.get('dora_rollout_only_fraction')):>6}"
-    )
-    lines.append(
-        f"{'dora tokens/s':<34}{dora.tokens_per_s:<28.0f}"
-        f"{_fmt(p.get('dora_throughput_tokens_per_s'), '.0f'):>6}"
-    )
     ov = (paper or {}).get("overheads") or {}
     lb, rt = ov.get("load_balancing"), ov.get("request_transfer")
-    lines.append(
-        f"{'dora plan + weight moves %':<34}"
-        f"{100 * (dora.plan_frac + dora.weight_transfer_frac):<28.3f}"
-        f"{_fmt(lb and 100 * lb, '.3f'):>6}"
-    )
-    lines.append(
-        f"{'dora request transfer %':<34}{100 * dora.migration_frac:<28.3f}"
-        f"{_fmt(rt and 100 * rt, '.3f'):>6}"
-    )
+    moves = 100 * (dora.plan_frac + dora.weight_transfer_frac)
+    for name, ours, theirs, spec in (  # our figure (formatted unless a str), the paper's
+        ("sync rollout-only fraction", ", ".join(s_ro), p.get("sync_rollout_only_fraction"), ".2f"),
+        (
+            "dora rollout-only fraction",
+            dora.rollout_only_frac,
+            p.get("dora_rollout_only_fraction"),
+            ".2f",
+        ),
+        ("dora tokens/s", dora.tokens_per_s, p.get("dora_throughput_tokens_per_s"), ".0f"),
+        ("dora plan + weight moves %", moves, lb and 100 * lb, ".3f"),
+        ("dora request transfer %", 100 * dora.migration_frac, rt and 100 * rt, ".3f"),
+    ):
+        ours = ours if isinstance(ours, str) else format(ours, spec)
+        lines.append(f"{name:<34}{ours:<28}{_fmt(theirs, spec):>6}")
     return "\n".join(lines)
 
 
@@ -330,21 +324,19 @@ def write_json(
 
 def timeline_png(run: SimRun, path: Path) -> Path:
     """Groups x modeled time over ``timeline_steps`` train steps after the warm-up, drawn by
-    :func:`dora_jax.report.plot_timeline` (the real runs' timeline: colour = version, light =
-    prefill or requests waiting (also while a colocated trainer holds the devices), grey =
-    weight transfer, near-black = KV move, white = idle; the trainer and migrations lanes on
-    top), x in modeled seconds. A run with conversations is drawn by
-    :func:`dora_jax.sim.timeline.conversation_timeline_png`: the same picture, with environment
-    waits in their own colour."""
-    if run.backend.conversations is not None:
-        from dora_jax.sim.timeline import conversation_timeline_png
-
-        return conversation_timeline_png(run, path)
+    :func:`dora_jax.report.plot_timeline` (the real runs' timeline; groups whose devices a
+    colocated trainer holds are light, holding requests), x in modeled seconds; a run with
+    conversations by :func:`dora_jax.sim.timeline.conversation_timeline_png` (the same picture,
+    with environment waits in their own colour)."""
     cfg, rec = run.cfg, run.result.records
     w, k = cfg.run.warmup_steps, cfg.run.timeline_steps
     t0 = rec.steps[w - 1].end if w else 0
     done = min(len(rec.steps), cfg.run.steps)  # the last record may be a step still running
     t1 = rec.steps[min(w + max(k, 1), done) - 1].end
+    if run.backend.conversations is not None:
+        from dora_jax.sim.timeline import conversation_timeline_png
+
+        return conversation_timeline_png(run, path, (t0, t1))
     m = run.metrics
     title = f"{cfg.name}: {m.mode} ({m.placement}), {m.groups} groups, modeled time"
     secs = [cfg.run.tick_s] * len(rec.groups)

@@ -175,8 +175,7 @@ def resolve(cfg: SimConfig) -> SimConfig:
     """``cfg`` with ``cluster.trainer_gpus = 0`` replaced by the balanced split."""
     if cfg.cluster.trainer_gpus:
         return cfg
-    tg = balanced_trainer_gpus(cfg)
-    return replace(cfg, cluster=replace(cfg.cluster, trainer_gpus=tg))
+    return replace(cfg, cluster=replace(cfg.cluster, trainer_gpus=balanced_trainer_gpus(cfg)))
 
 
 def build(
@@ -207,13 +206,8 @@ def build(
         shared_device=cfg.cluster.shared_rollout_device,
     )
     colocated = backend if placement == "colocated" else None
-    trainer = SimTrainer(
-        cost,
-        cfg.cluster.training_gpus(placement),
-        r.tick_s,
-        colocated_with=colocated,
-        clock=backend,
-    )
+    devices = cfg.cluster.training_gpus(placement)
+    trainer = SimTrainer(cost, devices, r.tick_s, colocated_with=colocated, clock=backend)
     prompts = SimPrompts(cfg.prompt, r.seed)
     runtime = Runtime(orchestrator_config(cfg, mode), o.group_size, backend, trainer, prompts)
     planning = getattr(runtime.policy, "plan_policy", None)  # a mode that plans (dora)
@@ -260,30 +254,26 @@ def metrics(
     v_lo = rec.steps[w].version - 1  # the trainer version of the first step in the window
     v_hi = rec.steps[n - 1].version
     consumed = [c for c in rec.consumed if v_lo <= c.trainer_version < v_hi]
-    idle_trainer = sum(1 for c in rec.cluster[t0:t1] if not c.training)
+    idle_trainer = sum(1 for c in rec.cluster[t0:t1] if not c.training)  # ticks
     per_tick = np.asarray(backend.seconds[t0:t1]).reshape(-1, len(CATEGORIES))
     secs = per_tick.sum(axis=0)
     gs = max(span * backend.num_groups, 1e-12)
     cat = dict(zip(CATEGORIES, secs.tolist(), strict=True))
     plans = [p for p in rec.plans if t0 <= p.tick < t1]
     # the step decomposition: GPU-seconds by kind, per step, over the cluster's GPUs
-    tp = cfg.cluster.rollout_tp
     gpus = cfg.cluster.total_gpus
     trainer_gpus = 0 if placement == "colocated" else cfg.cluster.trainer_gpus
     waiting = np.array([c.pending > 0 for c in rec.cluster[t0:t1]], bool)
     rolling = per_tick[:, PREFILL] + per_tick[:, DECODE]
-    training = idle_trainer_ticks = 0.0
-    if trainer_gpus:
-        idle_trainer_ticks = idle_trainer
-        training = (t1 - t0 - idle_trainer) * dt * trainer_gpus
-    per = tp / (gpus * steps)
+    training = (t1 - t0 - idle_trainer) * dt * trainer_gpus  # 0 when colocated
+    per = cfg.cluster.rollout_tp / (gpus * steps)
     decomposition = {
         "gpu_rollout_full_s": float(rolling[waiting].sum()) * per,
         "gpu_rollout_tail_s": float(rolling[~waiting].sum()) * per,
         "gpu_reprefill_s": cat["reprefill"] * per,
         "gpu_train_s": cat["train"] * per + training / (gpus * steps),
         "gpu_moves_s": (cat["transfer"] + cat["migrate"]) * per,
-        "gpu_idle_s": cat["idle"] * per + idle_trainer_ticks * dt * trainer_gpus / (gpus * steps),
+        "gpu_idle_s": cat["idle"] * per + idle_trainer * dt * trainer_gpus / (gpus * steps),
     }
     st = [c.staleness for c in consumed]
     tr = [s for s in trainer.steps if v_lo < s.version <= v_hi]

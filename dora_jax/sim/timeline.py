@@ -58,20 +58,12 @@ def _columns(cells: np.ndarray, ncols: int) -> np.ndarray:
     return out / np.bincount(col, minlength=ncols)[None, :, None]
 
 
-def conversation_timeline_png(run, path: str | Path, span: tuple[int, int] | None = None) -> Path:
+def conversation_timeline_png(run, path: str | Path, span: tuple[int, int]) -> Path:
     """Write the PNG of a :class:`~dora_jax.sim.run.SimRun` with conversations over ticks
-    ``span`` (default: ``timeline_steps`` train steps after the warm-up, as
-    :func:`dora_jax.sim.report.timeline_png`), x in modeled seconds."""
+    ``span`` (:func:`dora_jax.sim.report.timeline_png` gives it), x in modeled seconds."""
     cfg, rec, backend = run.cfg, run.result.records, run.backend
     dt = cfg.run.tick_s
-    if span is None:
-        w, k = cfg.run.warmup_steps, cfg.run.timeline_steps
-        done = min(len(rec.steps), cfg.run.steps)
-        a = rec.steps[w - 1].end if w else 0
-        b = rec.steps[min(w + max(k, 1), done) - 1].end
-    else:
-        a, b = span
-    a, b = int(max(0, a)), int(min(len(rec.groups), b))
+    a, b = int(max(0, span[0])), int(min(len(rec.groups), span[1]))
     if b <= a:
         raise ValueError(f"no ticks to draw in [{a}, {b})")
     env = np.asarray(backend.env_wait_s[a:b]).reshape(b - a, backend.num_groups)

@@ -2,7 +2,7 @@
 
 Duration: :meth:`~dora_jax.sim.cost_model.CostModel.train_step_s` over the batch's sequences
 (prompt + response tokens of every trajectory) on ``devices`` devices, experience preparation
-included, rounded up to whole ticks. With colocated placement (``backend`` given) the rollout
+included, rounded up to whole ticks. With colocated placement (``colocated_with``) the rollout
 groups are frozen for the step's ticks: the devices are training.
 """
 
@@ -37,16 +37,14 @@ class SimTrainer:
         devices: int,
         tick_s: float,
         *,
+        clock: SimBackend,
         colocated_with: SimBackend | None = None,
-        clock: SimBackend | None = None,
-        version: int = 0,
     ):
         if devices < 1 or tick_s <= 0:
             raise ValueError("need devices >= 1 and tick_s > 0")
         self.cost, self.devices, self.tick_s = cost, devices, tick_s
-        self.colocated_with = colocated_with
-        self.clock = clock or colocated_with
-        self.version = version
+        self.clock, self.colocated_with = clock, colocated_with
+        self.version = 0
         self.steps: list[TrainStep] = []
         self.batches: list[tuple[int, tuple[int, ...]]] = []  # (version, request ids) per step
         self._pending: tuple[int, int] | None = None  # (id of the batch, ticks)
@@ -59,7 +57,7 @@ class SimTrainer:
 
     def step(self, batch: list[ReadyGroup]) -> int:
         seconds, ticks, n, tokens = self._measure(batch)
-        tick = self.clock.tick if self.clock is not None else -1
+        tick = self.clock.tick
         ids = tuple(t.request_id for rg in batch for t in rg.trajectories)
         self.batches.append((self.version, ids))
         self.version += 1

@@ -1,18 +1,14 @@
 """Requests waiting on their environment: the turn boundaries of the simulated backend.
 
 :class:`WaitingRequests` is the part of :class:`~dora_jax.sim.backend.SimBackend` that runs
-conversations (the backend's module docstring gives the model): a request that ends a model
-turn with another to come starts waiting (``wake``: when its observation arrives, in
-microseconds of modeled time), holds no slot and keeps its KV; at the tick boundary nearest that
-time its observation's tokens join its context, to prefill as an extend. With
-``latency.workers`` the calls queue for a pool of environment workers, each running one call at
-a time: a conversation keeps the worker it was given when first submitted (the one holding the
-fewest live conversations), and a worker takes its calls in the order their turns ended, so
-``wake`` is when its worker is free (or the turn ended, if later) plus the call's own
-seconds, which alone count as the conversation's environment time. It also keeps the
-records of waiting requests that the figures and the timeline read: per tick and group, the
-requests waiting, the KV tokens they hold and the seconds the group idled while they waited
-(the ``env_wait`` activity); per finished conversation, its turns, tokens and environment time.
+conversations (the backend's module docstring gives the model, ``wake`` being when a waiting
+request's observation arrives, in microseconds of modeled time) and keeps the records of
+waiting requests that the figures and the timeline read. With ``latency.workers`` the calls
+queue for a pool of environment workers, each running one call at a time: a conversation keeps
+the worker it was given when first submitted (the one holding the fewest live conversations),
+and a worker takes its calls in the order their turns ended, so ``wake`` is when its worker is
+free (or the turn ended, if later) plus the call's own seconds, which alone count as the
+conversation's environment time.
 
 The mixin works on the backend's packed request rows (``rid``, ``pg``, ``gen``, ``target``,
 ``pf``, ``turn``, ``wake``, ``obs``, ``otok``, ``envus``, ``n``), its ``conversations`` workload,
