@@ -27,6 +27,7 @@ from dora_jax.orchestrator import (
     FakeBackendConfig,
     FakeTrainer,
     RequestSpec,
+    RolloutBackend,
     Runtime,
 )
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
@@ -156,6 +157,9 @@ def test_bad_calls_raise_and_change_nothing(kind, real_setup):
     s = Setup(kind, real_setup)
     b = s.backend
     try:
+        assert isinstance(b, RolloutBackend), (
+            f"{kind}: lacks a member of the RolloutBackend Protocol"
+        )
         b.submit(0, [_spec(1)])
         b.publish(1)
         b.set_version(1, 1, TRAINER)  # group 1 now serves v1; groups 0 and 2 serve v0

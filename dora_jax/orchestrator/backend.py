@@ -189,8 +189,12 @@ class StepEvents:
 class RolloutBackend(Protocol):
     """Rollout groups behind one small interface. Every method is called from one thread.
 
+    ``tokens_per_slot_tick``: tokens a busy decode slot adds per tick (utilisation figures).
+
     Errors: a call that breaks a contract below raises :class:`BackendError` and changes nothing.
     """
+
+    tokens_per_slot_tick: int
 
     def groups(self) -> list[GroupInfo]:
         """The state of every group, indexed by group id, as of the end of the last tick."""
@@ -249,4 +253,17 @@ class RolloutBackend(Protocol):
         forgets them, a conversation's episode included). Their slots and KV pages are freed at
         once.
         """
+        ...
+
+    def live_requests(self) -> int:
+        """Requests submitted and neither finished nor interrupted (in a group or moving)."""
+        ...
+
+    def pause(self) -> None:
+        """Wall clock: stop every group once it has carried out every call made so far; their
+        reports wait for the next :meth:`step`. A no-op on the logical clock (between ticks)."""
+        ...
+
+    def resume(self) -> None:
+        """Let the groups run again after :meth:`pause`."""
         ...

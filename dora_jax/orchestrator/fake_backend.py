@@ -119,7 +119,10 @@ class _Group:
 
 
 class FakeBackend:
-    """Deterministic in-memory rollout groups; see the module docstring for the cost model."""
+    """Deterministic in-memory rollout groups; see the module docstring for the cost model. It
+    runs on the logical clock only, so :meth:`pause` and :meth:`resume` have nothing to do."""
+
+    tokens_per_slot_tick = 1
 
     def __init__(self, cfg: FakeBackendConfig):
         self.cfg = cfg
@@ -150,6 +153,12 @@ class FakeBackend:
 
     def live_requests(self) -> int:
         return len(self._where)
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
 
     # -- commands --------------------------------------------------------------------------------
 

@@ -124,7 +124,7 @@ class Runtime:
         self.window = VersionWindow(self.policy.k, self.policy.per_step)
         self.queue = TransferQueue(group_size)
         self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
-        infos, tokens = backend.groups(), getattr(backend, "tokens_per_slot_tick", 1)
+        infos, tokens = backend.groups(), backend.tokens_per_slot_tick
         slots = max(g.max_slots for g in infos)
         self.records = Records(self.policy.name, len(infos), slots, tokens, clock=self.clock.kind)
         self.records.consumed = self.queue.consumed

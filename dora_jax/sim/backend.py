@@ -87,7 +87,10 @@ _GEN, _PF, _RP, _VFLAG = (_FIELDS.index(f) for f in ("gen", "pf", "rp", "vflag")
 
 
 class SimBackend(WaitingRequests):
-    """Simulated rollout groups; see the module docstring for the time and memory model."""
+    """Simulated rollout groups; see the module docstring for the time and memory model. Its
+    clock is logical (ticks of ``tick_s``), so :meth:`pause` and :meth:`resume` do nothing."""
+
+    tokens_per_slot_tick = 1
 
     def __init__(
         self,
@@ -186,6 +189,12 @@ class SimBackend(WaitingRequests):
 
     def live_requests(self) -> int:
         return len(self._where)
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
 
     def _reserved(self, g: slice | int, k: int | None = None) -> np.ndarray:
         """KV tokens each held request counts for admission: its context, and at least its
