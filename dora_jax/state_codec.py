@@ -55,7 +55,7 @@ RECORD_TYPES = (
     "dora_jax.execution.payloads:Completion",
     "dora_jax.execution.backend:Overheads",
     "dora_jax.rollout.requests:Request",
-    "dora_jax.rollout.requests:FinishedRequest",
+    "dora_jax.rollout.requests:EngineFinished",
     "dora_jax.rollout.requests:ExportedRequests",
     "dora_jax.rollout.moves:EngineSnapshot",
     "dora_jax.train.batch:TrainBatch",
@@ -82,8 +82,11 @@ def _record_name(x: Any) -> str | None:
     return f"{module}:{qualname}" if _listed(module, qualname) else None
 
 
+RENAMED = {"dora_jax.rollout.requests:FinishedRequest": "dora_jax.rollout.requests:EngineFinished"}
+
+
 def _record_type(name: str) -> type:
-    module, _, qualname = name.partition(":")
+    module, _, qualname = RENAMED.get(name, name).partition(":")
     if not _listed(module, qualname):
         raise StateCodecError(f"the state names a record type {name!r} this version does not read")
     return getattr(importlib.import_module(module), qualname)

@@ -225,10 +225,10 @@ def test_turn_ends_cross_processes_in_group_events():
     from dora_jax.distributed.remote import shift
     from dora_jax.execution.commands import GroupEvent
     from dora_jax.orchestrator.backend import GroupTick
-    from dora_jax.rollout import FinishedRequest
+    from dora_jax.rollout import EngineFinished
 
-    rec = FinishedRequest(7, (5, 6), (9, 10, 11, 12, 9), (-0.5, 0.0, 0.0, -0.25, -1.0), 3, "stop",
-                          2, 1, 0.5, turn_start=4, env_spans=((1, 3),))  # fmt: skip
+    rec = EngineFinished(7, (5, 6), (9, 10, 11, 12, 9), (-0.5, 0.0, 0.0, -0.25, -1.0), 3, "stop",
+                         2, 1, 0.5, turn_start=4, env_spans=((1, 3),))  # fmt: skip
     span = GroupTick(1, 3, "decode", 4, 2, 0, 0, 0.01, 100.0, 100.01)
     sent = GroupEvent(1, span, turn_ends=(rec,))
     got = shift(codec.decode(codec.encode(sent)), 99.0, host=1)

@@ -83,3 +83,13 @@ def test_unknown_types_are_refused_naming_where():
         state_codec.loads(b'{"__record__": "os:system", "fields": {}}', {})
     with pytest.raises(state_codec.StateCodecError, match="not valid JSON"):
         state_codec.loads(b"\x80\x04K.", {})  # a pickle is not read
+
+
+def test_a_record_saved_under_its_old_class_name_is_read_as_the_renamed_class():
+    from dora_jax.rollout import EngineFinished
+
+    rec = EngineFinished(7, (5, 6), (9, 10), (-0.5, -1.0), 2, "eos", 2, 0, 0.5)
+    text, arrays = state_codec.dumps({"turn": rec})
+    assert b"requests:EngineFinished" in text
+    old = text.replace(b"requests:EngineFinished", b"requests:FinishedRequest")
+    assert state_codec.loads(old, arrays) == {"turn": rec}

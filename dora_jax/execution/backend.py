@@ -62,8 +62,7 @@ from dora_jax.orchestrator.backend import (
     check_set_version,
 )
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
-from dora_jax.rollout import Engine, Request, request_key
-from dora_jax.rollout import FinishedRequest as EngineFinished
+from dora_jax.rollout import Engine, EngineFinished, Request, request_key
 
 WAIT_S = 600.0  # the longest wait for a group's answer (a snapshot, an interrupt, a step)
 

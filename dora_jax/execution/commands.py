@@ -185,7 +185,7 @@ class GroupEvent:
 
     group: int
     span: GroupTick | None = None
-    finished: tuple = ()  # rollout.FinishedRequest records
+    finished: tuple = ()  # rollout.EngineFinished records
     error: str | None = None
     turn_ends: tuple = ()
 

@@ -31,7 +31,7 @@ from dora_jax.orchestrator.planner import (
 )
 from dora_jax.orchestrator.records import Records, Summary
 from dora_jax.orchestrator.rollout_manager import PromptSpec, RolloutManager, SyntheticPrompts
-from dora_jax.orchestrator.runtime import RunResult, Runtime, StallError, Trainer
+from dora_jax.orchestrator.runtime import LogicalTrainer, RunResult, Runtime, StallError
 from dora_jax.orchestrator.transfer_queue import ReadyGroup, TransferQueue
 from dora_jax.orchestrator.versions import VersionWindow, WindowError
 
@@ -64,7 +64,7 @@ __all__ = [
     "StepEvents",
     "Summary",
     "SyntheticPrompts",
-    "Trainer",
+    "LogicalTrainer",
     "TransferQueue",
     "VersionWindow",
     "WeightTransfer",

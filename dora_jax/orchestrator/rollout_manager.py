@@ -49,7 +49,7 @@ class PromptSpec:
     payload: object = None  # prompt tokens and answer: opaque to the control plane
 
 
-class PromptSource(Protocol):
+class PromptStream(Protocol):
     def next_prompt(self) -> PromptSpec: ...
 
 
@@ -76,7 +76,7 @@ class RolloutManager:
     def __init__(
         self,
         group_size: int,
-        prompts: PromptSource,
+        prompts: PromptStream,
         window: VersionWindow,
         queue: TransferQueue,
     ):

@@ -17,7 +17,7 @@ own, and ``backend.step()`` returns what they reported since the last round.
 
 The trainer is a :class:`StepRunner` (``start(batch, now)``, ``poll(now)``): on the wall clock a
 worker thread runs the step while rollout goes on, and the version is published when the step
-has ended. A logical :class:`Trainer` (``step(batch) -> new_version`` and
+has ended. A :class:`LogicalTrainer` (``step(batch) -> new_version`` and
 ``duration_ticks(batch)``) is wrapped in :class:`TickedTrainer`: the step runs when the batch is
 handed over and its version is published ``duration_ticks`` later, so rollout ticks overlap
 training ticks exactly as far as the mode's window allows.
@@ -36,13 +36,13 @@ from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend, So
 from dora_jax.orchestrator.clock import LogicalClock, WallClock
 from dora_jax.orchestrator.modes import Mode, policy_for
 from dora_jax.orchestrator.records import ClusterTick, Records, StepRecord, Summary
-from dora_jax.orchestrator.rollout_manager import DISCARDED, PromptSource, RolloutManager
+from dora_jax.orchestrator.rollout_manager import DISCARDED, PromptStream, RolloutManager
 from dora_jax.orchestrator.staleness import AdaptiveK
 from dora_jax.orchestrator.transfer_queue import ReadyGroup, TransferQueue
 from dora_jax.orchestrator.versions import VersionWindow
 
 
-class Trainer(Protocol):
+class LogicalTrainer(Protocol):
     """What the runtime needs from a trainer."""
 
     def step(self, batch: list[ReadyGroup]) -> int:
@@ -65,10 +65,10 @@ class StepRunner(Protocol):
 
 
 class TickedTrainer:
-    """A logical :class:`Trainer` as a :class:`StepRunner`: the step runs at ``start`` and ends
+    """A :class:`LogicalTrainer` as a :class:`StepRunner`: the step runs at ``start`` and ends
     ``duration_ticks`` ticks later."""
 
-    def __init__(self, inner: Trainer):
+    def __init__(self, inner: LogicalTrainer):
         self.inner = inner
         self._job: tuple[int, float, float] | None = None
 
@@ -110,8 +110,8 @@ class Runtime:
         cfg: OrchestratorConfig,
         group_size: int,
         backend: RolloutBackend,
-        trainer: Trainer,
-        prompts: PromptSource,
+        trainer: LogicalTrainer,
+        prompts: PromptStream,
         *,
         clock: LogicalClock | WallClock | None = None,
     ):

@@ -2,7 +2,7 @@
 
 from dora_jax.rollout.engine import Engine, EngineError, EngineLoad, StepReport
 from dora_jax.rollout.page_allocator import OutOfPages, PageAllocator
-from dora_jax.rollout.requests import ExportedRequests, FinishedRequest, Request, request_key
+from dora_jax.rollout.requests import EngineFinished, ExportedRequests, Request, request_key
 from dora_jax.rollout.sampling import SamplingParams, sample
 
 __all__ = [
@@ -10,7 +10,7 @@ __all__ = [
     "EngineError",
     "EngineLoad",
     "ExportedRequests",
-    "FinishedRequest",
+    "EngineFinished",
     "OutOfPages",
     "PageAllocator",
     "Request",

@@ -39,7 +39,7 @@ from dora_jax.model.params import Params, abstract_params, param_axes
 from dora_jax.rollout.attention import resolve_impl
 from dora_jax.rollout.moves import EngineError, EngineSnapshot, Handover, RequestMoves, padded_pages
 from dora_jax.rollout.page_allocator import PageAllocator
-from dora_jax.rollout.requests import ROUTE_DTYPE, ExportedRequests, FinishedRequest, Request
+from dora_jax.rollout.requests import ROUTE_DTYPE, EngineFinished, ExportedRequests, Request
 from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.rollout.steps import (
     KVCache,
@@ -71,7 +71,7 @@ class EngineLoad:
 
 @dataclass
 class StepReport:
-    finished: list[FinishedRequest]
+    finished: list[EngineFinished]
     prefill_tokens: int = 0  # context tokens prefilled (re-prefills included)
     reprefill_tokens: int = 0  # the part of prefill_tokens that had been computed before
     sampled_tokens: int = 0  # new response tokens (first tokens from prefill + decode)
@@ -80,7 +80,7 @@ class StepReport:
     decode_s: float = 0.0
     # conversations whose model turn ended this step (each a record of the whole conversation
     # so far); they now wait for extend() or end()
-    turn_ends: list[FinishedRequest] = field(default_factory=list)
+    turn_ends: list[EngineFinished] = field(default_factory=list)
 
 
 def _buckets(limit: int) -> list[int]:
@@ -124,7 +124,7 @@ class Engine(RequestMoves):
     """One rollout group's engine on ``mesh`` (axes ``("data", "expert", "model")``, data = 1).
 
     For a mixture of experts every request records the experts each fed token used in each layer
-    (``Request.routes``; a finished one carries them as ``FinishedRequest.routes``), for routing
+    (``Request.routes``; a finished one carries them as ``EngineFinished.routes``), for routing
     replay in the trainer. A prefill, including a re-prefill, records its fed tokens afresh."""
 
     def __init__(
@@ -224,7 +224,7 @@ class Engine(RequestMoves):
                 raise EngineError(f"request {r.id!r} is submitted with KV (import it instead)")
             self._queue(r)
 
-    def prefill(self, requests: Sequence[Request]) -> list[FinishedRequest]:
+    def prefill(self, requests: Sequence[Request]) -> list[EngineFinished]:
         """Prefill ``requests`` into free slots now (chunked), sampling each first token."""
         return self._prefill(list(requests), StepReport([]))
 
@@ -411,7 +411,7 @@ class Engine(RequestMoves):
         reason = r.model_turn_ended(self.eos_ids)
         if reason is None:
             return
-        record = FinishedRequest(
+        record = EngineFinished(
             id=r.id,
             prompt=tuple(r.prompt),
             tokens=tuple(r.tokens),
@@ -435,7 +435,7 @@ class Engine(RequestMoves):
             self.free_resource(slot)
             report.finished.append(record)
 
-    def _prefill(self, reqs: list[Request], report: StepReport) -> list[FinishedRequest]:
+    def _prefill(self, reqs: list[Request], report: StepReport) -> list[EngineFinished]:
         """Feed each request's tokens from ``kv_len`` to ``feed_end`` in chunks (a new prompt, a
         re-prefill after an interrupt, or an environment turn appended to a conversation),
         sampling a token after the feed when it ends with one the model did not sample."""
@@ -507,7 +507,7 @@ class Engine(RequestMoves):
         report.prefill_s += time.perf_counter() - t0
         return report.finished
 
-    def _decode(self, report: StepReport, only: set | None = None) -> list[FinishedRequest]:
+    def _decode(self, report: StepReport, only: set | None = None) -> list[EngineFinished]:
         t0 = time.perf_counter()
         rows = [r for r in self.slots if r is not None and (only is None or r.id in only)]
         rows = self._reserve_pages(rows)

@@ -127,7 +127,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class FinishedRequest:
+class EngineFinished:
     """A completed response: a trajectory once the orchestrator attaches its reward."""
 
     id: Hashable

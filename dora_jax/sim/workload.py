@@ -138,7 +138,7 @@ class ResponseLengths:
 
 
 class SimPrompts:
-    """A :class:`~dora_jax.orchestrator.rollout_manager.PromptSource` of prompt lengths only:
+    """A :class:`~dora_jax.orchestrator.rollout_manager.PromptStream` of prompt lengths only:
     log-normal (``median``, ``p99_ratio``) clipped to ``[min_tokens, max_tokens]``, one sequence
     per seed (the i-th prompt handed out is the same in every mode)."""
 
