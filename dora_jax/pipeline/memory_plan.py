@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,7 +396,9 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     # rollout step temporaries: one engine at a time per device, or (wall clock) every engine of
     # the device at once, each stepping on its own worker thread
     concurrent = o.clock == "wall"
-    impl, interpret = resolve_impl_quiet(r.attention_impl)
+    with warnings.catch_warnings():  # the engine warns when it is built
+        warnings.simplefilter("ignore")
+        impl, interpret = resolve_impl(r.attention_impl, None)
     shapes = dataclasses.replace(r, num_pages=2, temperature=1.0, top_k=0, top_p=1.0)
     eng_tmp = _engine_temporaries(m, shapes, meshes.groups[0], impl, interpret)
     for d, n_groups in per_device_groups.items():
@@ -465,15 +468,6 @@ def _engine_temporaries(m, r, mesh: Mesh, impl: str, interpret: bool) -> int:
     for low in lower_steps(m, r, mesh, impl=impl, interpret=interpret):
         out = max(out, low.compile().memory_analysis().temp_size_in_bytes)
     return out
-
-
-def resolve_impl_quiet(impl: str) -> tuple[str, bool]:
-    """:func:`resolve_impl` without its warning (the engine warns when it is built)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return resolve_impl(impl, None)
 
 
 def _page_bytes(cfg: ExperimentConfig, tp: int) -> int:
