@@ -249,11 +249,10 @@ def check_restored(cfg: ExperimentConfig, runtime, changed: list[Change]) -> Non
                      "orchestrator.rollout_batch_prompts", "orchestrator.mode") if f in names),
         "orchestrator.staleness_k",
     )  # fmt: skip
-    need = w.smallest_k()
     raise ConfigError(
         field,
         f"under mode {runtime.policy.name} (K={w.k}, {w.per_step} prompt groups per step) the "
         f"prompt groups in flight cannot all be consumed within the staleness bound (versions "
         f"{w.live_versions()} open, the next step at v{w.consume_version}, v{bad} over the bound);"
-        f" this checkpoint needs K >= {need} with these batch sizes",
+        f" this checkpoint needs K >= {w.smallest_k()} with these batch sizes",
     )

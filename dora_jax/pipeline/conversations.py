@@ -122,10 +122,8 @@ class EnvPrompts:
 
     def figures(self) -> dict[str, float]:
         """Cumulative: ``env/prompts_skipped`` and ``env/reset_failures/<kind>``."""
-        out = {"env/prompts_skipped": float(self.skipped)}
-        for kind in ERROR_KINDS:
-            out[f"env/reset_failures/{kind}"] = float(self.failures[kind])
-        return out
+        failures = {f"env/reset_failures/{k}": float(self.failures[k]) for k in ERROR_KINDS}
+        return {"env/prompts_skipped": float(self.skipped), **failures}
 
     def next_prompt(self) -> PromptSpec:
         in_row = 0

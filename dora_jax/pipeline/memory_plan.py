@@ -429,7 +429,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
                                 f"{t.microbatches} microbatch(es))"), step, TRANSIENT))  # fmt: skip
 
     # evaluator: one engine on the first trainer device
-    ev = min(trainer_ids, key=lambda d: _mesh_ids(tmesh).index(d))
+    ev = _mesh_ids(tmesh)[0]
     eval_pages = 0
     if _evaluates(cfg):
         slots = min(64, cfg.eval.num_prompts * cfg.eval.samples_per_prompt)  # as Evaluator's
