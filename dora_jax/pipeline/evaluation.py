@@ -128,6 +128,8 @@ class Evaluator:
             self.prompts = [list(p.tokens) for p in self.payloads]
         else:
             self.prompts = [encode(ex.prompt) for ex in examples]
+        # (problem i, sample j) in scores[i, j] order; its request id is j * n + i
+        self.order = [(i, j) for i in range(len(self.prompts)) for j in range(self.k)]
         longest = max(len(p) for p in self.prompts)
         if longest > rollout_cfg.max_prompt_len:
             raise ValueError(
@@ -197,23 +199,19 @@ class Evaluator:
                 else:
                     self.engine.extend(o.request_id, o.observation)
         if driver.env_rewards:
-            flat = [ended[j * n + i][1].reward for i, j in self._order()]
+            flat = [ended[j * n + i][1].reward for i, j in self.order]
         else:
             flat = self._scored({rid: r.tokens for rid, (r, _) in ended.items()})
         model_tokens = [sum(o.loss_mask) for _, o in ended.values()]
         return self._result(step, t0, flat, model_tokens)
 
-    def _order(self) -> list[tuple[int, int]]:
-        """``(problem i, sample j)`` in ``scores[i, j]`` order; its request id is ``j * n + i``."""
-        return [(i, j) for i in range(len(self.prompts)) for j in range(self.k)]
-
     def _scored(self, responses: dict[int, list[int]]) -> list[float]:
         """The reward function's scores of the responses (token ids by request id), in
-        :meth:`_order`."""
+        ``order``."""
         n, decode = len(self.prompts), self.tokenizer.decode
         items = [
             (decode(responses[j * n + i]), self.references[i], self.metadata[i])
-            for i, j in self._order()
+            for i, j in self.order
         ]
         return [o.score for o in self.scorer.score_many(items)]
 
