@@ -176,21 +176,16 @@ def saved_config(run_dir: Path) -> tuple[dict[str, Any], str, bool]:
     finished checkpoint's config, else ``run_dir/config.yaml``. Reads only."""
     from dora_jax.checkpoint import peek_configs
 
+    nothing = "nothing to resume (run without --resume to start a run there)"
     if not run_dir.is_dir():
-        raise ConfigError(
-            "run_dir", f"{run_dir} does not exist: nothing to resume (run without --resume to "
-                       "start a run there)",
-        )  # fmt: skip
+        raise ConfigError("run_dir", f"{run_dir} does not exist: {nothing}")
     for step, cfg in peek_configs(run_dir / "checkpoints"):
         if cfg is not None:
             return cfg, f"checkpoint {run_dir / 'checkpoints' / str(step)}", True
     path = run_dir / "config.yaml"
     if path.is_file():
         return load_yaml(path), str(path), False
-    raise ConfigError(
-        "run_dir", f"{run_dir} holds no checkpoint and no config.yaml: nothing to resume (run "
-                   "without --resume to start a run there)",
-    )  # fmt: skip
+    raise ConfigError("run_dir", f"{run_dir} holds no checkpoint and no config.yaml: {nothing}")
 
 
 def resolve(

@@ -495,9 +495,8 @@ def build_env(
     pool = EnvPool(resolve_spec(env.spec), env.kwargs, env.workers, env.timeout_s, **extra)
     try:
         driver = EnvTurnDriver(pool, tokenizer, limits, env.reward)
-        skip = cfg.data.long_prompts == "skip"
         prompts = EnvPrompts(pool, tokenizer, limits, max_prompt_len, max_new_tokens, cfg.seed,
-                             skip=skip)  # fmt: skip
+                             skip=cfg.data.long_prompts == "skip")  # fmt: skip
     except BaseException:
         pool.close()
         raise
