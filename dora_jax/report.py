@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from itertools import chain
 from operator import itemgetter
 from pathlib import Path
@@ -87,6 +87,14 @@ def _time_edges(n: int, tick_seconds: list[float] | None) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(dt)])
 
 
+def _column_means(edges: np.ndarray, rgb: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``[len(cols) - 1, 3]``: the time-weighted mean colour over each ``[cols[c], cols[c + 1])``,
+    where ``rgb[i]`` fills ``[edges[i], edges[i + 1])``."""
+    area = np.concatenate([np.zeros((1, 3)), np.cumsum(rgb * np.diff(edges)[:, None], axis=0)])
+    width = np.diff(cols)
+    return np.stack([np.diff(np.interp(cols, edges, area[:, c])) / width for c in range(3)], axis=1)
+
+
 def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
     """``[groups, ncols, 3]`` RGB: each column the time-weighted mean colour of what it spans."""
     p = len(PALETTE)
@@ -98,14 +106,10 @@ def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
     idx = np.where(act == _TRANSFER, 1, np.where(act == _MIGRATE, 2 + 2 * p, 0))
     idx = np.where(act == _ENV_WAIT, 3 + 2 * p, idx)
     idx = np.where(busy, 2 + version % p + p * (act != _DECODE), idx)
-    dt = np.diff(edges)
     cols = np.linspace(edges[0], edges[-1], ncols + 1)
-    width = np.diff(cols)
     img = np.empty((version.shape[0], ncols, 3))
     for g in range(version.shape[0]):
-        area = np.concatenate([np.zeros((1, 3)), np.cumsum(lut[idx[g]] * dt[:, None], axis=0)])
-        for c in range(3):
-            img[g, :, c] = np.diff(np.interp(cols, edges, area[:, c])) / width
+        img[g] = _column_means(edges, lut[idx[g]], cols)
     return np.clip(img, 0.0, 1.0)
 
 
@@ -142,12 +146,7 @@ def _span_image(records: Records, end: float, ncols: int, start: float = 0.0) ->
         if t < end:
             edges.append(end)
             colors.append(IDLE_RGB)
-        e = np.asarray(edges)
-        c = np.asarray(colors)
-        area = np.concatenate([np.zeros((1, 3)), np.cumsum(c * np.diff(e)[:, None], axis=0)])
-        width = np.diff(cols)
-        for k in range(3):
-            img[gi, :, k] = np.diff(np.interp(cols, e, area[:, k])) / width
+        img[gi] = _column_means(np.asarray(edges), np.asarray(colors), cols)
     return np.clip(img, 0.0, 1.0)
 
 
@@ -184,10 +183,7 @@ def plot_timeline(
             x0, x1 = float(span[0]), float(span[1])
         nticks = len(records.cluster)
         img = _span_image(records, x1, max_cols, x0) if records.spans else None
-
-        def x_at(t: float) -> float:
-            return float(t)
-
+        x_at = float  # seconds are the x axis
         versions = {g.version for g in records.spans if g.activity != "idle"}
     else:
         version, act, active = _grid(records)
@@ -503,7 +499,6 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
 def window(records: Records, t0: float, t1: float) -> Records:
     """Wall clock: the records of ``[t0, t1)`` seconds, shifted to start at 0 (a readable view of
     a stretch of a long run)."""
-    from dataclasses import replace
 
     def cut(t: float) -> bool:
         return t0 <= t < t1
@@ -533,8 +528,6 @@ def window(records: Records, t0: float, t1: float) -> Records:
 def head(records: Records, ticks: float) -> Records:
     """The first ``ticks`` ticks (seconds, on the wall clock) of ``records`` (for a readable
     close-up of a long run)."""
-    from dataclasses import replace
-
     wall = records.clock == "wall"
     return replace(
         records,

@@ -30,6 +30,17 @@ from dora_jax.config import ConfigError, ExperimentConfig, from_dict, to_dict
 from dora_jax.config.loading import apply_overrides, load_yaml, parse_override
 
 APPLY, REFUSE = "apply", "refuse"
+# reasons shared by several fields
+_LAYOUT = "it changes the layout of the saved train state"
+_REWARD_POOL = (
+    "the reward worker pool is started afresh from the config; rewards are computed when "
+    "trajectories are consumed"
+)
+_ENV_POOL = (
+    "the environment worker pool is started afresh from the config; episodes in flight are "
+    "rebuilt on it from their seed, task and actions"
+)
+_ENV_LIMITS = "the episode limits of conversations from now on, those in flight included"
 
 # (field or section prefix, action, why): the first entry that matches a field decides.
 RULES: tuple[tuple[str, str, str], ...] = (
@@ -40,75 +51,47 @@ RULES: tuple[tuple[str, str, str], ...] = (
     ("mesh.", REFUSE, "the checkpoint's requests and KV pages live on these groups and devices"),
     ("rollout.", REFUSE, "requests in flight were sampled and their KV pages laid out under it"),
     ("train.group_size", REFUSE, "prompt groups in flight have this many members"),
-    ("train.fp32_master_weights", REFUSE, "it changes the layout of the saved train state"),
-    ("train.adam_moment_dtype", REFUSE, "it changes the layout of the saved train state"),
+    ("train.fp32_master_weights", REFUSE, _LAYOUT),
+    ("train.adam_moment_dtype", REFUSE, _LAYOUT),
     (
         "train.kl_beta",
         APPLY,
-        "applied while it stays > 0 (turning the KL penalty on or off "
-        "changes the saved train state: refused)",
-    ),  # fmt: skip
+        "applied while it stays > 0 (turning the KL penalty on or off changes the saved train "
+        "state: refused)",
+    ),
     (
         "train.",
         APPLY,
-        "the optimizer, schedule and loss are rebuilt from the config; the "
-        "optimizer state and step count come from the checkpoint",
-    ),  # fmt: skip
+        "the optimizer, schedule and loss are rebuilt from the config; the optimizer state and "
+        "step count come from the checkpoint",
+    ),
     ("orchestrator.clock", REFUSE, "a run's records and timeline are on one clock"),
     (
         "orchestrator.",
         APPLY,
-        "the mode policy, window and batch sizes are rebuilt; the ledger, "
-        "queue and window contents come from the checkpoint",
-    ),  # fmt: skip
+        "the mode policy, window and batch sizes are rebuilt; the ledger, queue and window "
+        "contents come from the checkpoint",
+    ),
     ("data.reward", APPLY, "rewards are computed when trajectories are consumed"),
-    (
-        "data.reward_timeout_s",
-        APPLY,
-        "the reward worker pool is started afresh from the config; rewards are computed when "
-        "trajectories are consumed",
-    ),  # fmt: skip
-    (
-        "data.reward_workers",
-        APPLY,
-        "the reward worker pool is started afresh from the config; rewards are computed when "
-        "trajectories are consumed",
-    ),  # fmt: skip
+    ("data.reward_timeout_s", APPLY, _REWARD_POOL),
+    ("data.reward_workers", APPLY, _REWARD_POOL),
     ("data.", REFUSE, "the checkpoint's prompt cursor indexes this prompt stream"),
     ("warm_start.", REFUSE, "the warm start is over: the checkpoint holds the policy"),
     ("eval.every_steps", APPLY, "the evaluation cadence from the next step on"),
     ("eval.", REFUSE, "earlier evaluations in eval.jsonl used this held-out set"),
     ("checkpoint.", APPLY, "the checkpoint cadence and retention from now on"),
     ("logging.", APPLY, "logging from now on"),
-    (
-        "env.workers",
-        APPLY,
-        "the environment worker pool is started afresh from the config; episodes in flight "
-        "are rebuilt on it from their seed, task and actions",
-    ),  # fmt: skip
-    (
-        "env.timeout_s",
-        APPLY,
-        "the environment worker pool is started afresh from the config; episodes in flight "
-        "are rebuilt on it from their seed, task and actions",
-    ),  # fmt: skip
-    (
-        "env.max_turns",
-        APPLY,
-        "the episode limits of conversations from now on, those in flight included",
-    ),  # fmt: skip
-    (
-        "env.max_env_seconds",
-        APPLY,
-        "the episode limits of conversations from now on, those in flight included",
-    ),  # fmt: skip
+    ("env.workers", APPLY, _ENV_POOL),
+    ("env.timeout_s", APPLY, _ENV_POOL),
+    ("env.max_turns", APPLY, _ENV_LIMITS),
+    ("env.max_env_seconds", APPLY, _ENV_LIMITS),
     ("env.reward", APPLY, "rewards are computed when conversations end"),
     (
         "env.",
         REFUSE,
         "the episodes in flight, their token budgets and the prompt cursor belong to this "
         "environment",
-    ),  # fmt: skip
+    ),
 )
 
 
@@ -193,21 +176,16 @@ def saved_config(run_dir: Path) -> tuple[dict[str, Any], str, bool]:
     finished checkpoint's config, else ``run_dir/config.yaml``. Reads only."""
     from dora_jax.checkpoint import peek_configs
 
+    nothing = "nothing to resume (run without --resume to start a run there)"
     if not run_dir.is_dir():
-        raise ConfigError(
-            "run_dir", f"{run_dir} does not exist: nothing to resume (run without --resume to "
-                       "start a run there)",
-        )  # fmt: skip
+        raise ConfigError("run_dir", f"{run_dir} does not exist: {nothing}")
     for step, cfg in peek_configs(run_dir / "checkpoints"):
         if cfg is not None:
             return cfg, f"checkpoint {run_dir / 'checkpoints' / str(step)}", True
     path = run_dir / "config.yaml"
     if path.is_file():
         return load_yaml(path), str(path), False
-    raise ConfigError(
-        "run_dir", f"{run_dir} holds no checkpoint and no config.yaml: nothing to resume (run "
-                   "without --resume to start a run there)",
-    )  # fmt: skip
+    raise ConfigError("run_dir", f"{run_dir} holds no checkpoint and no config.yaml: {nothing}")
 
 
 def resolve(
@@ -266,11 +244,10 @@ def check_restored(cfg: ExperimentConfig, runtime, changed: list[Change]) -> Non
                      "orchestrator.rollout_batch_prompts", "orchestrator.mode") if f in names),
         "orchestrator.staleness_k",
     )  # fmt: skip
-    need = w.smallest_k()
     raise ConfigError(
         field,
         f"under mode {runtime.policy.name} (K={w.k}, {w.per_step} prompt groups per step) the "
         f"prompt groups in flight cannot all be consumed within the staleness bound (versions "
         f"{w.live_versions()} open, the next step at v{w.consume_version}, v{bad} over the bound);"
-        f" this checkpoint needs K >= {need} with these batch sizes",
+        f" this checkpoint needs K >= {w.smallest_k()} with these batch sizes",
     )

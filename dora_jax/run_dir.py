@@ -97,10 +97,11 @@ def start_over(run_dir: Path) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int | str) -> bool:
+    """Whether process ``pid`` runs on this host (a ``pid`` that is not a number does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
         return False
     except PermissionError:
         return True
@@ -189,7 +190,7 @@ class RunDirLock:
             return False
         if owner.get("host") != socket.gethostname():
             return True  # another host: cannot tell, so assume it runs
-        return _alive(pid)
+        return pid_alive(pid)
 
     def _busy(self, owner: dict) -> str:
         return (

@@ -122,10 +122,8 @@ class EnvPrompts:
 
     def figures(self) -> dict[str, float]:
         """Cumulative: ``env/prompts_skipped`` and ``env/reset_failures/<kind>``."""
-        out = {"env/prompts_skipped": float(self.skipped)}
-        for kind in ERROR_KINDS:
-            out[f"env/reset_failures/{kind}"] = float(self.failures[kind])
-        return out
+        failures = {f"env/reset_failures/{k}": float(self.failures[k]) for k in ERROR_KINDS}
+        return {"env/prompts_skipped": float(self.skipped), **failures}
 
     def next_prompt(self) -> PromptSpec:
         in_row = 0
@@ -497,9 +495,8 @@ def build_env(
     pool = EnvPool(resolve_spec(env.spec), env.kwargs, env.workers, env.timeout_s, **extra)
     try:
         driver = EnvTurnDriver(pool, tokenizer, limits, env.reward)
-        skip = cfg.data.long_prompts == "skip"
         prompts = EnvPrompts(pool, tokenizer, limits, max_prompt_len, max_new_tokens, cfg.seed,
-                             skip=skip)  # fmt: skip
+                             skip=cfg.data.long_prompts == "skip")  # fmt: skip
     except BaseException:
         pool.close()
         raise

@@ -82,7 +82,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def at_k_metrics(scores: np.ndarray) -> dict[str, float]:
     """``mean@k`` and ``pass@j`` (j = 1, 2, 4, ..., and k) from ``scores[problem, sample]``;
     a sample is solved when its reward is full (>= 1)."""
-    n_problems, k = scores.shape
+    k = scores.shape[1]
     solved = (scores >= 1.0).sum(axis=1)
     out = {f"mean@{k}": float(scores.mean())}
     js = sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k})
@@ -128,6 +128,8 @@ class Evaluator:
             self.prompts = [list(p.tokens) for p in self.payloads]
         else:
             self.prompts = [encode(ex.prompt) for ex in examples]
+        # (problem i, sample j) in scores[i, j] order; its request id is j * n + i
+        self.order = [(i, j) for i in range(len(self.prompts)) for j in range(self.k)]
         longest = max(len(p) for p in self.prompts)
         if longest > rollout_cfg.max_prompt_len:
             raise ValueError(
@@ -166,21 +168,8 @@ class Evaluator:
         while self.engine.num_requests:
             for f in self.engine.step().finished:
                 responses[f.id] = response_ids(self.tokenizer, f.tokens)
-        order = [(i, j) for i in range(n) for j in range(self.k)]
-        outcomes = self.scorer.score_many([
-            (self.tokenizer.decode(responses[j * n + i]), self.references[i], self.metadata[i])
-            for i, j in order
-        ])  # fmt: skip
-        scores = np.array([o.score for o in outcomes], np.float64).reshape(n, self.k)
-        return EvalResult(
-            step=step,
-            reward=float(scores.mean()),
-            solved=float(np.mean(scores >= 1.0)),
-            response_len=float(np.mean([len(r) for r in responses.values()])),
-            seconds=time.perf_counter() - t0,
-            at_k=at_k_metrics(scores) if self.k > 1 else {},
-            scores=tuple(tuple(row) for row in scores.tolist()),
-        )
+        lens = [len(r) for r in responses.values()]
+        return self._result(step, t0, self._scored(responses), lens)
 
     def _conversations(self, step: int, t0: float) -> EvalResult:
         """Play every held-out episode to its end (``k`` samples each), the driver answering
@@ -209,21 +198,30 @@ class Evaluator:
                     ended[o.request_id] = (last.pop(o.request_id), o)
                 else:
                     self.engine.extend(o.request_id, o.observation)
-        order = [(i, j) for i in range(n) for j in range(self.k)]
         if driver.env_rewards:
-            flat = [ended[j * n + i][1].reward for i, j in order]
+            flat = [ended[j * n + i][1].reward for i, j in self.order]
         else:
-            flat = [o.score for o in self.scorer.score_many([
-                (self.tokenizer.decode(ended[j * n + i][0].tokens), self.references[i],
-                 self.metadata[i]) for i, j in order
-            ])]  # fmt: skip
-        scores = np.array(flat, np.float64).reshape(n, self.k)
+            flat = self._scored({rid: r.tokens for rid, (r, _) in ended.items()})
         model_tokens = [sum(o.loss_mask) for _, o in ended.values()]
+        return self._result(step, t0, flat, model_tokens)
+
+    def _scored(self, responses: dict[int, list[int]]) -> list[float]:
+        """The reward function's scores of the responses (token ids by request id), in
+        ``order``."""
+        n, decode = len(self.prompts), self.tokenizer.decode
+        items = [
+            (decode(responses[j * n + i]), self.references[i], self.metadata[i])
+            for i, j in self.order
+        ]
+        return [o.score for o in self.scorer.score_many(items)]
+
+    def _result(self, step: int, t0: float, flat: list[float], lens: list[int]) -> EvalResult:
+        scores = np.array(flat, np.float64).reshape(len(self.prompts), self.k)
         return EvalResult(
             step=step,
             reward=float(scores.mean()),
             solved=float(np.mean(scores >= 1.0)),
-            response_len=float(np.mean(model_tokens)),
+            response_len=float(np.mean(lens)),
             seconds=time.perf_counter() - t0,
             at_k=at_k_metrics(scores) if self.k > 1 else {},
             scores=tuple(tuple(row) for row in scores.tolist()),

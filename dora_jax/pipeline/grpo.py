@@ -65,14 +65,10 @@ class TokenizedPrompts:
         self.source.cursor = int(state["cursor"])
         self.skipped = int(state["skipped"])
 
-    def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt (a string or chat messages)."""
-        return encode_chat(self.tokenizer, prompt, self.system_prompt, self.template)
-
     def next_prompt(self) -> PromptSpec:
         while True:
             (p,) = self.source.take(1)
-            tokens = tuple(self.encode(p.text))
+            tokens = tuple(encode_chat(self.tokenizer, p.text, self.system_prompt, self.template))
             if tokens and len(tokens) <= self.max_prompt_len:
                 payload = PromptPayload(p.index, tokens, p.answer, metadata=p.metadata or None)
                 return PromptSpec(len(tokens), payload)

@@ -38,7 +38,8 @@ import dataclasses
 import functools
 import math
 import os
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,26 +191,22 @@ class MemoryPlan:
         if not over:
             return
         pool, total = max(over, key=lambda x: x[1])
-        devs = self.pools()[pool]
-        biggest = sorted(
-            [i for i in self.items if i.device in devs], key=lambda i: i.bytes, reverse=True
-        )[:3]
-        lines = [
+        raise MemoryPlanError(
             f"the memory plan does not fit: {pool} needs {total / GiB:.2f} GiB, over "
             f"{self.utilization:.0%} of {self.limit / GiB:.2f} GiB, {self.limit_source} "
-            "(mesh.memory_utilization x mesh.device_memory_gib)",
-            "largest items: " + "; ".join(f"{i.what} {i.bytes / GiB:.2f} GiB" for i in biggest),
-            "to change: " + "; ".join(_advice(biggest, self)),
-            self.table(),
-        ]
-        raise MemoryPlanError("\n".join(lines))
+            "(mesh.memory_utilization x mesh.device_memory_gib)\n"
+            f"{_advice(self, self.pools()[pool])}\n{self.table()}"
+        )
 
 
 def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
-def _advice(items: list[Item], plan: MemoryPlan) -> list[str]:
+def _advice(plan: MemoryPlan, devs: list[int], *more: str) -> str:
+    """Two lines: the three largest items on ``devs``, and what to change (then ``more``)."""
+    mine = [i for i in plan.items if i.device in devs]
+    items = sorted(mine, key=lambda i: i.bytes, reverse=True)[:3]
     out: list[str] = []
     for i in items:
         w = i.what
@@ -235,7 +232,9 @@ def _advice(items: list[Item], plan: MemoryPlan) -> list[str]:
                        "no held-out evaluation)")  # fmt: skip
     if "CPU devices" in plan.limit_source:
         out.append("or give each CPU device more of the host: mesh.device_memory_gib")
-    return list(dict.fromkeys(out)) or ["use a larger device or fewer devices' worth of work"]
+    fixes = list(dict.fromkeys(out)) or ["use a larger device or fewer devices' worth of work"]
+    largest = "; ".join(f"{i.what} {i.bytes / GiB:.2f} GiB" for i in items)
+    return f"largest items: {largest}\nto change: {'; '.join([*fixes, *more])}"
 
 
 def exports_in_group_layout() -> bool:
@@ -377,11 +376,8 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     # engines
     trainer_ids = set(_mesh_ids(tmesh))
     t_layout = (cfg.mesh.trainer.data, cfg.mesh.trainer.expert, cfg.mesh.trainer.model)
-    per_device_groups: dict[int, int] = defaultdict(int)
+    per_device_groups = Counter(d for g in meshes.groups for d in _mesh_ids(g))
     g_sh = [tree_shardings(param_axes(m), p_abs, rollout_rules(), g) for g in meshes.groups]
-    for g in meshes.groups:
-        for d in _mesh_ids(g):
-            per_device_groups[d] += 1
     aliased = []
     for d, n_groups in per_device_groups.items():
         g_index = next(i for i, g in enumerate(meshes.groups) if d in _mesh_ids(g))
@@ -400,7 +396,9 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     # rollout step temporaries: one engine at a time per device, or (wall clock) every engine of
     # the device at once, each stepping on its own worker thread
     concurrent = o.clock == "wall"
-    impl, interpret = resolve_impl_quiet(r.attention_impl)
+    with warnings.catch_warnings():  # the engine warns when it is built
+        warnings.simplefilter("ignore")
+        impl, interpret = resolve_impl(r.attention_impl, None)
     shapes = dataclasses.replace(r, num_pages=2, temperature=1.0, top_k=0, top_p=1.0)
     eng_tmp = _engine_temporaries(m, shapes, meshes.groups[0], impl, interpret)
     for d, n_groups in per_device_groups.items():
@@ -431,7 +429,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
                                 f"{t.microbatches} microbatch(es))"), step, TRANSIENT))  # fmt: skip
 
     # evaluator: one engine on the first trainer device
-    ev = min(trainer_ids, key=lambda d: _mesh_ids(tmesh).index(d))
+    ev = _mesh_ids(tmesh)[0]
     eval_pages = 0
     if _evaluates(cfg):
         slots = min(64, cfg.eval.num_prompts * cfg.eval.samples_per_prompt)  # as Evaluator's
@@ -472,15 +470,6 @@ def _engine_temporaries(m, r, mesh: Mesh, impl: str, interpret: bool) -> int:
     return out
 
 
-def resolve_impl_quiet(impl: str) -> tuple[str, bool]:
-    """:func:`resolve_impl` without its warning (the engine warns when it is built)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return resolve_impl(impl, None)
-
-
 def _page_bytes(cfg: ExperimentConfig, tp: int) -> int:
     """K and V of one page of every layer, on one device of a group of ``tp`` devices."""
     m, r = cfg.model, cfg.rollout
@@ -506,18 +495,11 @@ def _size_pages(plan: MemoryPlan, groups: dict[int, int], page: int, cfg: Experi
         pages = free // (engines * page)
         best = pages if best is None else min(best, pages)
         if pages < need:
-            biggest = sorted(
-                [i for i in plan.items if i.device in devs], key=lambda i: i.bytes, reverse=True
-            )[:3]
             raise MemoryPlanError(
                 f"rollout.num_pages: {pool} has {max(free, 0) / GiB:.2f} GiB left for the KV "
                 f"caches of {engines} engine(s), {max(pages, 0)} pages each, fewer than the "
                 f"{need} one request of max_prompt_len + max_new_tokens needs\n"
-                "largest items: "
-                + "; ".join(f"{i.what} {i.bytes / GiB:.2f} GiB" for i in biggest)
-                + "\nto change: "
-                + "; ".join(_advice(biggest, plan) + ["shorten the requests"])
-                + f"\n{plan.table()}"
+                f"{_advice(plan, devs, 'shorten the requests')}\n{plan.table()}"
             )
     return int(best if best is not None else 2)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shlex
+from collections import Counter
 from pathlib import Path
 
 from dora_jax.curves import reward_curve_plot
@@ -26,8 +27,10 @@ def write_run_report(
     """Plots and summary files in ``run_dir``; prints the run's figures. ``health`` (a
     :class:`~dora_jax.pipeline.health.RunHealth`) adds the skipped steps and policy warnings."""
     cfg, o = exp.cfg, exp.cfg.orchestrator
-    rewards, solved = step_curves(exp, run_dir)
-    trainer = trainer_figures(exp, run_dir)
+    rows = step_rows(exp, run_dir)
+    rewards = [(m["step"], m["reward"]) for m in rows]
+    solved = [(m["step"], m["solved"]) for m in rows]
+    trainer = trainer_figures(rows)
     rec = result.records
     wall = rec.clock == "wall"
     title = f"{o.mode}: rollout groups over time, coloured by policy version"
@@ -61,7 +64,7 @@ def write_run_report(
             "reward_errors_by_kind": exp.reward.error_counts(),
             "config": "config.yaml",
             "stopped_early": exp.stopped,
-            "request_states": result.states or _counts(result.ledger),
+            "request_states": result.states or dict(Counter(result.ledger.values())),
             "consumed_request_ids": [c.request_id for c in rec.consumed],
             # the measured workload (benchmarks/calibrate_cpu.py feeds it to the simulator)
             "consumed_response_lens": [c.response_len for c in rec.consumed],
@@ -131,31 +134,27 @@ def write_run_report(
     )
 
 
-def step_curves(exp: Experiment, run_dir: Path) -> tuple[list, list]:
-    """``(step, mean reward)`` and ``(step, solved share)`` of every step of the run (resumes
-    too): from ``metrics.jsonl`` (a run with history files keeps no step logs in memory), else
-    from the trainer's step logs."""
+def step_rows(exp: Experiment, run_dir: Path) -> list[dict]:
+    """Every step of the run (resumes too) with its ``step``, ``reward``, ``solved`` and trainer
+    figures: the lines of ``metrics.jsonl`` (a run with history files keeps no step logs in
+    memory), else the trainer's step logs."""
     path = run_dir / METRICS_FILE
     if path.is_file():
-        lines = [m for m in read_metrics(path) if "reward" in m]
-        return ([(m["step"], m["reward"]) for m in lines],
-                [(m["step"], m["solved"]) for m in lines])  # fmt: skip
-    logs = exp.grpo.step_logs(exp.grpo.log_start)
-    return ([(sl.version, step_reward(sl)) for sl in logs],
-            [(sl.version, step_solved(sl)) for sl in logs])  # fmt: skip
+        return [m for m in read_metrics(path) if "reward" in m]
+    return [
+        {**sl.metrics, **sl.timing, "step": sl.version}
+        | {"reward": step_reward(sl), "solved": step_solved(sl)}
+        for sl in exp.grpo.step_logs(exp.grpo.log_start)
+    ]
 
 
 TRAINER_FIGURES = ("real_token_share", "train_step_s", "real_tokens_per_s")
 
 
-def trainer_figures(exp: Experiment, run_dir: Path) -> dict[str, float]:
-    """The means over the run's steps of the trainer's real-token share (real tokens over the
-    batch's positions), its step seconds and its real tokens per second (``*_mean``)."""
-    path = run_dir / METRICS_FILE
-    if path.is_file():
-        rows = [m for m in read_metrics(path) if "reward" in m]
-    else:
-        rows = [{**sl.metrics, **sl.timing} for sl in exp.grpo.step_logs(exp.grpo.log_start)]
+def trainer_figures(rows: list[dict]) -> dict[str, float]:
+    """The means over the run's steps (:func:`step_rows`) of the trainer's real-token share (real
+    tokens over the batch's positions), its step seconds and its real tokens per second
+    (``*_mean``)."""
     out = {}
     for key in TRAINER_FIGURES:
         values = [float(m[key]) for m in rows if key in m]
@@ -174,10 +173,3 @@ def resume_hint(run_dir: str | Path) -> str:
         f"python launch/train.py {flags + ' ' if flags else ''}--resume "
         f"run_dir={shlex.quote(str(run_dir))}"
     )
-
-
-def _counts(ledger: dict) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for state in ledger.values():
-        out[state] = out.get(state, 0) + 1
-    return out

@@ -25,6 +25,7 @@ from dora_jax.model.hf_checkpoint import load_hf_params, save_hf_checkpoint
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt
 from dora_jax.model.transformer import default_positions
+from dora_jax.run_dir import pid_alive
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,6 @@ def make_batch(
     return (tokens, seg, mask), index
 
 
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _loss(params: Params, tokens, seg, mask, cfg: ModelConfig):
     logits = forward(params, tokens, default_positions(seg), seg, cfg)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -131,7 +122,7 @@ def warm_start(
             on_step(i, losses[-1])
     if cache_dir is not None and cfg.steps:  # written aside, then renamed: never half a cache
         for left in cache_dir.parent.glob(f".{cache_dir.name}.tmp-*"):
-            if not _alive(left.name.rsplit("-", 1)[-1]):  # left by a killed run
+            if not pid_alive(left.name.rsplit("-", 1)[-1]):  # left by a killed run
                 shutil.rmtree(left, ignore_errors=True)
         tmp = cache_dir.with_name(f".{cache_dir.name}.tmp-{os.getpid()}")
         save_hf_checkpoint(params, model_cfg, tmp)
