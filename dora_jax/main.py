@@ -144,10 +144,9 @@ def _main(argv: list[str]) -> int:
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
-    from dora_jax.checkpoint import CheckpointError as RunCheckpointError
-    from dora_jax.checkpoint import CheckpointSaveError
+    from dora_jax.checkpoint import CheckpointError, CheckpointSaveError
     from dora_jax.data.jsonl import DataError
-    from dora_jax.model.hf_checkpoint import CheckpointError
+    from dora_jax.model.hf_checkpoint import HFCheckpointError
     from dora_jax.model.tokenizer import TokenizerError
     from dora_jax.pipeline.experiment import ExperimentError, resolve_model
     from dora_jax.pipeline.grpo import PromptTooLong
@@ -161,10 +160,10 @@ def _main(argv: list[str]) -> int:
         return 2
     except (
         DataError,
-        CheckpointError,
+        HFCheckpointError,
         TokenizerError,
         ExperimentError,
-        RunCheckpointError,
+        CheckpointError,
         CheckpointSaveError,
         PromptTooLong,
         RunDirBusy,

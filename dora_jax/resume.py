@@ -246,7 +246,7 @@ def check_restored(cfg: ExperimentConfig, runtime, changed: list[Change]) -> Non
     )  # fmt: skip
     raise ConfigError(
         field,
-        f"under mode {runtime.policy.name} (K={w.k}, {w.per_step} prompt groups per step) the "
+        f"under mode {runtime.mode.name} (K={w.k}, {w.per_step} prompt groups per step) the "
         f"prompt groups in flight cannot all be consumed within the staleness bound (versions "
         f"{w.live_versions()} open, the next step at v{w.consume_version}, v{bad} over the bound);"
         f" this checkpoint needs K >= {w.smallest_k()} with these batch sizes",

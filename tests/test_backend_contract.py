@@ -204,7 +204,7 @@ def test_run_invariants(kind, mode, real_setup):
         result = s.runtime.run(3, drain=True, max_ticks=100_000, stall_s=orch.stall_s)
         assert result.summary.steps >= 3
         assert_run_invariants(
-            mode=mode, k=s.runtime.policy.k, group_size=4, num_groups=4,
+            mode=mode, k=s.runtime.mode.k, group_size=4, num_groups=4,
             plan_period_ticks=orch.plan_period_ticks, runtime=s.runtime, records=result.records,
             ledger=result.ledger, trainer_batches=s.batches(),
             live_requests=s.backend.live_requests(),

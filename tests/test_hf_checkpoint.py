@@ -14,7 +14,7 @@ from dora_jax.config import ModelConfig, TrainerMeshConfig
 from dora_jax.mesh import make_mesh
 from dora_jax.model import abstract_params, init_params, param_axes
 from dora_jax.model.hf_checkpoint import (
-    CheckpointError,
+    HFCheckpointError,
     load_hf_config,
     load_hf_params,
     save_hf_checkpoint,
@@ -63,7 +63,7 @@ def test_load_directly_into_shardings(ckpt):
 def test_missing_tensor(ckpt):
     path, _ = ckpt
     rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.up"):
+    with pytest.raises(HFCheckpointError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.up"):
         load_hf_params(path, CFG)
 
 
@@ -75,7 +75,7 @@ def test_wrong_shape(ckpt):
 
     rewrite(path, shrink)
     with pytest.raises(
-        CheckpointError,
+        HFCheckpointError,
         match=r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \[4, 16\], "
         r"expected \[8, 16\]",
     ):
@@ -85,7 +85,9 @@ def test_wrong_shape(ckpt):
 def test_unexpected_tensor(ckpt):
     path, _ = ckpt
     rewrite(path, lambda t: t.update({"model.layers.0.mlp.experts.0.weight": np.zeros(2)}))
-    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) model\.layers\.0\.mlp\.ex"):
+    with pytest.raises(
+        HFCheckpointError, match=r"unexpected tensor\(s\) model\.layers\.0\.mlp\.ex"
+    ):
         load_hf_params(path, CFG)
 
 
@@ -93,17 +95,17 @@ def test_truncated_file(ckpt):
     path, _ = ckpt
     f = path / "model.safetensors"
     f.write_bytes(f.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors"):
+    with pytest.raises(HFCheckpointError, match=r"model\.safetensors: not a readable safetensors"):
         load_hf_params(path, CFG)
 
 
 def test_missing_files(tmp_path):
-    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+    with pytest.raises(HFCheckpointError, match=r"config\.json: missing"):
         load_hf_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+    with pytest.raises(HFCheckpointError, match=r"config\.json: not valid JSON"):
         load_hf_config(tmp_path)
-    with pytest.raises(CheckpointError, match=r"no \*\.safetensors files"):
+    with pytest.raises(HFCheckpointError, match=r"no \*\.safetensors files"):
         load_hf_params(tmp_path, CFG)
 
 
@@ -112,7 +114,7 @@ def test_index_pointing_to_missing_shard(ckpt):
     names = list(load_file(str(path / "model.safetensors")))
     index = {"weight_map": {n: "model-00002-of-00002.safetensors" for n in names}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: missing"):
+    with pytest.raises(HFCheckpointError, match=r"model-00002-of-00002\.safetensors: missing"):
         load_hf_params(path, CFG)
 
 

@@ -83,7 +83,7 @@ def _run(k=2, steps=8, drain=False, seed=1):
 def test_restart_mode_runs_through_the_runtime(restart):
     cfg, run = _run()
     rt, rec, s = run.runtime, run.result.records, run.result.summary
-    assert isinstance(rt.policy, Restart) and rec.mode == "restart" and s.mode == "restart"
+    assert isinstance(rt.mode, Restart) and rec.mode == "restart" and s.mode == "restart"
     # every step published, each on TBS whole prompt groups
     assert rt.steps_done == 8 and [v for v, _ in run.trainer.batches] == list(range(8))
     assert all(len(ids) == 2 * 4 for _, ids in run.trainer.batches)
@@ -95,7 +95,7 @@ def test_restart_mode_runs_through_the_runtime(restart):
     # ... and from dora: what was in flight at an update is thrown away, at the update only
     assert s.discarded > 0 and {t for t, _ in rec.discards} <= {st.end for st in rec.steps}
     # the discarded prompts are sampled again, before any new prompt
-    mode, replay = rt.policy, rt.manager.prompts
+    mode, replay = rt.mode, rt.manager.prompts
     assert mode.restarted * 4 == sum(n for _, n in rec.discards) == run.result.states["discarded"]
     assert replay.replayed + len(replay.again) == mode.restarted > 0
 
@@ -116,7 +116,7 @@ def test_restart_mode_keeps_the_invariants(restart, k, seed):
 def test_a_registered_mode_passes_config_validation(restart):
     cfg = load_config(None, ["orchestrator.mode=restart", "orchestrator.staleness_k=1"])
     assert cfg.orchestrator.mode == "restart"
-    assert isinstance(modes.policy_for(cfg.orchestrator), Restart)
+    assert isinstance(modes.mode_for(cfg.orchestrator), Restart)
     from dora_jax.main import parse_args  # --mode takes the registered names
 
     assert parse_args(["--mode", "restart"]).mode == "restart"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from invariants import assert_run_invariants  # tests/invariants.py
 
 from dora_jax.config.schema import OrchestratorConfig
-from dora_jax.orchestrator import MODES, FakeBackendConfig, policy_for, run_fake
+from dora_jax.orchestrator import MODES, FakeBackendConfig, mode_for, run_fake
 
 
 @st.composite
@@ -65,9 +65,9 @@ def workloads(draw, modes=MODES):
 def check_invariants(cfg: OrchestratorConfig, backend: FakeBackendConfig, run: dict) -> None:
     if cfg.mode == "one_step" and cfg.staleness_k < 1:
         with pytest.raises(ValueError, match="one_step"):
-            policy_for(cfg)
+            mode_for(cfg)
         return
-    policy = policy_for(cfg)
+    policy = mode_for(cfg)
     k, G = policy.k, run["group_size"]
     out = run_fake(
         cfg, G, backend, num_steps=run["num_steps"], step_ticks=run["step_ticks"],

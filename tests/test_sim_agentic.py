@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from invariants import assert_run_invariants  # tests/invariants.py
 
 from dora_jax.config.schema import ConfigError, OrchestratorConfig
-from dora_jax.orchestrator import MODES, Runtime, policy_for
+from dora_jax.orchestrator import MODES, Runtime, mode_for
 from dora_jax.orchestrator.backend import TRAINER, RequestSpec
 from dora_jax.sim import report
 from dora_jax.sim.backend import SimBackend
@@ -507,7 +507,7 @@ def test_invariants_hold_with_conversations_in_every_mode(w):
     result = runtime.run(sim["steps"], drain=True, max_ticks=300_000)
     rec = result.records
     assert_run_invariants(
-        mode=orch.mode, k=policy_for(orch).k, group_size=sim["G"], num_groups=sim["groups"],
+        mode=orch.mode, k=mode_for(orch).k, group_size=sim["G"], num_groups=sim["groups"],
         plan_period_ticks=orch.plan_period_ticks, runtime=runtime, records=rec,
         ledger=result.ledger, trainer_batches=trainer.batches,
         live_requests=backend.live_requests(),

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from invariants import assert_run_invariants  # tests/invariants.py
 
 from dora_jax.config.schema import OrchestratorConfig
-from dora_jax.orchestrator import MODES, Runtime, policy_for
+from dora_jax.orchestrator import MODES, Runtime, mode_for
 from dora_jax.sim.backend import SimBackend
 from dora_jax.sim.config import EfficiencyConfig, PromptConfig, ResponseConfig
 from dora_jax.sim.cost_model import CostModel
@@ -121,9 +121,9 @@ def run_sim(orch: OrchestratorConfig, response: ResponseConfig, sim: dict):
 def check_sim_invariants(orch: OrchestratorConfig, response: ResponseConfig, sim: dict) -> None:
     if orch.mode == "one_step" and orch.staleness_k < 1:
         with pytest.raises(ValueError, match="one_step"):
-            policy_for(orch)
+            mode_for(orch)
         return
-    k, G = policy_for(orch).k, sim["group_size"]
+    k, G = mode_for(orch).k, sim["group_size"]
     rt, result, backend, trainer, lengths = run_sim(orch, response, sim)
     rec, ledger = result.records, result.ledger
 

@@ -34,18 +34,18 @@ from dora_jax.model.hf_mapping import (
 from dora_jax.model.params import Params, dtype_of, init_params, param_specs
 
 
-class CheckpointError(ValueError):
+class HFCheckpointError(ValueError):
     """A checkpoint directory is missing files or tensors, or holds tensors of the wrong shape."""
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     p = Path(path) / "config.json"
     if not p.is_file():
-        raise CheckpointError(f"{p}: missing (a Hugging Face checkpoint needs config.json)")
+        raise HFCheckpointError(f"{p}: missing (a Hugging Face checkpoint needs config.json)")
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{p}: not valid JSON: {e}") from None
+        raise HFCheckpointError(f"{p}: not valid JSON: {e}") from None
 
 
 def load_hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
@@ -60,11 +60,13 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
+            raise HFCheckpointError(f"{index}: malformed index ({e})") from None
         return {name: path / fname for name, fname in weight_map.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+        raise HFCheckpointError(
+            f"{path}: no *.safetensors files and no model.safetensors.index.json"
+        )
     out: dict[str, Path] = {}
     for f in files:
         for name in _open(f).keys():
@@ -74,11 +76,11 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def _open(file: Path):
     if not file.is_file():
-        raise CheckpointError(f"{file}: missing (named by the checkpoint index)")
+        raise HFCheckpointError(f"{file}: missing (named by the checkpoint index)")
     try:
         return safe_open(str(file), framework="numpy")
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+        raise HFCheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 class _Reader:
@@ -99,7 +101,7 @@ class _Reader:
             arr = self._handle(name).get_tensor(name)
         except (SafetensorError, OSError) as e:
             msg = f"{self.files[name]}: cannot read tensor {name!r} ({e})"
-            raise CheckpointError(msg) from None
+            raise HFCheckpointError(msg) from None
         self._last = (name, arr)
         return arr
 
@@ -115,7 +117,7 @@ def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> dict[str, tuple[
     missing = [n for n in expected if n not in reader.files]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}{more}")
+        raise HFCheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}{more}")
     ignored = [re.compile(p) for p in IGNORED_HF_TENSORS]
     if cfg.tie_word_embeddings:
         ignored.append(re.compile(r"^lm_head\.weight$"))  # some exports store the tied copy
@@ -123,14 +125,14 @@ def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> dict[str, tuple[
         n for n in reader.files if n not in expected and not any(p.match(n) for p in ignored)
     ]
     if unknown:
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"{path}: unexpected tensor(s) {', '.join(sorted(unknown)[:5])}: the checkpoint does "
             f"not match the {cfg.family} architecture described by its config.json"
         )
     for name, (rule, _) in expected.items():
         want, got = rule.hf_shape(cfg), reader.shape(name)
         if want != got:
-            raise CheckpointError(
+            raise HFCheckpointError(
                 f"{path}: tensor {name!r} has shape {list(got)}, expected {list(want)} "
                 "from config.json"
             )

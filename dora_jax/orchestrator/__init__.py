@@ -18,7 +18,7 @@ from dora_jax.orchestrator.backend import (
 )
 from dora_jax.orchestrator.fake_backend import FakeBackend, FakeBackendConfig
 from dora_jax.orchestrator.fake_trainer import FakeRun, FakeTrainer, run_fake
-from dora_jax.orchestrator.modes import MODES, Mode, policy_for, register_mode
+from dora_jax.orchestrator.modes import MODES, Mode, mode_for, register_mode
 from dora_jax.orchestrator.planner import (
     Migration,
     Plan,
@@ -72,7 +72,7 @@ __all__ = [
     "allocate",
     "plan",
     "plan_trigger",
-    "policy_for",
+    "mode_for",
     "register_mode",
     "run_fake",
 ]

@@ -1,7 +1,7 @@
 """The rollout paradigms, each one object the runtime loop asks what differs, and their registry.
 
 A mode is a :class:`Mode` built from the config by the factory registered under its name
-(:func:`register_mode`, :func:`policy_for`); its attributes and hooks are the runtime's decision
+(:func:`register_mode`, :func:`mode_for`); its attributes and hooks are the runtime's decision
 points, and each class says what its paradigm does at them. The base streams: empty groups switch
 to the newest version once no request of theirs waits, and the newest version is topped up to
 ``rollout_batch`` prompt groups in flight.
@@ -244,7 +244,7 @@ for _cls in (Sync, OneStep, Partial, Oversample, Dora):
 MODES = tuple(_FACTORIES)  # the built-in modes
 
 
-def policy_for(cfg: OrchestratorConfig) -> Mode:
+def mode_for(cfg: OrchestratorConfig) -> Mode:
     """A new mode object for ``cfg.mode`` (the config checked the name); ValueError where the
     mode refuses the config (``one_step`` needs ``staleness_k >= 1``)."""
     return _FACTORIES[cfg.mode](cfg)

@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend, Source
 from dora_jax.orchestrator.clock import LogicalClock, WallClock
-from dora_jax.orchestrator.modes import Mode, policy_for
+from dora_jax.orchestrator.modes import Mode, mode_for
 from dora_jax.orchestrator.records import ClusterTick, Records, StepRecord, Summary
 from dora_jax.orchestrator.rollout_manager import DISCARDED, PromptStream, RolloutManager
 from dora_jax.orchestrator.staleness import AdaptiveK
@@ -117,16 +117,16 @@ class Runtime:
     ):
         self.cfg = cfg
         self.clock = clock or LogicalClock()
-        self.policy: Mode = policy_for(cfg)  # the mode object
+        self.mode: Mode = mode_for(cfg)  # the mode object
         self.group_size = group_size
         self.backend = backend
         self.trainer = trainer if isinstance(trainer, StepRunner) else TickedTrainer(trainer)
-        self.window = VersionWindow(self.policy.k, self.policy.per_step)
+        self.window = VersionWindow(self.mode.k, self.mode.per_step)
         self.queue = TransferQueue(group_size)
         self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
         infos, tokens = backend.groups(), backend.tokens_per_slot_tick
         slots = max(g.max_slots for g in infos)
-        self.records = Records(self.policy.name, len(infos), slots, tokens, clock=self.clock.kind)
+        self.records = Records(self.mode.name, len(infos), slots, tokens, clock=self.clock.kind)
         self.records.consumed = self.queue.consumed
         self.tick_index = self.steps_done = 0
         self.dispatching = True  # False while draining: no new prompts
@@ -146,7 +146,7 @@ class Runtime:
         self._last_publish = 0.0
         self._last_round: float | None = None
         self._batch_staleness = 0.0
-        self.adaptive = AdaptiveK(min(cfg.adaptive_k_min, self.policy.k), self.policy.k)
+        self.adaptive = AdaptiveK(min(cfg.adaptive_k_min, self.mode.k), self.mode.k)
 
     # -- one tick --------------------------------------------------------------------------------
 
@@ -161,9 +161,9 @@ class Runtime:
         limit = min(n for n in (self._step_limit, self.max_steps, float("inf")) if n is not None)
         if self._train is None and not self.stopping and self.steps_done < limit:
             self._maybe_train(t)
-        if self.policy.adapts_k:
+        if self.mode.adapts_k:
             self._count_wait(t)
-        infos = self.policy.route(self, t, self.backend.groups())
+        infos = self.mode.route(self, t, self.backend.groups())
         self.manager.admit(self.backend, infos)
         self._step_backend(t)
 
@@ -221,9 +221,9 @@ class Runtime:
             start, t = t0, t1
         self.records.steps[-1] = StepRecord(start, t, version, n, maxst)
         self._train = None
-        if self.policy.adapts_k:
+        if self.mode.adapts_k:
             self._adapt_k(t, version)
-        self.policy.on_publish(self, t, version)
+        self.mode.on_publish(self, t, version)
         self.records.flush()  # (attached to history files: the records so far go to disk)
         for obs in self.observers:
             obs.on_publish(self, version)
@@ -254,7 +254,7 @@ class Runtime:
 
     def _maybe_train(self, t: int) -> None:
         tbs = self.cfg.train_batch_prompts
-        self.policy.before_batch(self, t)
+        self.mode.before_batch(self, t)
         flush = not self.dispatching and self.manager.in_flight == 0
         if self.queue.num_ready < tbs and not (flush and self.queue.num_ready):
             return
@@ -316,13 +316,13 @@ class Runtime:
         return {
             "format": self.STATE_FORMAT,
             "clock": self.clock.kind,
-            "mode": self.policy.name,
+            "mode": self.mode.name,
             "tick_index": self.tick_index,
             "steps_done": self.steps_done,
             "dispatching": self.dispatching,
             "train": self._train,
             "train_job": job,
-            **self.policy.state_dict(),
+            **self.mode.state_dict(),
             "adaptive": (*waited, self._batch_staleness, dict(ad.costs), ad.seen, dict(ad.last)),
             "engine_steps": self.engine_steps,
             "window": self.window.state_dict(),
@@ -339,7 +339,7 @@ class Runtime:
             )
         self.tick_index, self.steps_done = state["tick_index"], state["steps_done"]
         self.dispatching, self._train = state["dispatching"], state["train"]
-        self.policy.load_state_dict(state)
+        self.mode.load_state_dict(state)
         adaptive = state.get("adaptive", (0.0, 0.0, None, 0.0, {}, 0, {}))
         self._blocked, self._last_publish, self._last_round, self._batch_staleness = adaptive[:4]
         self.adaptive.costs, self.adaptive.seen = dict(adaptive[4]), adaptive[5]
@@ -354,11 +354,11 @@ class Runtime:
         # a resume may change the mode, K or batch sizes: the bound is this run's K (an adaptive
         # K keeps the saved one within it); resume.check_restored refuses a K the groups in
         # flight cannot be consumed within
-        adapt, w, k = self.policy.adapts_k, self.window, self.policy.k
+        adapt, w, k = self.mode.adapts_k, self.window, self.mode.k
         w.k = min(w.k, k) if adapt else k
         w.target_k = min(w.target_k, w.k) if adapt else k
         self.records = state["records"]
-        self.records.mode = self.policy.name  # a resume may change the mode
+        self.records.mode = self.mode.name  # a resume may change the mode
         self.queue.consumed = self.records.consumed
         self.queue.load_state_dict(state["queue"])
         self.manager.load_state_dict(state["manager"])
@@ -439,7 +439,7 @@ class Runtime:
         if stalled:
             limit = f"{stall_s:.0f} s without progress" if wall else f"{max_ticks} ticks"
             raise StallError(
-                f"{self.policy.name}: no end after {limit}: steps {self.steps_done}, "
+                f"{self.mode.name}: no end after {limit}: steps {self.steps_done}, "
                 f"window v{self.window.latest} open {self.window.live_versions()}, "
                 f"in flight {self.manager.in_flight}, ready {self.queue.num_ready}, "
                 f"pending {self.manager.pending_by_version()}, training {self._train}"

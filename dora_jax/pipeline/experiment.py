@@ -37,7 +37,7 @@ from dora_jax.model.tokenizer import (
     load_tokenizer,
 )
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
-from dora_jax.orchestrator.modes import policy_for
+from dora_jax.orchestrator.modes import mode_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.conversations import EnvRun, env_demonstrations, teacher_kwargs
 from dora_jax.pipeline.evaluation import EvalResult, Evaluator
@@ -189,7 +189,7 @@ def check_fits(cfg: ExperimentConfig) -> None:
             "the reserved page 0)",
         )
     try:
-        policy_for(cfg.orchestrator)
+        mode_for(cfg.orchestrator)
     except ValueError as e:
         raise ConfigError("orchestrator.staleness_k", str(e)) from None
 

@@ -210,9 +210,9 @@ def build(
     trainer = SimTrainer(cost, devices, r.tick_s, colocated_with=colocated, clock=backend)
     prompts = SimPrompts(cfg.prompt, r.seed)
     runtime = Runtime(orchestrator_config(cfg, mode), o.group_size, backend, trainer, prompts)
-    planning = getattr(runtime.policy, "plan_policy", None)  # a mode that plans (dora)
+    planning = getattr(runtime.mode, "plan_policy", None)  # a mode that plans (dora)
     if planning is not None:
-        runtime.policy.plan_policy = replace(
+        runtime.mode.plan_policy = replace(
             planning,
             kv_aware=o.kv_aware,
             consolidate=o.consolidate,
