@@ -112,7 +112,7 @@ def throughput(proc, argv: list[str]) -> dict:
     try:
         rt.run(warmup)
         rt.tick = timed_tick
-        t_a = rt.now()
+        t_a = rt.clock.now()
         first = rt.steps_done
         rt.run(steps)
     finally:
