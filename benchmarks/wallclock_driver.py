@@ -151,6 +151,9 @@ def throughput(proc, argv: list[str]) -> dict:
                     if "train_step_s" in s.timing)  # fmt: skip
     median = step_s[len(step_s) // 2] if step_s else 0.0
     slow = [t for t in step_s if t > 3 * median]
+    # weight loads in the window, wall seconds each on the group's own thread (across processes:
+    # the pull of the staged params included): on sync's critical path once per step
+    loads = sorted(x.t1 - x.t0 for x in spans if x.activity == "transfer")
     return {
         "mode": cfg.orchestrator.mode,
         "steps": steps,
@@ -181,6 +184,8 @@ def throughput(proc, argv: list[str]) -> dict:
             sum(s.timing.get("fallback_shape", 0.0) for s in exp.grpo.log[first : first + steps])
         ),  # fmt: skip
         "compiled_ahead": len(exp.trainer.compiled_ahead),
+        "weight_loads": len(loads),
+        "weight_load_s_median": loads[len(loads) // 2] if loads else 0.0,
     }
 
 
