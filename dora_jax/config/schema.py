@@ -14,7 +14,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from dora_jax.config.errors import ConfigError, check_bool, check_non_negative, check_positive
+from dora_jax.config.errors import (
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_non_negative,
+    check_positive,
+)
 from dora_jax.config.errors import check as _check
 from dora_jax.config.mesh import MeshConfig, RolloutMeshConfig, TrainerMeshConfig  # noqa: F401
 from dora_jax.config.model import (  # noqa: F401  (re-exported)
@@ -158,11 +164,7 @@ class TrainConfig:
             "loss_norm_len",
             f"must be > 0 or null, got {self.loss_norm_len}",
         )
-        _check(
-            self.packing in ("tokens", "rows"),
-            "packing",
-            f"must be 'tokens' or 'rows', got {self.packing!r}",
-        )
+        check_choice(self, "packing", ("tokens", "rows"))
         if self.microbatch_tokens:
             _check(self.packing == "tokens" and not self.pack_rows, "microbatch_tokens",
                    "needs train.packing: tokens and train.pack_rows: 0 (it sizes the batch "
@@ -170,11 +172,7 @@ class TrainConfig:
             _check(self.microbatches == 1, "microbatch_tokens",
                    f"sets the microbatches itself: train.microbatches must be 1, got "
                    f"{self.microbatches}")  # fmt: skip
-        _check(
-            self.compile_shapes in ("auto", "inline", "background"),
-            "compile_shapes",
-            f"must be 'auto', 'inline' or 'background', got {self.compile_shapes!r}",
-        )
+        check_choice(self, "compile_shapes", ("auto", "inline", "background"))
 
     @property
     def resolved_loss_norm_len(self) -> int:
@@ -229,11 +227,7 @@ class OrchestratorConfig:
         _check(self.mode in get_args(Mode), "mode", f"expected one of {known}, got {self.mode!r}")
         check_non_negative(self, "staleness_k", "staleness_cost")
         check_positive(self, "stall_s", "train_batch_prompts", "plan_period_ticks")
-        _check(
-            self.clock in ("logical", "wall"),
-            "clock",
-            f"must be 'logical' or 'wall', got {self.clock!r}",
-        )
+        check_choice(self, "clock", ("logical", "wall"))
         _check(
             0 <= self.adaptive_k_min <= self.staleness_k or not self.adaptive_k,
             "adaptive_k_min",
