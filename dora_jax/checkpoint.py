@@ -418,10 +418,11 @@ class RunCheckpointer:
         text = np.asarray(stored.pop("state")).tobytes()
         state = state_codec.loads(text, stored)
         targets = exp.array_targets(state)
+        if self.host_copies:  # read as host arrays, then placed
+            targets = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), targets)
+        restore = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
+        arrays = self.manager.restore(step, args=ocp.args.Composite(**restore))
         if self.host_copies:
-            host = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), targets)
-            arrays = self.manager.restore(step, args=ocp.args.Composite(
-                **{k: ocp.args.StandardRestore(v) for k, v in host.items()}))  # fmt: skip
             # (a trainer spanning processes has the others read their shards from this step;
             # a failure there is theirs, not this checkpoint's: it is not moved aside)
             try:
@@ -432,8 +433,6 @@ class RunCheckpointer:
                     f"failed ({_one_line(e)}); the checkpoint was left as it is"
                 ) from e
         else:
-            arrays = self.manager.restore(step, args=ocp.args.Composite(
-                **{k: ocp.args.StandardRestore(v) for k, v in targets.items()}))  # fmt: skip
             exp.place_arrays(arrays, False)
         exp.load_state_dict(state)
         self.saved_config = dict(meta.config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -24,45 +25,30 @@ Rules = Mapping[str, str | tuple[str, ...] | None]
 LogicalAxes = tuple[str | None, ...]
 
 
-def trainer_rules(cfg: TrainerMeshConfig) -> dict[str, str | tuple[str, ...] | None]:
-    """Trainer mesh ``("data", "expert", "model")``: batch over data (and expert), heads/ffn/vocab
-    over model (TP), MoE experts over expert; with ``fsdp`` the params' embed dimension is also
-    sharded over data. The expert axis carries the batch too, so outside the MoE blocks its
-    devices are data parallel."""
+def _rules(batch: str | tuple[str, ...] | None, embed: str | None, *replicated: str) -> dict:
+    """Both roles: heads/ffn/vocab over ``model`` (TP), MoE experts over ``expert``, sequence,
+    head_dim, layers, norms and ``replicated`` replicated."""
     return {
-        "batch": ("data", "expert"),
+        "batch": batch,
+        "embed": embed,
         "experts": "expert",
-        "seq": None,
-        "embed": "data" if cfg.fsdp else None,
-        "vocab": "model",
-        "q_heads": "model",
-        "kv_heads": "model",
-        "head_dim": None,
-        "mlp": "model",
-        "layers": None,
-        "norm": None,
+        **dict.fromkeys(("vocab", "q_heads", "kv_heads", "mlp"), "model"),
+        **dict.fromkeys(("seq", "head_dim", "layers", "norm", *replicated), None),
     }
+
+
+def trainer_rules(cfg: TrainerMeshConfig) -> dict[str, str | tuple[str, ...] | None]:
+    """Trainer mesh ``("data", "expert", "model")``: batch over data (and expert); with ``fsdp``
+    the params' embed dimension is also sharded over data. The expert axis carries the batch too,
+    so outside the MoE blocks its devices are data parallel."""
+    return _rules(("data", "expert"), "data" if cfg.fsdp else None)
 
 
 def rollout_rules() -> dict[str, str | None]:
-    """Rollout group mesh ``("data", "expert", "model")`` with data = 1: tensor parallel over
-    ``model``, MoE experts over ``expert`` (the rest is replicated over it). KV pages shard over kv
-    heads, so every group must use the same layout for peer moves."""
-    return {
-        "batch": None,
-        "experts": "expert",
-        "seq": None,
-        "embed": None,
-        "vocab": "model",
-        "q_heads": "model",
-        "kv_heads": "model",
-        "head_dim": None,
-        "mlp": "model",
-        "layers": None,
-        "norm": None,
-        "pages": None,
-        "page_slot": None,
-    }
+    """Rollout group mesh ``("data", "expert", "model")`` with data = 1 (the rest is replicated
+    over it). KV pages shard over kv heads, so every group must use the same layout for peer
+    moves."""
+    return _rules(None, None, "pages", "page_slot")
 
 
 def spec_for(
@@ -85,9 +71,7 @@ def spec_for(
         target = rules[name]
         mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
         mesh_axes = tuple(a for a in mesh_axes if a not in used and mesh.shape.get(a, 2) != 1)
-        size = 1
-        for a in mesh_axes:
-            size *= mesh.shape[a]
+        size = math.prod(mesh.shape[a] for a in mesh_axes)
         if shape is not None and mesh_axes and shape[i] % size != 0:
             if dropped is not None:
                 where = "x".join(mesh_axes)

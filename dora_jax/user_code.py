@@ -3,31 +3,42 @@
 :func:`import_target` loads the module before the ``:`` of a ``file.py:name`` or
 ``package.module:name`` spec (the reward function, the environment class); the callers name the
 config field in their own errors. A file is loaded under a name derived from its path, so two
-specs naming one file share one module. Imports nothing heavy.
+specs naming one file share one module. :func:`invoke` calls what the module gives (a coroutine
+is run to its end). Imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 class UserImportError(Exception):
-    """The module could not be imported: ``cause`` is what it raised; ``from_file`` says whether
-    ``target`` named a file."""
+    """The module could not be imported (the message names it); ``cause`` is what it raised."""
 
-    def __init__(self, target: str, cause: BaseException, from_file: bool):
-        super().__init__(f"{target}: {type(cause).__name__}: {cause}")
-        self.target, self.cause, self.from_file = target, cause, from_file
+    def __init__(self, message: str, cause: BaseException):
+        super().__init__(message)
+        self.cause = cause
 
 
 def is_file_target(target: str) -> bool:
     """Whether a spec's target names a file (``.py`` or a path) rather than a module."""
     return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def resolve_spec(spec: str) -> str:
+    """``spec`` with a file path made absolute (workers may start elsewhere)."""
+    target, sep, name = spec.rpartition(":")
+    if sep and is_file_target(target):
+        return f"{Path(target).resolve()}:{name}"
+    return spec
 
 
 def import_target(target: str, module_prefix: str) -> ModuleType:
@@ -37,7 +48,7 @@ def import_target(target: str, module_prefix: str) -> ModuleType:
         try:
             return importlib.import_module(target)
         except Exception as e:  # ImportError, or anything the module raises on import
-            raise UserImportError(target, e, from_file=False) from None
+            raise UserImportError(f"cannot import {target!r}", e) from None
     path = Path(target)
     if not path.is_file():
         raise FileNotFoundError(str(path))
@@ -50,5 +61,17 @@ def import_target(target: str, module_prefix: str) -> ModuleType:
         module_spec.loader.exec_module(module)
     except Exception as e:  # the user's file may raise anything on import
         del sys.modules[mod_name]
-        raise UserImportError(str(path), e, from_file=True) from None
+        raise UserImportError(f"{path} failed to import", e) from None
     return module
+
+
+def invoke(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; a coroutine is run to its end."""
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_wait(result))
+    return result
+
+
+async def _wait(awaitable):
+    return await awaitable

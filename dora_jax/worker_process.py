@@ -10,6 +10,7 @@ received is unpickled or run. Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -55,10 +56,8 @@ class WorkerProcess:
             self.proc.kill()
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except OSError:
-                pass
 
 
 class WorkerPool:
@@ -178,10 +177,9 @@ class WorkerPool:
                 self._answer(w, msg)
 
     def _send(self, w: WorkerProcess, msg: dict) -> None:
-        try:
+        # a dead process's broken pipe: its end of file is read next and the call ends "crash"
+        with contextlib.suppress(OSError):
             w.send(msg)
-        except (BrokenPipeError, OSError):
-            pass  # the process died: its end of file is read next and the call ends "crash"
 
     def _replace(self, w: WorkerProcess, error: str, message: str, fatal: str | None) -> None:
         """Kill worker ``w`` (its call, if any, ends with ``error``) and start a fresh one,

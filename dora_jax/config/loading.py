@@ -178,38 +178,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type) -> di
         parts, value = parse_override(text)
         node, node_cls, path = out, cls, ""
         for i, part in enumerate(parts):
-            if node_cls is dict:  # inside a free-form mapping (env.kwargs.start=5): any key
-                path = _join(path, part)
-                if i == len(parts) - 1:
-                    if isinstance(value, _Unparsed):
-                        raise value.error
-                    node[part] = value
-                    break
-                if not isinstance(node.get(part), dict):
-                    node[part] = {}
-                node = node[part]
-                continue
-            if node_cls is None or not dataclasses.is_dataclass(node_cls):
-                raise ConfigError(path, f"is not a section; cannot set {'.'.join(parts[i:])!r}")
-            if part not in {f.name for f in dataclasses.fields(node_cls)}:
-                raise _unknown_key(node_cls, part, path)
-            path = _join(path, part)
-            if i == len(parts) - 1:
+            last = i == len(parts) - 1
+            # a section's field (inside a free-form mapping, env.kwargs.start=5, any key goes)
+            if node_cls is not dict:
+                if node_cls is None or not dataclasses.is_dataclass(node_cls):
+                    raise ConfigError(path, f"is not a section; cannot set {'.'.join(parts[i:])!r}")
+                if part not in {f.name for f in dataclasses.fields(node_cls)}:
+                    raise _unknown_key(node_cls, part, path)
                 hint = typing.get_type_hints(node_cls)[part]
                 raw = text.split("=", 1)[1].strip()
-                if _is_str_field(hint) and not (raw == "null" and _is_optional(hint)):
+                if last and _is_str_field(hint) and not (raw == "null" and _is_optional(hint)):
                     value = raw  # YAML 1.1 would read "4:8" as the base-60 integer 248
+            path = _join(path, part)
+            if last:
                 if isinstance(value, _Unparsed):
                     raise value.error
                 node[part] = value
                 break
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = {}
-                node[part] = child
-            node = child
-            hint = typing.get_type_hints(node_cls)[part]
-            node_cls = dict if _is_dict(hint) else _dataclass_in(hint)
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+            if node_cls is not dict:
+                node_cls = dict if _is_dict(hint) else _dataclass_in(hint)
     return out
 
 
@@ -277,12 +267,7 @@ def override_for(path: str, overrides: list[str] | tuple[str, ...]) -> str | Non
         key = text.split("=", 1)[0].strip()
         if not key or not path:
             continue
-        if (
-            path == key
-            or path.startswith(key + ".")
-            or path.startswith(key + "[")
-            or key.startswith(path + ".")
-        ):
+        if path == key or path.startswith((key + ".", key + "[")) or key.startswith(path + "."):
             return text
     return None
 

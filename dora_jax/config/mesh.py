@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dora_jax.config.errors import check as _check
+from dora_jax.config.errors import check_positive
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,7 @@ class TrainerMeshConfig:
     expert: int = 1
 
     def __post_init__(self):
-        _check(self.data > 0, "data", f"must be > 0, got {self.data}")
-        _check(self.model > 0, "model", f"must be > 0, got {self.model}")
-        _check(self.expert > 0, "expert", f"must be > 0, got {self.expert}")
+        check_positive(self, "data", "model", "expert")
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,7 @@ class RolloutMeshConfig:
     expert: int = 1
 
     def __post_init__(self):
-        _check(self.groups > 0, "groups", f"must be > 0, got {self.groups}")
-        _check(self.tp > 0, "tp", f"must be > 0, got {self.tp}")
-        _check(self.expert > 0, "expert", f"must be > 0, got {self.expert}")
+        check_positive(self, "groups", "tp", "expert")
 
     @property
     def group_size(self) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dora_jax.config.errors import check as _check
+from dora_jax.config.errors import check_non_negative, check_positive
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -27,11 +28,7 @@ class RopeScalingConfig:
             "must be > low_freq_factor > 0, got "
             f"{self.high_freq_factor} and {self.low_freq_factor}",
         )
-        _check(
-            self.original_max_position_embeddings > 0,
-            "original_max_position_embeddings",
-            "must be > 0",
-        )
+        check_positive(self, "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -90,9 +87,10 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()  # only () (no dense layers) is supported
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
-            _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        _check(self.num_kv_heads > 0, "num_kv_heads", f"must be > 0, got {self.num_kv_heads}")
+        check_positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers")
+        check_positive(self, "num_heads", "num_kv_heads", "rope_theta", "rms_norm_eps")
+        check_positive(self, "max_position_embeddings", "attention_block")
+        check_non_negative(self, "seq_chunk")
         _check(
             self.num_heads % self.num_kv_heads == 0,
             "num_kv_heads",
@@ -107,19 +105,6 @@ class ModelConfig:
             )
         hd = self.resolved_head_dim
         _check(hd > 0 and hd % 2 == 0, "head_dim", f"must be a positive even number, got {hd}")
-        _check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
-        _check(
-            self.max_position_embeddings > 0,
-            "max_position_embeddings",
-            f"must be > 0, got {self.max_position_embeddings}",
-        )
-        _check(self.seq_chunk >= 0, "seq_chunk", f"must be >= 0, got {self.seq_chunk}")
-        _check(
-            self.attention_block > 0,
-            "attention_block",
-            f"must be > 0, got {self.attention_block}",
-        )
         if self.sliding_window is not None:
             _check(
                 self.sliding_window > 0,
@@ -169,16 +154,8 @@ class ModelConfig:
         E, k = self.num_experts, self.num_experts_per_tok
         _check(E > 0, "num_experts", f"must be > 0 for family {self.family}, got {E}")
         _check(1 <= k <= E, "num_experts_per_tok", f"must be in [1, num_experts={E}], got {k}")
-        _check(
-            self.moe_intermediate_size > 0,
-            "moe_intermediate_size",
-            f"must be > 0, got {self.moe_intermediate_size}",
-        )
-        _check(
-            self.shared_expert_intermediate_size >= 0,
-            "shared_expert_intermediate_size",
-            f"must be >= 0, got {self.shared_expert_intermediate_size}",
-        )
+        check_positive(self, "moe_intermediate_size")
+        check_non_negative(self, "shared_expert_intermediate_size")
         _check(
             self.family == "qwen2_moe" or self.shared_expert_intermediate_size == 0,
             "shared_expert_intermediate_size",

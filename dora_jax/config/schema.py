@@ -14,7 +14,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from dora_jax.config.errors import ConfigError
+from dora_jax.config.errors import (
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_non_negative,
+    check_positive,
+)
 from dora_jax.config.errors import check as _check
 from dora_jax.config.mesh import MeshConfig, RolloutMeshConfig, TrainerMeshConfig  # noqa: F401
 from dora_jax.config.model import (  # noqa: F401  (re-exported)
@@ -53,8 +59,9 @@ class RolloutConfig:
     extra_eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("max_slots", "page_size", "max_prompt_len", "max_new_tokens"):
-            _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        check_positive(self, "max_slots", "page_size", "max_prompt_len", "max_new_tokens")
+        check_positive(self, "prefill_chunk")
+        check_non_negative(self, "temperature", "top_k")
         _check(
             self.num_pages is None or self.num_pages >= 2,
             "num_pages",
@@ -65,9 +72,6 @@ class RolloutConfig:
             "extra_eos_ids",
             f"must be token ids >= 0, got {list(self.extra_eos_ids)}",
         )
-        _check(self.prefill_chunk > 0, "prefill_chunk", f"must be > 0, got {self.prefill_chunk}")
-        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         _check(self.decode_steps >= 1, "decode_steps", f"must be >= 1, got {self.decode_steps}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
 
@@ -136,22 +140,17 @@ class TrainConfig:
     max_consecutive_skips: int = 5
 
     def __post_init__(self):
-        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _check(self.total_steps > 0, "total_steps", f"must be > 0, got {self.total_steps}")
-        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        _check(self.max_grad_norm > 0, "max_grad_norm", f"must be > 0, got {self.max_grad_norm}")
-        _check(self.microbatches > 0, "microbatches", f"must be > 0, got {self.microbatches}")
-        _check(self.logprob_chunk > 0, "logprob_chunk", f"must be > 0, got {self.logprob_chunk}")
+        check_positive(self, "lr", "total_steps", "max_grad_norm", "microbatches", "logprob_chunk")
+        check_non_negative(self, "warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high")
         _check(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
-        _check(self.clip_eps_low >= 0, "clip_eps_low", f"must be >= 0, got {self.clip_eps_low}")
-        _check(self.clip_eps_high >= 0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
         _check(
             self.tis_cap is None or self.tis_cap >= 1.0,
             "tis_cap",
             f"must be >= 1 or null, got {self.tis_cap}",
         )
-        _check(self.kl_beta >= 0, "kl_beta", f"must be >= 0, got {self.kl_beta}")
+        check_non_negative(
+            self, "kl_beta", "pack_rows", "microbatch_tokens", "max_consecutive_skips"
+        )
         _check(len(self.length_buckets) > 0, "length_buckets", "must not be empty")
         _check(
             all(b > 0 for b in self.length_buckets)
@@ -159,20 +158,13 @@ class TrainConfig:
             "length_buckets",
             f"must be positive and strictly increasing, got {list(self.length_buckets)}",
         )
-        _check(self.adv_eps > 0, "adv_eps", f"must be > 0, got {self.adv_eps}")
+        check_positive(self, "adv_eps", "staleness_bins")
         _check(
             self.loss_norm_len is None or self.loss_norm_len > 0,
             "loss_norm_len",
             f"must be > 0 or null, got {self.loss_norm_len}",
         )
-        _check(self.pack_rows >= 0, "pack_rows", f"must be >= 0, got {self.pack_rows}")
-        _check(
-            self.packing in ("tokens", "rows"),
-            "packing",
-            f"must be 'tokens' or 'rows', got {self.packing!r}",
-        )
-        _check(self.microbatch_tokens >= 0, "microbatch_tokens",
-               f"must be >= 0, got {self.microbatch_tokens}")  # fmt: skip
+        check_choice(self, "packing", ("tokens", "rows"))
         if self.microbatch_tokens:
             _check(self.packing == "tokens" and not self.pack_rows, "microbatch_tokens",
                    "needs train.packing: tokens and train.pack_rows: 0 (it sizes the batch "
@@ -180,17 +172,7 @@ class TrainConfig:
             _check(self.microbatches == 1, "microbatch_tokens",
                    f"sets the microbatches itself: train.microbatches must be 1, got "
                    f"{self.microbatches}")  # fmt: skip
-        _check(
-            self.compile_shapes in ("auto", "inline", "background"),
-            "compile_shapes",
-            f"must be 'auto', 'inline' or 'background', got {self.compile_shapes!r}",
-        )
-        _check(self.staleness_bins > 0, "staleness_bins", f"must be > 0, got {self.staleness_bins}")
-        _check(
-            self.max_consecutive_skips >= 0,
-            "max_consecutive_skips",
-            f"must be >= 0, got {self.max_consecutive_skips}",
-        )
+        check_choice(self, "compile_shapes", ("auto", "inline", "background"))
 
     @property
     def resolved_loss_norm_len(self) -> int:
@@ -243,39 +225,20 @@ class OrchestratorConfig:
     def __post_init__(self):
         known = ", ".join(map(repr, get_args(Mode)))
         _check(self.mode in get_args(Mode), "mode", f"expected one of {known}, got {self.mode!r}")
-        _check(self.staleness_k >= 0, "staleness_k", f"must be >= 0, got {self.staleness_k}")
-        _check(
-            self.clock in ("logical", "wall"),
-            "clock",
-            f"must be 'logical' or 'wall', got {self.clock!r}",
-        )
-        _check(self.stall_s > 0, "stall_s", f"must be > 0, got {self.stall_s}")
+        check_non_negative(self, "staleness_k", "staleness_cost")
+        check_positive(self, "stall_s", "train_batch_prompts", "plan_period_ticks")
+        check_choice(self, "clock", ("logical", "wall"))
         _check(
             0 <= self.adaptive_k_min <= self.staleness_k or not self.adaptive_k,
             "adaptive_k_min",
             f"must be in [0, staleness_k = {self.staleness_k}], got {self.adaptive_k_min}",
         )
-        _check(
-            self.staleness_cost >= 0, "staleness_cost", f"must be >= 0, got {self.staleness_cost}"
-        )
-        for name in ("legacy_fill", "plan_on_idle", "plan_hysteresis", "adaptive_k"):
-            value = getattr(self, name)
-            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
-        _check(
-            self.train_batch_prompts > 0,
-            "train_batch_prompts",
-            f"must be > 0, got {self.train_batch_prompts}",
-        )
+        check_bool(self, "legacy_fill", "plan_on_idle", "plan_hysteresis", "adaptive_k")
         _check(
             self.rollout_batch_prompts >= self.train_batch_prompts,
             "rollout_batch_prompts",
             f"must be >= train_batch_prompts ({self.train_batch_prompts}), "
             f"got {self.rollout_batch_prompts}",
-        )
-        _check(
-            self.plan_period_ticks > 0,
-            "plan_period_ticks",
-            f"must be > 0, got {self.plan_period_ticks}",
         )
         _check(
             0 < self.kv_pressure_threshold <= 1,
@@ -357,15 +320,8 @@ class DataConfig:
             value = getattr(self, name)
             _check(bool(value) and all(value.split(".")), name,
                    f"must be a field name or a dotted path, got {value!r}")  # fmt: skip
-        _check(self.reward_timeout_s > 0, "reward_timeout_s",
-               f"must be > 0, got {self.reward_timeout_s}")  # fmt: skip
-        _check(self.reward_workers > 0, "reward_workers",
-               f"must be > 0, got {self.reward_workers}")  # fmt: skip
-        _check(
-            isinstance(self.shuffle, bool),
-            "shuffle",
-            f"must be true or false, got {self.shuffle!r}",
-        )
+        check_positive(self, "reward_timeout_s", "reward_workers")
+        check_bool(self, "shuffle")
 
 
 @dataclass(frozen=True)
@@ -382,10 +338,8 @@ class WarmStartConfig:
     direct_frac: float = 0.0
 
     def __post_init__(self):
-        _check(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
-        _check(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
-        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        _check(self.seq_len > 0, "seq_len", f"must be > 0, got {self.seq_len}")
+        check_non_negative(self, "steps")
+        check_positive(self, "batch_size", "lr", "seq_len")
         _check(
             0.0 <= self.direct_frac <= 1.0,
             "direct_frac",
@@ -485,13 +439,12 @@ class EnvConfig:
             json.dumps(self.kwargs, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ConfigError("kwargs", f"must be plain JSON data ({e})") from None
-        _check(self.workers > 0, "workers", f"must be > 0, got {self.workers}")
+        check_positive(self, "workers", "max_turns")
         _check(
             self.timeout_s > 0 and math.isfinite(self.timeout_s),
             "timeout_s",
             f"must be > 0, got {self.timeout_s}",
         )
-        _check(self.max_turns > 0, "max_turns", f"must be > 0, got {self.max_turns}")
         _check(
             self.max_tokens == 0 or self.max_tokens >= 2,
             "max_tokens",

@@ -24,12 +24,8 @@ class ArithmeticTask:
             raise ValueError(
                 f"need 1 <= median_steps <= max_steps, got {median_steps}, {max_steps}"
             )
-        self.seed, self.median_steps, self.sigma, self.max_steps = (
-            seed,
-            median_steps,
-            sigma,
-            max_steps,
-        )
+        self.seed, self.median_steps = seed, median_steps
+        self.sigma, self.max_steps = sigma, max_steps
 
     def numbers(self, index: int) -> tuple[int, int]:
         """``(n, s)``: count down from ``n`` in steps of ``s``."""

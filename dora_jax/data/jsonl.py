@@ -9,26 +9,7 @@ from pathlib import Path
 from dora_jax.data.examples import to_examples
 from dora_jax.data.files import DataError, read_rows
 
-__all__ = ["DataError", "load_jsonl_prompts", "load_jsonl_rows"]
-
-
-def load_jsonl_rows(
-    path: str | Path,
-    prompt_field: str = "prompt",
-    answer_field: str = "answer",
-    *,
-    setting: str = "data.path",
-) -> list[tuple[int, str, str]]:
-    """``[(line number, prompt, answer), ...]``; every bad line fails with ``file:line: reason``
-    (``setting`` names the config field that points at the file, for a missing one)."""
-    rows = read_rows("jsonl", path, setting=setting)
-    examples = to_examples(rows, prompt_field, answer_field, str(path))
-    out = []
-    for ex in examples:
-        if not isinstance(ex.prompt, str):
-            raise DataError(f"{path}:{ex.row}: field {prompt_field!r} must be a string here")
-        out.append((ex.row, ex.prompt, ex.answer))
-    return out
+__all__ = ["DataError", "load_jsonl_prompts"]
 
 
 def load_jsonl_prompts(
@@ -38,6 +19,12 @@ def load_jsonl_prompts(
     *,
     setting: str = "data.path",
 ) -> list[tuple[str, str]]:
-    """``[(prompt, answer), ...]``: :func:`load_jsonl_rows` without the line numbers."""
-    rows = load_jsonl_rows(path, prompt_field, answer_field, setting=setting)
-    return [(prompt, answer) for _, prompt, answer in rows]
+    """``[(prompt, answer), ...]``; every bad line fails with ``file:line: reason`` (``setting``
+    names the config field that points at the file, for a missing one)."""
+    rows = read_rows("jsonl", path, setting=setting)
+    out = []
+    for ex in to_examples(rows, prompt_field, answer_field, str(path)):
+        if not isinstance(ex.prompt, str):
+            raise DataError(f"{path}:{ex.row}: field {prompt_field!r} must be a string here")
+        out.append((ex.prompt, ex.answer))
+    return out

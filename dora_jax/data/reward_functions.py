@@ -10,14 +10,13 @@ logged per step as its mean). A coroutine function is awaited. Anything else is 
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-from dora_jax.user_code import UserImportError, import_target, is_file_target
+from dora_jax.user_code import UserImportError, import_target, invoke
+from dora_jax.user_code import resolve_spec as resolve_spec
 
 BUILT_IN = ("exact", "boxed_math")  # partial_credit and exact of the built-in task: see arithmetic
 
@@ -29,14 +28,6 @@ class RewardSpecError(ValueError):
 class InvalidReward(ValueError):
     """A reward function returned something that is neither a finite number nor a mapping with
     a finite numeric ``score`` and numeric metrics."""
-
-
-def resolve_spec(spec: str) -> str:
-    """``spec`` with a file path made absolute (workers may start elsewhere)."""
-    target, sep, name = spec.rpartition(":")
-    if sep and is_file_target(target):
-        return f"{Path(target).resolve()}:{name}"
-    return spec
 
 
 def load_reward_function(spec: str) -> Callable[..., Any]:
@@ -55,10 +46,7 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     except FileNotFoundError as e:
         raise RewardSpecError(f"data.reward: {e}: no such file") from None
     except UserImportError as e:
-        c = f"{type(e.cause).__name__}: {e.cause}"
-        if e.from_file:
-            raise RewardSpecError(f"data.reward: {e.target} failed to import: {c}") from None
-        raise RewardSpecError(f"data.reward: cannot import {target!r}: {c}") from None
+        raise RewardSpecError(f"data.reward: {e}: {type(e.cause).__name__}: {e.cause}") from None
     fn = getattr(module, name, None)
     if fn is None:
         raise RewardSpecError(f"data.reward: {target} has no {name!r}")
@@ -86,14 +74,7 @@ def arity(fn: Callable[..., Any]) -> int:
 
 def call(fn: Callable[..., Any], n_args: int, response: str, answer: str, metadata: dict) -> Any:
     """``fn``'s result for one response; a coroutine is run to its end."""
-    result = fn(response, answer, metadata) if n_args == 3 else fn(response, answer)
-    if inspect.isawaitable(result):
-        result = asyncio.run(_wait(result))
-    return result
-
-
-async def _wait(awaitable):
-    return await awaitable
+    return invoke(fn, response, answer, metadata) if n_args == 3 else invoke(fn, response, answer)
 
 
 def _finite(x: Any) -> float | None:

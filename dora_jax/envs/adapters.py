@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from dora_jax.envs.protocol import task_index
+
 _EXTRA = "pip install -e '.[envs]'"
 
 
@@ -33,13 +35,6 @@ def _require(module: str, package: str) -> Any:
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError(f"the {package} adapter needs {package} ({_EXTRA}): {e}") from None
-
-
-def _index(task: dict[str, Any]) -> int:
-    index = task.get("index")
-    if not isinstance(index, int):
-        raise ValueError(f"task must have an integer 'index', got {task!r:.60}")
-    return index
 
 
 def _plain(info: Any) -> dict[str, Any]:
@@ -92,7 +87,7 @@ class ReasoningGymEnv:
         return action_text.strip()
 
     def reset(self, seed: int, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        index = _index(task)
+        index = task_index(task)
         self._seed, self._entry = seed, self._data(seed)[index % self.size]
         return self._entry["question"], {"entry": index % self.size}
 
@@ -121,7 +116,7 @@ class GemEnv:
         return str(obs), ""
 
     def reset(self, seed: int, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        obs, info = self._env.reset(seed=self.episode_seed(seed, _index(task)))
+        obs, info = self._env.reset(seed=self.episode_seed(seed, task_index(task)))
         return str(obs), _plain(info)
 
     def step(self, action_text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:

@@ -8,11 +8,11 @@ or ``step``, or a constructor that raises on the keyword arguments given.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from dora_jax.envs.protocol import InvalidEnvReturn, stop_strings
-from dora_jax.user_code import UserImportError, import_target, is_file_target
+from dora_jax.user_code import UserImportError, import_target
+from dora_jax.user_code import resolve_spec as resolve_spec
 
 # built-in name -> module:Class (the two adapters need the ``envs`` extra)
 BUILT_IN = {
@@ -25,14 +25,6 @@ BUILT_IN = {
 
 class EnvSpecError(ValueError):
     """``env`` names no usable environment class (the one-line message says why)."""
-
-
-def resolve_spec(spec: str) -> str:
-    """``spec`` with a file path made absolute (workers may start elsewhere)."""
-    target, sep, name = spec.rpartition(":")
-    if sep and is_file_target(target):
-        return f"{Path(target).resolve()}:{name}"
-    return spec
 
 
 def _one_line(e: BaseException) -> str:
@@ -52,10 +44,7 @@ def load_environment_class(spec: str) -> type:
     except FileNotFoundError as e:
         raise EnvSpecError(f"env: {e}: no such file (looking for class {name!r})") from None
     except UserImportError as e:
-        c = _one_line(e.cause)
-        if e.from_file:
-            raise EnvSpecError(f"env: {e.target} failed to import: {c}") from None
-        raise EnvSpecError(f"env: cannot import {target!r}: {c}") from None
+        raise EnvSpecError(f"env: {e}: {_one_line(e.cause)}") from None
     cls = getattr(module, name, None)
     if cls is None:
         raise EnvSpecError(f"env: {target} has no class {name!r}")

@@ -19,6 +19,7 @@ the tokenizer's EOS. ``reset`` and ``step`` may be coroutine functions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -56,13 +57,7 @@ class Step:
     info: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "observation": self.observation,
-            "reward": self.reward,
-            "terminated": self.terminated,
-            "truncated": self.truncated,
-            "info": self.info,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -85,6 +80,14 @@ def stop_strings(env: Any) -> tuple[str, ...]:
         raise InvalidEnvReturn(f"stop_strings must be a sequence of non-empty strings, got "
                                f"{value!r:.80}")  # fmt: skip
     return tuple(value)
+
+
+def task_index(task: dict[str, Any]) -> int:
+    """The integer ``task["index"]`` of a task (what the built-ins and the adapters take)."""
+    index = task.get("index")
+    if not isinstance(index, int):
+        raise ValueError(f"task must have an integer 'index', got {task!r:.60}")
+    return index
 
 
 def as_messages(observation: Observation) -> list[Message]:

@@ -19,27 +19,14 @@ Plain JSON both ways; what the environment prints goes to stderr.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import inspect
 import json
 import sys
 from typing import Any
 
 from dora_jax.envs.protocol import InvalidEnvReturn, Step, check_reset, check_step
+from dora_jax.user_code import invoke
 from dora_jax.worker_process import answers
-
-
-def invoke(method: Any, *args: Any) -> Any:
-    """``method(*args)``; a coroutine is run to its end."""
-    result = method(*args)
-    if inspect.isawaitable(result):
-        result = asyncio.run(_wait(result))
-    return result
-
-
-async def _wait(awaitable):
-    return await awaitable
 
 
 def chain(digest: str, step: Step) -> str:

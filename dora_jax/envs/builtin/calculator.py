@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from dora_jax.envs.builtin import check_shape, long_tailed_count
+from dora_jax.envs.protocol import task_index
 
 _CALL = re.compile(r"<call>(.*?)</call>\s*$", re.S)
 _EXPR = re.compile(r"^\s*(-?\d+)\s*([-+*/])\s*(-?\d+)\s*$")
@@ -88,9 +89,7 @@ class ToolArithmetic:
         return calls + [f"#{n % s}"]
 
     def reset(self, seed: int, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        index = task.get("index")
-        if not isinstance(index, int):
-            raise ValueError(f"task must have an integer 'index', got {task!r:.60}")
+        index = task_index(task)
         n, s, q = self.numbers(seed, index)
         self._problem, self.calls, self._key = (n, s), 0, (seed, index)
         return f"{n}-{s}=", {"steps": q}

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dora_jax.envs.builtin import check_shape, long_tailed_count
+from dora_jax.envs.protocol import task_index
 
 _INT = re.compile(r"-?\d+")
 
@@ -72,9 +73,7 @@ class GuessNumbers:
         return actions
 
     def reset(self, seed: int, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        index = task.get("index")
-        if not isinstance(index, int):
-            raise ValueError(f"task must have an integer 'index', got {task!r:.60}")
+        index = task_index(task)
         self._secrets = self.secrets(seed, index)
         self.found = self.guesses = 0
         return self._intro(len(self._secrets)), {"rounds": len(self._secrets)}
