@@ -112,7 +112,7 @@ class _Reader:
         return self._handles[f]
 
 
-def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> dict[str, tuple[WeightRule, Any]]:
+def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> None:
     expected = expected_hf_tensors(cfg)
     missing = [n for n in expected if n not in reader.files]
     if missing:
@@ -129,14 +129,13 @@ def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> dict[str, tuple[
             f"{path}: unexpected tensor(s) {', '.join(sorted(unknown)[:5])}: the checkpoint does "
             f"not match the {cfg.family} architecture described by its config.json"
         )
-    for name, (rule, _) in expected.items():
+    for name, rule in expected.items():
         want, got = rule.hf_shape(cfg), reader.shape(name)
         if want != got:
             raise HFCheckpointError(
                 f"{path}: tensor {name!r} has shape {list(got)}, expected {list(want)} "
                 "from config.json"
             )
-    return expected
 
 
 def load_hf_params(path: str | Path, cfg: ModelConfig, shardings: Params | None = None) -> Params:
@@ -167,7 +166,7 @@ def policy_params(cfg: ModelConfig, seed: int, shardings: Params, path: str | Pa
     return load_hf_params(path, cfg, shardings)
 
 
-def _lookup(tree: Params, ours: str) -> Sharding:
+def _lookup(tree: Params, ours: str) -> Any:
     node: Any = tree
     for part in ours.split("/"):
         node = node[part]
@@ -207,18 +206,9 @@ def _build(
 
 def _hf_tensors(params: Params, cfg: ModelConfig, dtype: np.dtype) -> Iterator[tuple[str, Any]]:
     for rule in active_rules(cfg):
-        group, _, leaf = rule.ours.rpartition("/")
-        arr = params[group][leaf] if group else params[leaf]
-        if rule.per_expert:
-            for i in range(cfg.num_layers):
-                layer = np.asarray(arr[i])
-                for e in range(cfg.num_experts):
-                    yield rule.hf.format(i=i, e=e), rule.to_hf(layer[e], cfg).astype(dtype)
-        elif rule.per_layer:
-            for i in range(cfg.num_layers):
-                yield rule.hf.format(i=i), rule.to_hf(np.asarray(arr[i]), cfg).astype(dtype)
-        else:
-            yield rule.hf, rule.to_hf(np.asarray(arr), cfg).astype(dtype)
+        arr = _lookup(params, rule.ours)
+        for name, index in rule.hf_tensors(cfg):
+            yield name, rule.to_hf(np.asarray(arr[index]), cfg).astype(dtype)
 
 
 def save_hf_checkpoint(
