@@ -181,25 +181,20 @@ def _build(
     dtype: np.dtype,
     sharding: Sharding,
 ) -> jax.Array:
+    def read(name: str, rest: tuple[slice, ...]) -> np.ndarray:
+        return rule.to_ours(reader.read(name), cfg)[rest].astype(dtype)
+
     def piece(index: tuple[slice, ...]) -> np.ndarray:
         if not rule.per_layer:
-            return rule.to_ours(reader.read(rule.hf), cfg)[index].astype(dtype)
+            return read(rule.hf, index)
         layers = range(*index[0].indices(shape[0]))
         if rule.per_expert:  # [L, E, ...]: one HF tensor per layer and expert
             experts = range(*index[1].indices(shape[1]))
-            return np.stack([
-                np.stack([
-                    rule.to_ours(reader.read(rule.hf.format(i=i, e=e)), cfg)[index[2:]]
-                    .astype(dtype)
-                    for e in experts
-                ])
-                for i in layers
-            ])  # fmt: skip
-        parts = [
-            rule.to_ours(reader.read(rule.hf.format(i=i)), cfg)[index[1:]].astype(dtype)
-            for i in layers
-        ]
-        return np.stack(parts)
+            return np.stack(
+                [np.stack([read(rule.hf.format(i=i, e=e), index[2:]) for e in experts])
+                 for i in layers]
+            )  # fmt: skip
+        return np.stack([read(rule.hf.format(i=i), index[1:]) for i in layers])
 
     return jax.make_array_from_callback(shape, sharding, piece)
 
