@@ -250,9 +250,8 @@ def _sliding_window(hf: dict[str, Any], family: str) -> tuple[int | None, int]:
         for i in range(L)
     ]
     full = sum(t == "full_attention" for t in types)
-    if set(types) - {"full_attention", "sliding_attention"} or types != [
-        "full_attention"
-    ] * full + ["sliding_attention"] * (L - full):
+    # (also refuses unknown layer types: they never match this list)
+    if types != ["full_attention"] * full + ["sliding_attention"] * (L - full):
         raise UnsupportedModelError(
             f"config.json: layer_types {types} is not supported (full-attention layers must "
             "all come before the sliding-window ones)"
