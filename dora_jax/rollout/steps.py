@@ -19,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.model.layers import decoder_layer, rms_norm
-from dora_jax.model.params import Params, dtype_of
+from dora_jax.model.params import Params, abstract_params, dtype_of, param_axes
 from dora_jax.model.transformer import cast_params, embed_tokens, logits_from_hidden
 from dora_jax.rollout.attention import decode_attend, prefill_attend
 from dora_jax.rollout.sampling import SamplingParams, sample
+from dora_jax.sharding import rollout_rules, tree_shardings
 
 CACHE_SPEC = P("model", None, None, None)  # [K, L*P, Z, H]: kv heads over the TP axis
 
@@ -256,10 +257,6 @@ def lower_steps(
     """The engine's jitted prefill and decode steps (largest batch and block-table shapes,
     cache donated) lowered from abstract values only, for their memory analysis. ``num_pages``
     does not change the steps' temporaries (the cache is updated in place)."""
-    from dora_jax.model.params import abstract_params, param_axes
-    from dora_jax.rollout.sampling import SamplingParams
-    from dora_jax.sharding import rollout_rules, tree_shardings
-
     Z, B, C = rcfg.page_size, rcfg.max_slots, rcfg.prefill_chunk
     width = -(-(rcfg.max_prompt_len + rcfg.max_new_tokens) // Z)
     st = StepStatic(
