@@ -206,6 +206,15 @@ def _check_pages(k_pages: jax.Array, v_pages: jax.Array, ndim: int, layout: str)
         raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ in dtype")
 
 
+def _check_block_tables(block_tables: jax.Array, batch: int) -> None:
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must be [B={batch}, pages_per_seq], got {block_tables.shape}"
+        )
+    if block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+
+
 def _check_vector(name: str, x: jax.Array, batch: int, dtype) -> None:
     if x.shape != (batch,):
         raise ValueError(f"{name} must have shape ({batch},), got {x.shape}")
@@ -301,12 +310,7 @@ def append_kv_chunk(
     batch, chunk = new_k.shape[:2]
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     _check_new_kv(new_k, new_v, k_pages, (batch, chunk, num_kv_heads, head_dim), "[B, T, K, H]")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"block_tables must be [B={batch}, pages_per_seq], got {block_tables.shape}"
-        )
-    if block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+    _check_block_tables(block_tables, batch)
     _check_vector("start", start, batch, jnp.int32)
     _check_vector("num_valid", num_valid, batch, jnp.int32)
 
@@ -428,11 +432,15 @@ def unpack_pages_reference(
     return k_pages, v_pages
 
 
-def _check_page_ids(page_ids: jax.Array) -> None:
+def _check_page_copy(impl: str, tuning, k_pages, v_pages, page_ids: jax.Array) -> KVCopyTuning:
+    """The checks of pack_pages and unpack_pages; returns the tuning (default if None)."""
+    tuning = _check_impl(impl, tuning)
+    _check_pages(k_pages, v_pages, 5, "[L, K, P, Z, H]")
     if page_ids.ndim != 1:
         raise ValueError(f"page_ids must be 1-D [n], got shape {page_ids.shape}")
     if page_ids.dtype != jnp.int32:
         raise ValueError(f"page_ids must be int32, got {page_ids.dtype}")
+    return tuning
 
 
 def _compiled_page_copy_tuning(
@@ -469,9 +477,7 @@ def pack_pages(
       buffer [2, L, K, n, Z, H]: buffer[0, l, k, j] = k_pages[l, k, page_ids[j]], buffer[1] the same
       for v_pages.
     """
-    tuning = _check_impl(impl, tuning)
-    _check_pages(k_pages, v_pages, 5, "[L, K, P, Z, H]")
-    _check_page_ids(page_ids)
+    tuning = _check_page_copy(impl, tuning, k_pages, v_pages, page_ids)
     if impl == "reference" or page_ids.shape[0] == 0:
         return pack_pages_reference(k_pages, v_pages, page_ids)
     tuning = _compiled_page_copy_tuning(k_pages, interpret, tuning)
@@ -498,9 +504,7 @@ def unpack_pages(
     Returns:
       The updated (k_pages, v_pages); pages not in page_ids are unchanged.
     """
-    tuning = _check_impl(impl, tuning)
-    _check_pages(k_pages, v_pages, 5, "[L, K, P, Z, H]")
-    _check_page_ids(page_ids)
+    tuning = _check_page_copy(impl, tuning, k_pages, v_pages, page_ids)
     layers, num_kv_heads, _, page_size, head_dim = k_pages.shape
     expected = (2, layers, num_kv_heads, page_ids.shape[0], page_size, head_dim)
     if buffer.shape != expected:

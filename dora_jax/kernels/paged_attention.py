@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dora_jax.kernels import shared_memory
+from dora_jax.kernels.kv_cache_ops import _check_block_tables, _check_pages, _is_pow2
 
 Impl = Literal["reference", "pallas", "jax_gpu"]
 IMPLS: tuple[str, ...] = ("reference", "pallas", "jax_gpu")
@@ -44,10 +45,6 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # f32 pages get true f32 dots (the Triton lowering would use TF32 at DEFAULT precision); for
 # bf16 pages this changes nothing (bf16 products, f32 accumulation).
 _HIGHEST = lax.Precision.HIGHEST
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,27 +247,20 @@ def _paged_decode_pallas(
     grid = (batch, num_kv_heads, group_pad // block_h, k_splits)
     kernel = functools.partial(_paged_decode_kernel, scale=scale, pages_per_compute_block=ppcb)
     part_shape = (k_splits, batch, num_kv_heads, group_pad)
+    per_row = pl.BlockSpec((1,), lambda b, k, h, s: (b,))  # lengths, windows
+    table_spec = pl.BlockSpec((None, None, per_split), lambda b, k, h, s: (b, s, 0))
+    q_spec = pl.BlockSpec((None, None, block_h, head_dim), lambda b, k, h, s: (b, k, h, 0))
+    page_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, k, h, s: (k, 0, 0, 0))
+    o_spec = pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, k, h, s: (s, b, k, h, 0))
+    stat_spec = pl.BlockSpec((None, None, None, block_h), lambda b, k, h, s: (s, b, k, h))  # m, l
+    o_shape = jax.ShapeDtypeStruct((*part_shape, head_dim), jnp.float32)
+    stat_shape = jax.ShapeDtypeStruct(part_shape, jnp.float32)
     o, m, l = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, k, h, s: (b,)),  # lengths
-            pl.BlockSpec((1,), lambda b, k, h, s: (b,)),  # windows
-            pl.BlockSpec((None, None, per_split), lambda b, k, h, s: (b, s, 0)),  # tables
-            pl.BlockSpec((None, None, block_h, head_dim), lambda b, k, h, s: (b, k, h, 0)),
-            pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, k, h, s: (k, 0, 0, 0)),
-            pl.BlockSpec((None, *v_pages.shape[1:]), lambda b, k, h, s: (k, 0, 0, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, k, h, s: (s, b, k, h, 0)),
-            pl.BlockSpec((None, None, None, block_h), lambda b, k, h, s: (s, b, k, h)),
-            pl.BlockSpec((None, None, None, block_h), lambda b, k, h, s: (s, b, k, h)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((*part_shape, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(part_shape, jnp.float32),
-            jax.ShapeDtypeStruct(part_shape, jnp.float32),
-        ],
+        in_specs=[per_row, per_row, table_spec, q_spec, page_spec, page_spec],
+        out_specs=[o_spec, stat_spec, stat_spec],
+        out_shape=[o_shape, stat_shape, stat_shape],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(
             num_warps=tuning.num_warps, num_stages=tuning.num_stages
@@ -379,12 +369,7 @@ def _default_scale(head_dim: int) -> float:
 def _validate(q, k_pages, v_pages, block_tables, lengths) -> None:
     if q.ndim != 3:
         raise ValueError(f"q must be [B, N, H], got shape {q.shape}")
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [K, P, Z, H], got shape {k_pages.shape}")
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ in shape")
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ in dtype")
+    _check_pages(k_pages, v_pages, 4, "[K, P, Z, H]")
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, _, head_dim_kv = k_pages.shape
     if q.dtype != k_pages.dtype:
@@ -393,12 +378,7 @@ def _validate(q, k_pages, v_pages, block_tables, lengths) -> None:
         raise ValueError(f"q head dim {head_dim} differs from the kv head dim {head_dim_kv}")
     if num_heads % num_kv_heads:
         raise ValueError(f"N % K must be 0: {num_heads} q heads, {num_kv_heads} kv heads")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"block_tables must be [B={batch}, pages_per_seq], got {block_tables.shape}"
-        )
-    if block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+    _check_block_tables(block_tables, batch)
     if lengths.shape != (batch,):
         raise ValueError(f"lengths must be [B={batch}], got shape {lengths.shape}")
     if lengths.dtype != jnp.int32:

@@ -251,11 +251,7 @@ def _flash_backward(q, k, v, q_seg, kv_seg, q_offset, window, out, lse, live, do
         dq, dk, dv = jax.lax.fori_loop(lo[j], hi[j], q_step, (dq, zeros, zeros))
         return dq, _put_block(dk_all, dk, j, bk), _put_block(dv_all, dv, j, bk)
 
-    init = (
-        jnp.zeros(q.shape, jnp.float32),
-        jnp.zeros(k.shape, jnp.float32),
-        jnp.zeros(v.shape, jnp.float32),
-    )
+    init = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
     dq, dk, dv = jax.lax.fori_loop(0, nk, kv_block, init)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

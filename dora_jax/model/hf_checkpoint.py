@@ -112,7 +112,7 @@ class _Reader:
         return self._handles[f]
 
 
-def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> dict[str, tuple[WeightRule, Any]]:
+def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> None:
     expected = expected_hf_tensors(cfg)
     missing = [n for n in expected if n not in reader.files]
     if missing:
@@ -129,14 +129,13 @@ def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> dict[str, tuple[
             f"{path}: unexpected tensor(s) {', '.join(sorted(unknown)[:5])}: the checkpoint does "
             f"not match the {cfg.family} architecture described by its config.json"
         )
-    for name, (rule, _) in expected.items():
+    for name, rule in expected.items():
         want, got = rule.hf_shape(cfg), reader.shape(name)
         if want != got:
             raise HFCheckpointError(
                 f"{path}: tensor {name!r} has shape {list(got)}, expected {list(want)} "
                 "from config.json"
             )
-    return expected
 
 
 def load_hf_params(path: str | Path, cfg: ModelConfig, shardings: Params | None = None) -> Params:
@@ -167,7 +166,7 @@ def policy_params(cfg: ModelConfig, seed: int, shardings: Params, path: str | Pa
     return load_hf_params(path, cfg, shardings)
 
 
-def _lookup(tree: Params, ours: str) -> Sharding:
+def _lookup(tree: Params, ours: str) -> Any:
     node: Any = tree
     for part in ours.split("/"):
         node = node[part]
@@ -182,43 +181,29 @@ def _build(
     dtype: np.dtype,
     sharding: Sharding,
 ) -> jax.Array:
+    def read(name: str, rest: tuple[slice, ...]) -> np.ndarray:
+        return rule.to_ours(reader.read(name), cfg)[rest].astype(dtype)
+
     def piece(index: tuple[slice, ...]) -> np.ndarray:
         if not rule.per_layer:
-            return rule.to_ours(reader.read(rule.hf), cfg)[index].astype(dtype)
+            return read(rule.hf, index)
         layers = range(*index[0].indices(shape[0]))
         if rule.per_expert:  # [L, E, ...]: one HF tensor per layer and expert
             experts = range(*index[1].indices(shape[1]))
-            return np.stack([
-                np.stack([
-                    rule.to_ours(reader.read(rule.hf.format(i=i, e=e)), cfg)[index[2:]]
-                    .astype(dtype)
-                    for e in experts
-                ])
-                for i in layers
-            ])  # fmt: skip
-        parts = [
-            rule.to_ours(reader.read(rule.hf.format(i=i)), cfg)[index[1:]].astype(dtype)
-            for i in layers
-        ]
-        return np.stack(parts)
+            return np.stack(
+                [np.stack([read(rule.hf.format(i=i, e=e), index[2:]) for e in experts])
+                 for i in layers]
+            )  # fmt: skip
+        return np.stack([read(rule.hf.format(i=i), index[1:]) for i in layers])
 
     return jax.make_array_from_callback(shape, sharding, piece)
 
 
 def _hf_tensors(params: Params, cfg: ModelConfig, dtype: np.dtype) -> Iterator[tuple[str, Any]]:
     for rule in active_rules(cfg):
-        group, _, leaf = rule.ours.rpartition("/")
-        arr = params[group][leaf] if group else params[leaf]
-        if rule.per_expert:
-            for i in range(cfg.num_layers):
-                layer = np.asarray(arr[i])
-                for e in range(cfg.num_experts):
-                    yield rule.hf.format(i=i, e=e), rule.to_hf(layer[e], cfg).astype(dtype)
-        elif rule.per_layer:
-            for i in range(cfg.num_layers):
-                yield rule.hf.format(i=i), rule.to_hf(np.asarray(arr[i]), cfg).astype(dtype)
-        else:
-            yield rule.hf, rule.to_hf(np.asarray(arr), cfg).astype(dtype)
+        arr = _lookup(params, rule.ours)
+        for name, index in rule.hf_tensors(cfg):
+            yield name, rule.to_hf(np.asarray(arr[index]), cfg).astype(dtype)
 
 
 def save_hf_checkpoint(

@@ -8,7 +8,7 @@ holds it, the HF shape, and the two array transforms. Adding a model family mean
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,10 @@ class UnsupportedModelError(ValueError):
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 
 
+def _same(w: np.ndarray, c: ModelConfig) -> np.ndarray:
+    return w
+
+
 @dataclass(frozen=True)
 class WeightRule:
     ours: str  # path in our params tree, "/"-separated; "layers/..." leaves are stacked on L
@@ -44,8 +48,8 @@ class WeightRule:
     # and expert; our leaf is stacked [L, E, ...])
     hf: str
     hf_shape: Callable[[ModelConfig], tuple[int, ...]]
-    to_ours: Transform
-    to_hf: Transform
+    to_ours: Transform = _same
+    to_hf: Transform = _same
     when: Callable[[ModelConfig], bool] = lambda cfg: True
 
     @property
@@ -56,9 +60,17 @@ class WeightRule:
     def per_expert(self) -> bool:
         return "{e}" in self.hf
 
-
-def _same(w: np.ndarray, c: ModelConfig) -> np.ndarray:
-    return w
+    def hf_tensors(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+        """Each HF tensor of this rule: its name and the index of its part of our leaf (``()``:
+        all of it, ``(layer,)`` or ``(layer, expert)``)."""
+        if not self.per_layer:
+            return [(self.hf, ())]
+        experts = range(cfg.num_experts) if self.per_expert else [None]
+        return [
+            (self.hf.format(i=i, e=e), (i,) if e is None else (i, e))
+            for i in range(cfg.num_layers)
+            for e in experts
+        ]
 
 
 def _t(w: np.ndarray, c: ModelConfig) -> np.ndarray:
@@ -131,10 +143,8 @@ def _row(w, c):
 _P = "model.layers.{i}."
 
 WEIGHT_RULES: tuple[WeightRule, ...] = (
-    WeightRule("embed", "model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size),
-               _same, _same),
-    WeightRule("layers/attn_norm", _P + "input_layernorm.weight", lambda c: (c.hidden_size,),
-               _same, _same),
+    WeightRule("embed", "model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),
+    WeightRule("layers/attn_norm", _P + "input_layernorm.weight", lambda c: (c.hidden_size,)),
     WeightRule("layers/wq", _P + "self_attn.q_proj.weight",
                lambda c: (c.num_heads * c.resolved_head_dim, c.hidden_size), *_proj_in(_q)),
     WeightRule("layers/wk", _P + "self_attn.k_proj.weight",
@@ -148,13 +158,13 @@ WEIGHT_RULES: tuple[WeightRule, ...] = (
     WeightRule("layers/bv", _P + "self_attn.v_proj.bias",
                lambda c: (c.num_kv_heads * c.resolved_head_dim,), *_bias(_kv), when=_qkv_bias),
     WeightRule("layers/q_norm", _P + "self_attn.q_norm.weight", lambda c: (c.resolved_head_dim,),
-               _same, _same, when=_qk_norm),
+               when=_qk_norm),
     WeightRule("layers/k_norm", _P + "self_attn.k_norm.weight", lambda c: (c.resolved_head_dim,),
-               _same, _same, when=_qk_norm),
+               when=_qk_norm),
     WeightRule("layers/wo", _P + "self_attn.o_proj.weight",
                lambda c: (c.hidden_size, c.num_heads * c.resolved_head_dim), _o_to_ours, _o_to_hf),
     WeightRule("layers/mlp_norm", _P + "post_attention_layernorm.weight",
-               lambda c: (c.hidden_size,), _same, _same),
+               lambda c: (c.hidden_size,)),
     WeightRule("layers/w_gate", _P + "mlp.gate_proj.weight",
                lambda c: (c.intermediate_size, c.hidden_size), _t, _t, when=_dense),
     WeightRule("layers/w_up", _P + "mlp.up_proj.weight",
@@ -181,7 +191,7 @@ WEIGHT_RULES: tuple[WeightRule, ...] = (
                when=_shared),
     WeightRule("layers/shared_expert_gate", _P + "mlp.shared_expert_gate.weight",
                lambda c: (1, c.hidden_size), _flat, _row, when=_shared),
-    WeightRule("final_norm", "model.norm.weight", lambda c: (c.hidden_size,), _same, _same),
+    WeightRule("final_norm", "model.norm.weight", lambda c: (c.hidden_size,)),
     WeightRule("lm_head", "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _t, _t,
                when=lambda c: not c.tie_word_embeddings),
 )  # fmt: skip
@@ -191,20 +201,9 @@ def active_rules(cfg: ModelConfig) -> list[WeightRule]:
     return [r for r in WEIGHT_RULES if r.when(cfg)]
 
 
-def expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[WeightRule, int | None]]:
-    """Every HF tensor name the checkpoint must hold -> (rule, layer index or None)."""
-    out: dict[str, tuple[WeightRule, int | None]] = {}
-    for rule in active_rules(cfg):
-        if rule.per_expert:
-            for i in range(cfg.num_layers):
-                for e in range(cfg.num_experts):
-                    out[rule.hf.format(i=i, e=e)] = (rule, i)
-        elif rule.per_layer:
-            for i in range(cfg.num_layers):
-                out[rule.hf.format(i=i)] = (rule, i)
-        else:
-            out[rule.hf] = (rule, None)
-    return out
+def expected_hf_tensors(cfg: ModelConfig) -> dict[str, WeightRule]:
+    """Every HF tensor name the checkpoint must hold -> its rule."""
+    return {name: rule for rule in active_rules(cfg) for name, _ in rule.hf_tensors(cfg)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,9 +250,8 @@ def _sliding_window(hf: dict[str, Any], family: str) -> tuple[int | None, int]:
         for i in range(L)
     ]
     full = sum(t == "full_attention" for t in types)
-    if set(types) - {"full_attention", "sliding_attention"} or types != [
-        "full_attention"
-    ] * full + ["sliding_attention"] * (L - full):
+    # (also refuses unknown layer types: they never match this list)
+    if types != ["full_attention"] * full + ["sliding_attention"] * (L - full):
         raise UnsupportedModelError(
             f"config.json: layer_types {types} is not supported (full-attention layers must "
             "all come before the sliding-window ones)"
@@ -350,15 +348,7 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[cfg.family]
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": cfg.rope_theta,
-            "factor": rs.factor,
-            "low_freq_factor": rs.low_freq_factor,
-            "high_freq_factor": rs.high_freq_factor,
-            "original_max_position_embeddings": rs.original_max_position_embeddings,
-        }
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **asdict(cfg.rope_scaling)}
     out: dict[str, Any] = {
         "architectures": [arch],
         "model_type": cfg.family,

@@ -16,12 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dora_jax.config import ModelConfig
-from dora_jax.model.attention import (  # noqa: F401  (re-exported: the dense reference)
-    NEG_INF,
-    Attend,
-    dense_attention,
-    segment_causal_mask,
-)
+from dora_jax.model.attention import Attend
 from dora_jax.model.moe import moe_mlp
 from dora_jax.sharding import constrain
 

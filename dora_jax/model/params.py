@@ -29,6 +29,7 @@ mesh axes per role.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -129,10 +130,4 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    total = 0
-    for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec):
-        n = 1
-        for d in s.shape:
-            n *= d
-        total += n
-    return total
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec))

@@ -20,8 +20,7 @@ from dora_jax.kernels.kv_cache_ops import append_kv, append_kv_chunk
 from dora_jax.kernels.paged_attention import paged_decode_attention
 from dora_jax.model.attention import NEG_INF, blockwise_attention, effective_window
 
-HEADS = P(None, "model", None)  # [B, N|K, H]
-CHUNK_HEADS = P(None, None, "model", None)  # [B, C, N|K, H]
+HEADS = P(None, None, "model", None)  # [B, C, N|K, H]
 PAGES = P("model", None, None, None)  # [K, P, Z, H]
 REPLICATED = P()
 
@@ -39,7 +38,19 @@ def resolve_impl(impl: str, interpret: bool | None) -> tuple[str, bool]:
             stacklevel=3,
         )
         return "reference", False
-    return impl, bool(interpret) if interpret is not None else False
+    return impl, bool(interpret)
+
+
+def _shard_attend(local, mesh: Mesh, replicated: int):
+    """``local(q, k, v, k_pages, v_pages, *rest) -> (out, k_pages, v_pages)`` over the ``model``
+    axis: q, k, v, out and the pages split by head, the ``replicated`` inputs ``rest`` whole."""
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(HEADS, HEADS, HEADS, PAGES, PAGES) + (REPLICATED,) * replicated,
+        out_specs=(HEADS, PAGES, PAGES),
+        check_vma=False,
+    )
 
 
 def decode_attend(
@@ -74,34 +85,16 @@ def decode_attend(
     lengths = jnp.where(active, lengths, 0).astype(jnp.int32)
 
     def local(q, k, v, kp, vp, bt, ln, sp, so, act, w):
-        kp, vp = append_kv(kp, vp, k, v, sp, so, act, impl=impl, interpret=interpret)
+        kp, vp = append_kv(kp, vp, k[:, 0], v[:, 0], sp, so, act, impl=impl, interpret=interpret)
         out = paged_decode_attention(
-            q, kp, vp, bt, ln, scale=scale, impl=impl, interpret=interpret,
+            q[:, 0], kp, vp, bt, ln, scale=scale, impl=impl, interpret=interpret,
             window=w if windowed else None,
         )  # fmt: skip
-        return out, kp, vp
+        return out[:, None], kp, vp
 
-    fn = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(HEADS, HEADS, HEADS, PAGES, PAGES) + (REPLICATED,) * 6,
-        out_specs=(HEADS, PAGES, PAGES),
-        check_vma=False,
+    return _shard_attend(local, mesh, replicated=6)(
+        q, k, v, k_pages, v_pages, block_tables, lengths, slot_page, slot_offset, active, window
     )
-    out, k_pages, v_pages = fn(
-        q[:, 0],
-        k[:, 0],
-        v[:, 0],
-        k_pages,
-        v_pages,
-        block_tables,
-        lengths,
-        slot_page,
-        slot_offset,
-        active,
-        window,
-    )
-    return out[:, None], k_pages, v_pages
 
 
 def prefill_attend(
@@ -144,13 +137,7 @@ def prefill_attend(
             out = _paged_chunk_attention(q, kp, vp, bt, st, nv, scale, w)
         return out, kp, vp
 
-    fn = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(CHUNK_HEADS, CHUNK_HEADS, CHUNK_HEADS, PAGES, PAGES) + (REPLICATED,) * 4,
-        out_specs=(CHUNK_HEADS, PAGES, PAGES),
-        check_vma=False,
-    )
+    fn = _shard_attend(local, mesh, replicated=4)
     return fn(q, k, v, k_pages, v_pages, block_tables, start, num_valid, window)
 
 

@@ -83,19 +83,12 @@ class StepReport:
     turn_ends: list[EngineFinished] = field(default_factory=list)
 
 
-def _buckets(limit: int) -> list[int]:
+def _buckets(limit: int, factor: int) -> list[int]:
+    """Padded sizes ``1, factor, factor**2, ...`` below ``limit``, then ``limit``."""
     out, b = [], 1
     while b < limit:
         out.append(b)
-        b *= 4
-    return out + [limit]
-
-
-def padded_pages_buckets(limit: int) -> list[int]:
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= 2
+        b *= factor
     return out + [limit]
 
 
@@ -146,7 +139,6 @@ class Engine(RequestMoves):
             raise EngineError("rollout.num_pages is null: the memory plan sizes it "
                               "(pipeline.memory_plan), or set it")  # fmt: skip
         self.impl, self.interpret = resolve_impl(rcfg.attention_impl, interpret)
-        interpret = self.interpret
         self.sampling = SamplingParams(rcfg.temperature, rcfg.top_k, rcfg.top_p)
         self.decode_steps = rcfg.decode_steps
         self._st = StepStatic(
@@ -154,7 +146,7 @@ class Engine(RequestMoves):
             sampling=self.sampling,
             mesh=mesh,
             impl=self.impl,
-            interpret=interpret,
+            interpret=self.interpret,
             return_logits=return_logits,
             decode_steps=rcfg.decode_steps,
             eos_ids=self.eos_ids,
@@ -179,12 +171,11 @@ class Engine(RequestMoves):
         # Batch-invariant decoding uses one batch shape, so a row's numerics never depend on
         # how many other requests share the step (bit-identical continuation after migration).
         # Otherwise batch rows and block-table widths (pages attended) are bucketed.
-        self.buckets = [rcfg.max_slots] if rcfg.batch_invariant else _buckets(rcfg.max_slots)
-        self.width_buckets = (
-            [self.pages_per_seq]
-            if rcfg.batch_invariant
-            else padded_pages_buckets(self.pages_per_seq)
-        )
+        if rcfg.batch_invariant:
+            self.buckets, self.width_buckets = [rcfg.max_slots], [self.pages_per_seq]
+        else:
+            self.buckets = _buckets(rcfg.max_slots, 4)
+            self.width_buckets = _buckets(self.pages_per_seq, 2)
         self.params: Params | None = None
         self.version: int | None = None
         self.last_logits: dict[Hashable, np.ndarray] = {}  # per request, last decode (tests)
@@ -455,8 +446,7 @@ class Engine(RequestMoves):
         B = _bucket(len(reqs), self.buckets)
         tables = self._block_tables(reqs, B)
         keys = np.zeros((B, 2), np.uint32)
-        for i, r in enumerate(reqs):
-            keys[i] = r.key
+        keys[: len(reqs)] = [r.key for r in reqs]
         tables_d, keys_d = self._put(tables, keys)
         moe = self.cfg.is_moe
         for r in reqs:  # a prefill from the start (re)computes the routes of every fed token

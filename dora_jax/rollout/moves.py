@@ -74,11 +74,9 @@ def split_parked(x: ExportedRequests) -> list[ExportedRequests]:
 
 
 def padded_pages(n: int) -> int:
-    """The padded page count of a pack buffer (the engine's ``_page_ids``)."""
-    p = 1
-    while p < n:
-        p *= 2
-    return p
+    """The padded page count of a pack buffer (the engine's ``_page_ids``): the next power of two
+    (1 for none)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class RequestMoves:

@@ -103,17 +103,11 @@ class Request:
         self.turn_start = len(self.tokens)
         self.waiting = False
 
-    def fed_routes(self, layers: int, k: int) -> np.ndarray:
-        """The recorded routes as one array ``[n, layers, k]`` (empty when none)."""
-        if not self.routes:
-            return np.zeros((0, layers, k), ROUTE_DTYPE)
-        return np.concatenate(self.routes)
-
     def routes_with_last(self, cfg) -> np.ndarray:
         """``int16[len(prompt) + len(tokens), L, k]``: the recorded routes of the fed tokens
         (one per token with KV) and a row of -1 for the last token (never fed)."""
         L, k = cfg.num_layers, cfg.num_experts_per_tok
-        fed = self.fed_routes(L, k)
+        fed = np.concatenate(self.routes) if self.routes else np.zeros((0, L, k), ROUTE_DTYPE)
         if len(fed) != self.kv_len:
             raise ValueError(f"request {self.id!r}: {len(fed)} tokens' routes recorded for "
                              f"{self.kv_len} fed tokens")  # fmt: skip

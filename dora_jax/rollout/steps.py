@@ -9,6 +9,7 @@ reads them back, so the cached path computes exactly what the full forward pass 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import flax.struct
 import jax
@@ -18,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.model.layers import decoder_layer, rms_norm
-from dora_jax.model.params import Params, dtype_of
+from dora_jax.model.params import Params, abstract_params, dtype_of, param_axes
 from dora_jax.model.transformer import cast_params, embed_tokens, logits_from_hidden
 from dora_jax.rollout.attention import decode_attend, prefill_attend
 from dora_jax.rollout.sampling import SamplingParams, sample
+from dora_jax.sharding import rollout_rules, tree_shardings
 
 CACHE_SPEC = P("model", None, None, None)  # [K, L*P, Z, H]: kv heads over the TP axis
 
@@ -81,9 +83,9 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
     ``(x, cache, routes)``: ``routes int32[B, T, L, k]``, the experts each token used in each
     layer, for a mixture of experts; None for dense models.
 
-    ``attend_layer(q, k, v, scale, k_cache, v_cache, layer_tables, window) -> (o, k_cache,
-    v_cache)`` where ``layer_tables`` are the block tables offset to this layer's pages and
-    ``window`` is the layer's sliding window (int32 scalar, 0: none; None for a model without one).
+    ``attend_layer``: :func:`decode_attend` or :func:`prefill_attend` with its per-row inputs
+    bound; it is called with the block tables offset to this layer's pages and ``window``, the
+    layer's sliding window (int32 scalar, 0: none; None for a model without one).
     """
     P = cache.pages_per_layer
     # The stacked 16-bit weights enter the scan as bit patterns (no gradients here): XLA's CPU
@@ -93,6 +95,7 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
     bits = jax.tree.map(_to_bits, params["layers"])
 
     windows = jnp.asarray(st.cfg.layer_windows(), jnp.int32)
+    attend_layer = partial(attend_layer, mesh=st.mesh, impl=st.impl, interpret=st.interpret)
 
     def layer(carry, xs):
         x, kc, vc = carry
@@ -102,7 +105,7 @@ def _run_layers(params, cache: KVCache, x, positions, block_tables, st: StepStat
         window = None if st.cfg.sliding_window is None else windows[l]
 
         def attend(q, k, v, scale):
-            o, kc2, vc2 = attend_layer(q, k, v, scale, kc, vc, tables, window)
+            o, kc2, vc2 = attend_layer(q, k, v, kc, vc, tables, scale=scale, window=window)
             return o, (kc2, vc2)
 
         out = decoder_layer(lp, x, positions, st.cfg, attend)
@@ -125,24 +128,7 @@ def _from_bits(b: jax.Array, dtype) -> jax.Array:
 
 def _decode_once(p, cache, tokens, positions, block_tables, active, keys, st: StepStatic):
     x = embed_tokens(p, tokens[:, None], st.cfg)
-
-    def attend_layer(q, k, v, scale, kc, vc, tables, window):
-        return decode_attend(
-            q,
-            k,
-            v,
-            kc,
-            vc,
-            tables,
-            positions + 1,
-            active,
-            scale=scale,
-            mesh=st.mesh,
-            impl=st.impl,
-            interpret=st.interpret,
-            window=window,
-        )
-
+    attend_layer = partial(decode_attend, lengths=positions + 1, active=active)
     x, cache, routes = _run_layers(p, cache, x, positions[:, None], block_tables, st, attend_layer)
     h = rms_norm(x[:, 0], p["final_norm"], st.cfg.rms_norm_eps)
     logits = logits_from_hidden(p, h, st.cfg)
@@ -246,28 +232,15 @@ def prefill_step(
     B, C = tokens.shape
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     x = embed_tokens(p, tokens, st.cfg)
-
-    def attend_layer(q, k, v, scale, kc, vc, tables, window):
-        return prefill_attend(
-            q,
-            k,
-            v,
-            kc,
-            vc,
-            tables,
-            start,
-            num_valid,
-            scale=scale,
-            mesh=st.mesh,
-            impl=st.impl,
-            interpret=st.interpret,
-            # cuDNN's public API has no offset-causal masking over a paged context: prefill
-            # chunks of a "cudnn" model use the blockwise path (docs in model/attention.py)
-            chunk_attention="dense" if st.cfg.attention == "dense" else "blockwise",
-            block=st.cfg.attention_block,
-            window=window,
-        )
-
+    attend_layer = partial(
+        prefill_attend,
+        start=start,
+        num_valid=num_valid,
+        # cuDNN's public API has no offset-causal masking over a paged context: prefill
+        # chunks of a "cudnn" model use the blockwise path (docs in model/attention.py)
+        chunk_attention="dense" if st.cfg.attention == "dense" else "blockwise",
+        block=st.cfg.attention_block,
+    )
     x, cache, routes = _run_layers(p, cache, x, positions, block_tables, st, attend_layer)
     last = jnp.clip(num_valid - 1, 0, C - 1)
     h = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -284,10 +257,6 @@ def lower_steps(
     """The engine's jitted prefill and decode steps (largest batch and block-table shapes,
     cache donated) lowered from abstract values only, for their memory analysis. ``num_pages``
     does not change the steps' temporaries (the cache is updated in place)."""
-    from dora_jax.model.params import abstract_params, param_axes
-    from dora_jax.rollout.sampling import SamplingParams
-    from dora_jax.sharding import rollout_rules, tree_shardings
-
     Z, B, C = rcfg.page_size, rcfg.max_slots, rcfg.prefill_chunk
     width = -(-(rcfg.max_prompt_len + rcfg.max_new_tokens) // Z)
     st = StepStatic(
