@@ -35,10 +35,7 @@ from dora_jax.config import ModelConfig, TrainConfig, TrainerMeshConfig
 from dora_jax.model.params import Params, abstract_params
 from dora_jax.sharding import Rules, constrain, spec_for, trainer_rules, use_rules
 from dora_jax.train.advantages import group_advantages
-from dora_jax.train.batch import (
-    TrainBatch,
-    chunk_rows,
-)
+from dora_jax.train.batch import TrainBatch, chunk_rows
 from dora_jax.train.logprobs import token_logprobs
 from dora_jax.train.losses import aggregate, clipped_surrogate, kl_k3, token_weights
 from dora_jax.train.state import (
