@@ -348,7 +348,6 @@ class EngineBackend:
                 self._over[rid] = o  # it finishes when resubmitted
             else:
                 end.setdefault(g, []).append(rid)
-                self._leave(rid)
                 self._ended.append(self._conversation_over(rid, o))
         for g, items in extend.items():
             self._send(g, c.Extend(g, tuple(items)))
@@ -357,21 +356,16 @@ class EngineBackend:
 
     def _conversation_over(self, rid: int, o: TurnOutcome) -> FinishedRequest:
         rec = self._last_turn.pop(rid)
-        pg, prompt, versions = self._meta.pop(rid)
         if len(o.loss_mask) != len(rec.tokens):
             raise BackendError(
                 f"request {rid}: the driver's loss mask covers {len(o.loss_mask)} tokens, the "
                 f"engine's conversation has {len(rec.tokens)}"
             )
         figures = dict(o.figures or {})
-        comp = Completion(
-            prompt, rec.tokens, rec.logprobs, str(figures.get("end_reason") or "env"),
-            rec.prefill_tokens, rec.migrations, rec.routes, loss_mask=o.loss_mask,
+        return self._finish(
+            rec, str(figures.get("end_reason") or "env"), loss_mask=o.loss_mask,
             env_reward=o.reward if self.turns.env_rewards else None, conversation=figures,
         )  # fmt: skip
-        if self.on_finished is not None:
-            self.on_finished(rid, comp)
-        return FinishedRequest(rid, pg, len(prompt.tokens), len(rec.tokens), tuple(versions), comp)
 
     def _forget_conversation(self, rid: int) -> None:
         if self.turns is not None:
@@ -408,7 +402,7 @@ class EngineBackend:
                 self._account(e.span)
                 if self.wall or e.span.activity not in ("transfer", "migrate"):
                     ticks.append(e.span)  # logical: one record per group and tick
-            finished += [self._finished(f) for f in e.finished if f.id in self._meta]
+            finished += [self._finish(f, f.finish_reason) for f in e.finished if f.id in self._meta]
             for rec in e.turn_ends:
                 self._turn_ended(rec)
         out = StepEvents(self._tick, tuple(finished), tuple(ticks))
@@ -545,17 +539,13 @@ class EngineBackend:
             return
         o.log.append((span.activity, span.group, span.t0, span.time_s))
 
-    def _finished(self, f) -> FinishedRequest:
-        pg, prompt, versions = self._meta.pop(f.id)
+    def _finish(self, f: EngineFinished, reason: str, **extra: Any) -> FinishedRequest:
+        """Request ``f.id`` is over: out of its group, its :class:`Completion` told to
+        :attr:`on_finished`."""
         self._leave(f.id)
+        pg, prompt, versions = self._meta.pop(f.id)
         comp = Completion(
-            prompt,
-            f.tokens,
-            f.logprobs,
-            f.finish_reason,
-            f.prefill_tokens,
-            f.migrations,
-            f.routes,
+            prompt, f.tokens, f.logprobs, reason, f.prefill_tokens, f.migrations, f.routes, **extra
         )
         if self.on_finished is not None:
             self.on_finished(f.id, comp)
