@@ -57,6 +57,7 @@ def spec_from(args: Any = None, env: dict[str, str] | None = None) -> ProcessSpe
     """The process settings from ``args`` (attributes ``coordinator``, ``num_processes``,
     ``process_id``), then the environment; None for a single-process run."""
     env = os.environ if env is None else env
+    bind = env.get(ENV_BIND) or None
     coord = getattr(args, "coordinator", None) or env.get(ENV_COORDINATOR)
     num = getattr(args, "num_processes", None) or env.get(ENV_NUM)
     pid = getattr(args, "process_id", None)
@@ -76,14 +77,12 @@ def spec_from(args: Any = None, env: dict[str, str] | None = None) -> ProcessSpe
                                "integers") from None  # fmt: skip
         if not 0 <= pid_i < num_i:
             raise ProcessError(f"--process-id {pid_i} is not in [0, {num_i})")
-        return ProcessSpec(num_i, pid_i, coord, env.get(ENV_BIND) or None)
+        return ProcessSpec(num_i, pid_i, coord, bind)
     for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         if int(env.get(var, "1") or 1) > 1:
-            return ProcessSpec(int(env[var]), None, None, env.get(ENV_BIND) or None)
-    if env.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
-        n = env["TPU_WORKER_HOSTNAMES"].count(",") + 1
-        return ProcessSpec(n, None, None, env.get(ENV_BIND) or None)
-    return None
+            return ProcessSpec(int(env[var]), None, None, bind)
+    tpu_hosts = env.get("TPU_WORKER_HOSTNAMES", "").count(",") + 1
+    return ProcessSpec(tpu_hosts, None, None, bind) if tpu_hosts > 1 else None
 
 
 def listen_host(coordinator: str, process_id: int, bind: str | None = None, route=None) -> str:
