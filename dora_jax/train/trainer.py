@@ -61,9 +61,7 @@ class Trainer:
         init_jit, step_jit = {}, {}  # on a mesh: the shardings
         if mesh is not None:
             st_sh = state_shardings(model_cfg, train_cfg, mesh, rules)
-            routed = steps.routes_shape(model_cfg) is not None
-            chunked = bool(train_cfg.microbatch_tokens)
-            self._batch_sh = steps.batch_shardings(mesh, rules, routed, chunked)
+            self._batch_sh = steps.batch_shardings(mesh, rules, model_cfg, train_cfg)
             rep = NamedSharding(mesh, PartitionSpec())
             init_jit = {"out_shardings": st_sh}
             step_jit = {"in_shardings": (st_sh, self._batch_sh), "out_shardings": (st_sh, rep)}
@@ -104,8 +102,7 @@ class Trainer:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state
         )
         mult = 1 if self.mesh is None else steps.data_multiple(self.mesh)
-        chunks = steps.batch_chunks(self.train_cfg, *key[1:], mult)
-        batch = steps.abstract_batch(*key, steps.routes_shape(self.model_cfg), chunks)
+        batch = steps.abstract_batch(self.model_cfg, self.train_cfg, *key, mult)
         if self._batch_sh is not None:
             batch = jax.tree.map(
                 lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
