@@ -125,7 +125,7 @@ class Process:
     server: Any  # jax.experimental.transfer server of this process
     bind: str
     _conns: dict[str, Any] = field(default_factory=dict)
-    _watchdog: threading.Thread | None = None
+    _finishing: threading.Event | None = None  # set when this process leaves (the watchdog's)
     on_peer_lost: Callable[[str], None] | None = None  # says what to do next (last checkpoint)
 
     @property
@@ -157,14 +157,13 @@ class Process:
                 if lost and not self._finishing.is_set():
                     self.lost(f"process {lost[0]} is gone: {why}")
 
-        self._watchdog = threading.Thread(target=watch, name="dora-watchdog", daemon=True)
-        self._watchdog.start()
+        threading.Thread(target=watch, name="dora-watchdog", daemon=True).start()
 
     def finish(self, timeout_s: float = 60.0) -> None:
         """Leave the run: meet every process at a last barrier (bounded), then disconnect."""
         import jax
 
-        if getattr(self, "_finishing", None) is not None:
+        if self._finishing is not None:
             self._finishing.set()
         try:
             self.client.wait_at_barrier("dora/end", int(timeout_s * 1e3))
