@@ -41,8 +41,7 @@ def serve(proc: Process, log=print) -> int:
         if msg["op"] == "init":
             cfg = from_dict(ExperimentConfig, msg["config"])
             meshes = build_meshes(cfg.mesh)
-            mine = {g: m for g, m in enumerate(meshes.groups)
-                    if {d.process_index for d in m.devices.flat} == {proc.index}}  # fmt: skip
+            mine = {g: m for g, m in enumerate(meshes.groups) if processes(m) == {proc.index}}
             stops = msg["eos_ids"]  # the tokenizer's EOS ids (rollout.extra_eos_ids: the config)
             engines = {g: Engine(cfg.model, cfg.rollout, m, stops) for g, m in mine.items()}
             host.append(GroupHost(channel, transfers, engines, msg["wall"]))

@@ -59,9 +59,8 @@ def launch_local(n: int, argv: list[str], run_dir: Path, *, devices_per_process:
         launch.append("--pin-cores")
     for i in range(n):
         env = dict(os.environ)
-        env[ENV_LAUNCH] = shlex.join(launch)
-        env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM: str(n), ENV_ID: str(i),
-                    "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        env.update({ENV_LAUNCH: shlex.join(launch), ENV_COORDINATOR: f"127.0.0.1:{port}",
+                    ENV_NUM: str(n), ENV_ID: str(i), "PYTHONUNBUFFERED": "1"})  # fmt: skip
         flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                          if "xla_force_host_platform_device_count" not in f)  # fmt: skip
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}"

@@ -57,6 +57,7 @@ def spec_from(args: Any = None, env: dict[str, str] | None = None) -> ProcessSpe
     """The process settings from ``args`` (attributes ``coordinator``, ``num_processes``,
     ``process_id``), then the environment; None for a single-process run."""
     env = os.environ if env is None else env
+    bind = env.get(ENV_BIND) or None
     coord = getattr(args, "coordinator", None) or env.get(ENV_COORDINATOR)
     num = getattr(args, "num_processes", None) or env.get(ENV_NUM)
     pid = getattr(args, "process_id", None)
@@ -76,14 +77,12 @@ def spec_from(args: Any = None, env: dict[str, str] | None = None) -> ProcessSpe
                                "integers") from None  # fmt: skip
         if not 0 <= pid_i < num_i:
             raise ProcessError(f"--process-id {pid_i} is not in [0, {num_i})")
-        return ProcessSpec(num_i, pid_i, coord, env.get(ENV_BIND) or None)
+        return ProcessSpec(num_i, pid_i, coord, bind)
     for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         if int(env.get(var, "1") or 1) > 1:
-            return ProcessSpec(int(env[var]), None, None, env.get(ENV_BIND) or None)
-    if env.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
-        n = env["TPU_WORKER_HOSTNAMES"].count(",") + 1
-        return ProcessSpec(n, None, None, env.get(ENV_BIND) or None)
-    return None
+            return ProcessSpec(int(env[var]), None, None, bind)
+    tpu_hosts = env.get("TPU_WORKER_HOSTNAMES", "").count(",") + 1
+    return ProcessSpec(tpu_hosts, None, None, bind) if tpu_hosts > 1 else None
 
 
 def listen_host(coordinator: str, process_id: int, bind: str | None = None, route=None) -> str:
@@ -126,7 +125,7 @@ class Process:
     server: Any  # jax.experimental.transfer server of this process
     bind: str
     _conns: dict[str, Any] = field(default_factory=dict)
-    _watchdog: threading.Thread | None = None
+    _finishing: threading.Event | None = None  # set when this process leaves (the watchdog's)
     on_peer_lost: Callable[[str], None] | None = None  # says what to do next (last checkpoint)
 
     @property
@@ -158,14 +157,13 @@ class Process:
                 if lost and not self._finishing.is_set():
                     self.lost(f"process {lost[0]} is gone: {why}")
 
-        self._watchdog = threading.Thread(target=watch, name="dora-watchdog", daemon=True)
-        self._watchdog.start()
+        threading.Thread(target=watch, name="dora-watchdog", daemon=True).start()
 
     def finish(self, timeout_s: float = 60.0) -> None:
         """Leave the run: meet every process at a last barrier (bounded), then disconnect."""
         import jax
 
-        if getattr(self, "_finishing", None) is not None:
+        if self._finishing is not None:
             self._finishing.set()
         try:
             self.client.wait_at_barrier("dora/end", int(timeout_s * 1e3))

@@ -65,13 +65,12 @@ class HostLink:
         """Send ``msg`` to ``host``. Messages that need no reply wait in an outbox, sent as one
         message by :meth:`flush` (once per control round), in order; one that needs a reply
         flushes first, and its future is the reply's value."""
-        fut: Future = Future()
         if not wait:
             with self._lock:
                 self._outbox[host].append(msg)
-            fut.set_result(None)
-            return fut
+            return done()
         self.flush(host)
+        fut: Future = Future()
         rid = next(self._ids)
         with self._lock:
             self._replies[rid] = fut

@@ -75,7 +75,6 @@ class Transfers:
             raise
 
     def _serve(self, uid: int, arrays: Sequence[Any], meta: dict | None) -> None:
-
         arrays = list(arrays)
         record = {
             "from": self.proc.index,

@@ -167,26 +167,23 @@ class EngineBackend:
 
     # -- queries ---------------------------------------------------------------------------------
     def groups(self) -> list[GroupInfo]:
-        out = []
-        for g, h in enumerate(self.handles):
-            st = h.status
-            ids = tuple(self._members[g])
-            out.append(
-                GroupInfo(
-                    group=g,
-                    version=self._version[g],
-                    busy_ticks=0 if self._loads[g].done() else 1,
-                    max_slots=self.max_slots,
-                    free_slots=self._free_slots(g),
-                    kv_pages_used=st.pages_used,
-                    kv_pages_total=st.pages_total,
-                    requests=ids,
-                    request_pages=tuple(st.pages.get(r, 0) for r in ids),
-                    host=self._hosts[g],
-                    waiting=tuple(r for r in ids if r in self._waiting),
-                )
-            )
-        return out
+        return [self._info(g) for g in range(len(self.handles))]
+
+    def _info(self, g: int) -> GroupInfo:
+        st, ids = self.handles[g].status, tuple(self._members[g])
+        return GroupInfo(
+            group=g,
+            version=self._version[g],
+            busy_ticks=0 if self._loads[g].done() else 1,
+            max_slots=self.max_slots,
+            free_slots=self._free_slots(g),
+            kv_pages_used=st.pages_used,
+            kv_pages_total=st.pages_total,
+            requests=ids,
+            request_pages=tuple(st.pages.get(r, 0) for r in ids),
+            host=self._hosts[g],
+            waiting=tuple(r for r in ids if r in self._waiting),
+        )
 
     def _free_slots(self, group: int) -> int:
         """Decode slots left: requests waiting on their environment hold none."""
@@ -239,14 +236,15 @@ class EngineBackend:
             raise BackendError(f"{len(requests)} requests, group {group} has {free} free slots")
         reqs, over = [], []
         for spec in requests:
+            rid = spec.request_id
             if spec.version != self._version[group]:
                 raise BackendError(
-                    f"request {spec.request_id} of version {spec.version} "
+                    f"request {rid} of version {spec.version} "
                     f"submitted to group {group} of version {self._version[group]}"
                 )
             if spec.resume is not None:  # partial rollout: continue under the new version
-                if spec.request_id not in self._meta or spec.request_id in self._where:
-                    raise BackendError(f"request {spec.request_id} was not interrupted")
+                if rid not in self._meta or rid in self._where:
+                    raise BackendError(f"request {rid} was not interrupted")
                 r: Request = spec.resume.payload
                 for obs in self._held_turns.pop(r.id, ()):  # its environment answered meanwhile
                     r.append_env_turn(list(obs))
@@ -254,30 +252,25 @@ class EngineBackend:
                     over.append(r.id)
                     continue
                 r.version = spec.version
-                self._meta[spec.request_id][2].append(spec.version)
+                self._meta[rid][2].append(spec.version)
             else:
                 prompt = spec.payload
                 if not isinstance(prompt, PromptPayload):
-                    raise BackendError(
-                        f"request {spec.request_id}: payload must be a PromptPayload"
-                    )
-                if spec.request_id in self._meta:
-                    raise BackendError(f"request {spec.request_id} was already submitted")
+                    raise BackendError(f"request {rid}: payload must be a PromptPayload")
+                if rid in self._meta:
+                    raise BackendError(f"request {rid} was already submitted")
+                budget = prompt.max_new_tokens or self.max_new_tokens
                 r = Request(
-                    spec.request_id,
-                    list(prompt.tokens),
-                    spec.version,
-                    request_key(self.seed, spec.request_id),
-                    prompt.max_new_tokens or self.max_new_tokens,
+                    rid, list(prompt.tokens), spec.version, request_key(self.seed, rid), budget
                 )
                 if prompt.conversation is not None:
                     if self.turns is None:
-                        raise BackendError(f"request {spec.request_id} is a conversation and the "
+                        raise BackendError(f"request {rid} is a conversation and the "
                                            "backend has no turn driver")  # fmt: skip
                     r.multi_turn, r.stop_seqs = True, self.turns.stop_sequences
-                self._meta[spec.request_id] = (spec.prompt_group, prompt, [spec.version])
+                self._meta[rid] = (spec.prompt_group, prompt, [spec.version])
                 if r.multi_turn:
-                    self.turns.begin(spec.request_id, prompt)
+                    self.turns.begin(rid, prompt)
             reqs.append(r)
         for rid in over:
             self._ended.append(self._conversation_over(rid, self._over.pop(rid)))
@@ -348,7 +341,6 @@ class EngineBackend:
                 self._over[rid] = o  # it finishes when resubmitted
             else:
                 end.setdefault(g, []).append(rid)
-                self._leave(rid)
                 self._ended.append(self._conversation_over(rid, o))
         for g, items in extend.items():
             self._send(g, c.Extend(g, tuple(items)))
@@ -357,21 +349,16 @@ class EngineBackend:
 
     def _conversation_over(self, rid: int, o: TurnOutcome) -> FinishedRequest:
         rec = self._last_turn.pop(rid)
-        pg, prompt, versions = self._meta.pop(rid)
         if len(o.loss_mask) != len(rec.tokens):
             raise BackendError(
                 f"request {rid}: the driver's loss mask covers {len(o.loss_mask)} tokens, the "
                 f"engine's conversation has {len(rec.tokens)}"
             )
         figures = dict(o.figures or {})
-        comp = Completion(
-            prompt, rec.tokens, rec.logprobs, str(figures.get("end_reason") or "env"),
-            rec.prefill_tokens, rec.migrations, rec.routes, loss_mask=o.loss_mask,
+        return self._finish(
+            rec, str(figures.get("end_reason") or "env"), loss_mask=o.loss_mask,
             env_reward=o.reward if self.turns.env_rewards else None, conversation=figures,
         )  # fmt: skip
-        if self.on_finished is not None:
-            self.on_finished(rid, comp)
-        return FinishedRequest(rid, pg, len(prompt.tokens), len(rec.tokens), tuple(versions), comp)
 
     def _forget_conversation(self, rid: int) -> None:
         if self.turns is not None:
@@ -408,7 +395,7 @@ class EngineBackend:
                 self._account(e.span)
                 if self.wall or e.span.activity not in ("transfer", "migrate"):
                     ticks.append(e.span)  # logical: one record per group and tick
-            finished += [self._finished(f) for f in e.finished if f.id in self._meta]
+            finished += [self._finish(f, f.finish_reason) for f in e.finished if f.id in self._meta]
             for rec in e.turn_ends:
                 self._turn_ended(rec)
         out = StepEvents(self._tick, tuple(finished), tuple(ticks))
@@ -545,17 +532,13 @@ class EngineBackend:
             return
         o.log.append((span.activity, span.group, span.t0, span.time_s))
 
-    def _finished(self, f) -> FinishedRequest:
-        pg, prompt, versions = self._meta.pop(f.id)
+    def _finish(self, f: EngineFinished, reason: str, **extra: Any) -> FinishedRequest:
+        """Request ``f.id`` is over: out of its group, its :class:`Completion` told to
+        :attr:`on_finished`."""
         self._leave(f.id)
+        pg, prompt, versions = self._meta.pop(f.id)
         comp = Completion(
-            prompt,
-            f.tokens,
-            f.logprobs,
-            f.finish_reason,
-            f.prefill_tokens,
-            f.migrations,
-            f.routes,
+            prompt, f.tokens, f.logprobs, reason, f.prefill_tokens, f.migrations, f.routes, **extra
         )
         if self.on_finished is not None:
             self.on_finished(f.id, comp)

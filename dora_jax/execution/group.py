@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import traceback
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -258,5 +258,4 @@ class GroupWorker:
 
     def _status(self) -> GroupStatus:
         ld = self.engine.load()
-        pages: dict[Hashable, int] = self.engine.held_pages()
-        return GroupStatus(pages, ld.pages_used, ld.pages_total)
+        return GroupStatus(self.engine.held_pages(), ld.pages_used, ld.pages_total)

@@ -239,7 +239,6 @@ class SpmdTrainer:
 
     @property
     def compiled_ahead(self) -> dict:
-        """The batch shapes compiled on the worker thread, with each one's seconds."""
         return self.trainer.compiled_ahead
 
     def close(self) -> None:

@@ -36,7 +36,6 @@ class Inline:
 
     @property
     def status(self) -> GroupStatus:
-        """The group's requests and KV use, as of its last change (read from any thread)."""
         return self.worker.status
 
     def send(self, cmd: GroupCommand) -> Future:

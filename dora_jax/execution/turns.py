@@ -54,7 +54,6 @@ class TurnDriver(Protocol):
 
     def begin(self, request_id: int, payload: PromptPayload) -> None:
         """A conversation's request was submitted (its episode starts from ``payload``)."""
-        ...
 
     def turn_ended(
         self, request_id: int, tokens: Sequence[int], logprobs: Sequence[float], turn_start: int
@@ -62,25 +61,20 @@ class TurnDriver(Protocol):
         """The model ended a turn: ``tokens`` (and their behavior ``logprobs``, 0 at environment
         tokens) are everything after the prompt so far, the model's turn is
         ``tokens[turn_start:]``. Starts the environment's call and returns at once."""
-        ...
 
     def outcomes(self, wait: bool) -> list[TurnOutcome]:
         """The outcomes of the environment calls that have answered, in the order their turns
         ended; ``wait``: first wait until every call started so far has answered (the logical
         clock, so that a run is reproducible)."""
-        ...
 
     def drop(self, request_id: int) -> None:
         """Forget a conversation that will not go on (discarded by the oversampling baseline)."""
-        ...
 
     def pending(self) -> int:
         """Environment calls started and not yet handed out by :meth:`outcomes`."""
-        ...
 
     def state_dict(self) -> dict[str, Any]:
         """Every live conversation and its episode as plain data (calls in flight included, to
         be started again on restore)."""
-        ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -259,10 +259,7 @@ def pack_batch(
     samples = [m for members in groups.values() for m in members]
     lengths = [len(m.prompt_tokens) + len(m.response_tokens) for m in samples]
     buckets = cfg.length_buckets
-    if rows is not None:
-        n_rows = rows
-    else:
-        n_rows = cfg.pack_rows if cfg.packing == "tokens" else 0
+    n_rows = rows if rows is not None else (cfg.pack_rows if cfg.packing == "tokens" else 0)
     choose_bucket(max(lengths), buckets)  # raises if one sample is too long
     chunk_mask = None
     if rows is None and cfg.microbatch_tokens:
@@ -275,20 +272,14 @@ def pack_batch(
         B = S
         T = choose_bucket(max(lengths), buckets)
         place = [(i, 0) for i in range(len(samples))]
-    else:
-        B = n_rows
-        T, place = 0, None
-        for b in buckets:
-            if b >= max(lengths):
-                place = _first_fit(lengths, B, b)
-                if place is not None:
-                    T = b
-                    break
-        if place is None:
+    else:  # the smallest bucket whose n_rows rows hold the samples
+        try:
+            B, T, place = _smallest_shape(lengths, [(n_rows, b) for b in buckets], "")
+        except NoShapeFits:
             raise ValueError(
-                f"{len(samples)} samples ({sum(lengths)} tokens) do not fit {B} rows of the "
+                f"{len(samples)} samples ({sum(lengths)} tokens) do not fit {n_rows} rows of the "
                 f"largest bucket {buckets[-1]}; raise train.pack_rows or train.length_buckets"
-            )
+            ) from None
 
     tokens = np.zeros((B, T), np.int32)
     positions = np.zeros((B, T), np.int32)
@@ -323,15 +314,12 @@ def pack_batch(
                 )
             routes[r, o : o + L] = rt
 
-    n = len(samples)
-    rewards = np.zeros((S,), np.float32)
-    rewards[:n] = [float(m.reward) for m in samples]
-    sample_mask = np.zeros((S,), bool)
-    sample_mask[:n] = True
-    staleness = np.zeros((S,), np.int32)
-    staleness[:n] = [trainer_version - int(m.version) for m in samples]
-    response_lens = np.zeros((S,), np.int32)
-    response_lens[:n] = [_model_tokens(m) for m in samples]
+    def per_sample(values: Any, dtype: Any) -> np.ndarray:
+        """``[S]``: ``values`` for the samples, 0 for the batch padding after them."""
+        out = np.zeros((S,), dtype)
+        out[: len(samples)] = values
+        return out
+
     return TrainBatch(
         tokens=tokens,
         positions=positions,
@@ -340,10 +328,10 @@ def pack_batch(
         loss_mask=loss_mask,
         behavior_logprobs=behavior,
         sample_index=sample_index,
-        rewards=rewards,
-        sample_mask=sample_mask,
-        staleness=staleness,
-        response_lens=response_lens,
+        rewards=per_sample([float(m.reward) for m in samples], np.float32),
+        sample_mask=per_sample(True, bool),
+        staleness=per_sample([trainer_version - int(m.version) for m in samples], np.int32),
+        response_lens=per_sample([_model_tokens(m) for m in samples], np.int32),
         routes=routes,
         chunk_mask=chunk_mask,
     )

@@ -35,10 +35,7 @@ from dora_jax.config import ModelConfig, TrainConfig, TrainerMeshConfig
 from dora_jax.model.params import Params, abstract_params
 from dora_jax.sharding import Rules, constrain, spec_for, trainer_rules, use_rules
 from dora_jax.train.advantages import group_advantages
-from dora_jax.train.batch import (
-    TrainBatch,
-    chunk_rows,
-)
+from dora_jax.train.batch import TrainBatch, chunk_rows
 from dora_jax.train.logprobs import token_logprobs
 from dora_jax.train.losses import aggregate, clipped_surrogate, kl_k3, token_weights
 from dora_jax.train.state import (
@@ -152,8 +149,7 @@ def _routing_difference(used: jax.Array, recorded: jax.Array) -> tuple[jax.Array
 
 def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
     """One GRPO optimizer step on ``batch``; see the module docstring."""
-    new_state, metrics, _ = train_step_with_grads(state, batch)
-    return new_state, metrics
+    return train_step_with_grads(state, batch)[:2]
 
 
 def train_step_with_grads(
@@ -326,10 +322,10 @@ def routes_shape(cfg: ModelConfig) -> tuple[int, int] | None:
 
 
 def batch_shardings(
-    mesh: Mesh, rules: Rules, with_routes: bool = False, with_chunks: bool = False
+    mesh: Mesh, rules: Rules, model_cfg: ModelConfig, train_cfg: TrainConfig
 ) -> TrainBatch:
     """Token arrays ``[B, T]`` (and MoE routes ``[B, T, L, k]``) split over ``data``,
-    per-sample arrays (and the microbatch mask) replicated."""
+    per-sample arrays (and the microbatch mask of ``train.microbatch_tokens``) replicated."""
     tok = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
     rep = NamedSharding(mesh, PartitionSpec())
     return TrainBatch(
@@ -344,21 +340,25 @@ def batch_shardings(
         sample_mask=rep,
         staleness=rep,
         response_lens=rep,
-        routes=tok if with_routes else None,
-        chunk_mask=rep if with_chunks else None,
+        routes=tok if model_cfg.is_moe else None,
+        chunk_mask=rep if train_cfg.microbatch_tokens else None,
     )
 
 
 def abstract_batch(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
     num_samples: int,
     rows: int,
     seq_len: int,
-    routes: tuple[int, int] | None = None,
-    chunks: int | None = None,
+    multiple: int,
 ) -> TrainBatch:
     """A :class:`TrainBatch` of ``jax.ShapeDtypeStruct`` leaves (``rows x seq_len`` tokens,
-    ``num_samples`` samples, ``chunks`` microbatches of ``train.microbatch_tokens``): what
-    :func:`lower_train_step` compiles for."""
+    ``num_samples`` samples; under ``train.microbatch_tokens`` its microbatch mask, ``multiple``
+    being the data-parallel devices the rows are spread over): what :func:`lower_train_step`
+    compiles for."""
+    routes = routes_shape(model_cfg)
+    M = rows // chunk_rows(train_cfg, seq_len, multiple) if train_cfg.microbatch_tokens else None
     tok = lambda dt: jax.ShapeDtypeStruct((rows, seq_len), dt)  # noqa: E731
     smp = lambda dt: jax.ShapeDtypeStruct((num_samples,), dt)  # noqa: E731
     return TrainBatch(
@@ -373,19 +373,9 @@ def abstract_batch(
         sample_mask=smp(jnp.bool_),
         staleness=smp(jnp.int32),
         response_lens=smp(jnp.int32),
-        routes=None
-        if routes is None
-        else jax.ShapeDtypeStruct((rows, seq_len, *routes), jnp.int16),
-        chunk_mask=None if chunks is None else jax.ShapeDtypeStruct((chunks,), jnp.bool_),
+        routes=jax.ShapeDtypeStruct((rows, seq_len, *routes), jnp.int16) if routes else None,
+        chunk_mask=None if M is None else jax.ShapeDtypeStruct((M,), jnp.bool_),
     )
-
-
-def batch_chunks(train_cfg: TrainConfig, rows: int, seq_len: int, multiple: int) -> int | None:
-    """The microbatch count of a batch of ``rows x seq_len`` under ``train.microbatch_tokens``
-    (None without it); ``multiple``: the data-parallel devices the rows are spread over."""
-    if not train_cfg.microbatch_tokens:
-        return None
-    return rows // chunk_rows(train_cfg, seq_len, multiple)
 
 
 def data_multiple(mesh: Mesh) -> int:
@@ -413,8 +403,7 @@ def lower_train_step(
     state = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, st_sh
     )
-    chunks = batch_chunks(train_cfg, rows, seq_len, data_multiple(mesh))
-    batch = abstract_batch(num_samples, rows, seq_len, routes_shape(model_cfg), chunks)
+    batch = abstract_batch(model_cfg, train_cfg, num_samples, rows, seq_len, data_multiple(mesh))
 
     def traced(state: TrainState, batch: TrainBatch):
         with use_rules(mesh, rules):
@@ -423,10 +412,7 @@ def lower_train_step(
     rep = NamedSharding(mesh, PartitionSpec())
     step = jax.jit(
         traced,
-        in_shardings=(
-            st_sh,
-            batch_shardings(mesh, rules, routes_shape(model_cfg) is not None, chunks is not None),
-        ),
+        in_shardings=(st_sh, batch_shardings(mesh, rules, model_cfg, train_cfg)),
         out_shardings=(st_sh, rep),
         donate_argnums=0,
     )

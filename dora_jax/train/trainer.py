@@ -54,29 +54,20 @@ class Trainer:
         def make_state(p: Params) -> TrainState:
             return init_state(p, model_cfg, train_cfg)
 
-        if mesh is None:
-            self.rules = rules
-            self._init = jax.jit(make_state)
-            self.state = self._init(params)
-            self._batch_sh: Any = None
-            self._step = jax.jit(self._traced_step, donate_argnums=0)
-            return
-        if rules is None:
+        if mesh is not None and rules is None:
             rules = steps.default_rules(mesh)
         self.rules = rules
-        st_sh = state_shardings(model_cfg, train_cfg, mesh, rules)
-        self._init = jax.jit(make_state, out_shardings=st_sh)
+        self._batch_sh: Any = None
+        init_jit, step_jit = {}, {}  # on a mesh: the shardings
+        if mesh is not None:
+            st_sh = state_shardings(model_cfg, train_cfg, mesh, rules)
+            self._batch_sh = steps.batch_shardings(mesh, rules, model_cfg, train_cfg)
+            rep = NamedSharding(mesh, PartitionSpec())
+            init_jit = {"out_shardings": st_sh}
+            step_jit = {"in_shardings": (st_sh, self._batch_sh), "out_shardings": (st_sh, rep)}
+        self._init = jax.jit(make_state, **init_jit)
         self.state = self._init(params)
-        routed = steps.routes_shape(model_cfg) is not None
-        chunked = bool(train_cfg.microbatch_tokens)
-        self._batch_sh = steps.batch_shardings(mesh, rules, routed, chunked)
-        rep = NamedSharding(mesh, PartitionSpec())
-        self._step = jax.jit(
-            self._traced_step,
-            in_shardings=(st_sh, self._batch_sh),
-            out_shardings=(st_sh, rep),
-            donate_argnums=0,
-        )
+        self._step = jax.jit(self._traced_step, donate_argnums=0, **step_jit)
 
     def adopt_compiled(self, compiled: Any, rows: int, seq_len: int) -> None:
         """Run batches of ``rows x seq_len`` with ``compiled``: :func:`lower_train_step` for this
@@ -111,8 +102,7 @@ class Trainer:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state
         )
         mult = 1 if self.mesh is None else steps.data_multiple(self.mesh)
-        chunks = steps.batch_chunks(self.train_cfg, *key[1:], mult)
-        batch = steps.abstract_batch(*key, steps.routes_shape(self.model_cfg), chunks)
+        batch = steps.abstract_batch(self.model_cfg, self.train_cfg, *key, mult)
         if self._batch_sh is not None:
             batch = jax.tree.map(
                 lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
@@ -204,10 +194,8 @@ class Trainer:
     @property
     def row_multiple(self) -> int:
         """A batch's row count is a multiple of this: microbatches x data (x expert)."""
-        mult = self.train_cfg.microbatches
-        if self.mesh is not None:
-            mult *= self.mesh.shape["data"] * self.mesh.shape.get("expert", 1)
-        return mult
+        data = 1 if self.mesh is None else steps.data_multiple(self.mesh)
+        return self.train_cfg.microbatches * data
 
     def check_batch(self, batch: TrainBatch) -> None:
         """``ValueError`` unless the rows split into microbatches spread over ``data``."""
