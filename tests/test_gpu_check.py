@@ -182,10 +182,17 @@ def test_train_flops_per_token_at_the_0_5b_shape():
 
 @pytest.mark.slow
 def test_train_section_smoke(tmp_path):
-    """The train section on the CPU at tiny shapes: two step lengths, finite losses, tokens/s."""
+    """The train section on the CPU at tiny shapes: two step lengths, finite losses, tokens/s;
+    the long-tailed mix padded and packed (blockwise attention: cuDNN is a GPU case)."""
     out = tmp_path / "gc"
     rc = gpu_check.main(["--cpu-smoke", "--out", str(out), "--sections", "train"])
     result = json.loads((out / "gpu_check.json").read_text())
-    rows = result["sections"]["train"]["cases"]
+    cases = result["sections"]["train"]["cases"]
+    rows = [r for r in cases if r["case"].startswith("train/step/")]
     assert rc == 0 and [r["seq_len"] for r in rows] == [32, 64]
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows)
+    mix = {r["case"]: r for r in cases if r["case"].startswith("train/mix/")}
+    assert set(mix) == {"train/mix/rows/blockwise", "train/mix/tokens/blockwise"}
+    padded, packed = mix["train/mix/rows/blockwise"], mix["train/mix/tokens/blockwise"]
+    assert all(r["status"] == "ok" and r["real_tokens_per_s"] > 0 for r in mix.values())
+    assert packed["real_token_share"] > padded["real_token_share"]
