@@ -220,7 +220,8 @@ def trajectories(seed=0):
 def test_train_step_with_experts_sharded_over_two_devices_equals_unsharded():
     cfg = dataclasses.replace(QWEN3, num_layers=2)
     params = init_params(cfg, jax.random.key(0))
-    b = pack_batch(trajectories(), TRAIN, trainer_version=0)
+    # rows a multiple of data x expert = 4, so the sharded step takes the same batch
+    b = pack_batch(trajectories(), TRAIN, trainer_version=0, row_multiple=4)
     want = Trainer(cfg, TRAIN, params=params)
     m0 = jax.device_get(want.step(b))
     mesh = make_mesh(jax.devices()[:8], 2, 2, expert=2)
