@@ -202,8 +202,11 @@ def _build(
 def _hf_tensors(params: Params, cfg: ModelConfig, dtype: np.dtype) -> Iterator[tuple[str, Any]]:
     for rule in active_rules(cfg):
         arr = _lookup(params, rule.ours)
+        layer, host = None, None
         for name, index in rule.hf_tensors(cfg):
-            yield name, rule.to_hf(np.asarray(arr[index]), cfg).astype(dtype)
+            if index[:1] != layer:  # one host copy per layer: its experts are slices of it
+                layer, host = index[:1], np.asarray(arr[index[:1]])
+            yield name, rule.to_hf(host[index[1:]], cfg).astype(dtype)
 
 
 def save_hf_checkpoint(
