@@ -2,7 +2,8 @@
 measured on the two-process arrangement and predicted by the simulator.
 
     python benchmarks/bench_regime.py [--values 1,2,3,5,8] [--knob data.median_steps]
-        [--steps 30] [--warmup 8] [--rounds 1] [overrides ...]
+        [--steps 30] [--warmup 8] [--rounds 2] [--keep DIR] [overrides ...]
+    python benchmarks/bench_regime.py --repredict RESULT.json --calibration CONSTANTS.json
 
 One knob is varied; by default the default task's ``data.median_steps`` (the median number of
 steps of a problem, so the median response length), with ``rollout.max_new_tokens`` fixed: the
@@ -153,6 +154,45 @@ def calibrate(out: Path) -> Path:
     return out
 
 
+def calibrate_cross_process(path: Path, work: Path, warmup: int = 8, steps: int = 20) -> Path:
+    """Add to the one-core constants at ``path`` what the two-process arrangement costs on top:
+    one ``sync`` run on the default config (not a point of the sweep), and between its train
+    steps (``wallclock_driver``'s ``between_steps_s``, means per gap):
+
+    - ``weight_trip_s``: the wall time in which some group loaded weights (the loads of the
+      four groups overlap: each waits on the pull from the other process, not on the core),
+      less the load's own measured work (``weight_load_s``): a wait that holds no core;
+    - ``engine_call_overhead_s``: the time in which some group prefilled or decoded, less the
+      one-core constants times the engine calls made in it, per call: the group host's own
+      work (commands, reports, the messaging threads) on the rollout core."""
+    cal = json.loads(path.read_text())
+    c = cal["constants"]
+    f = run_mode("sync", warmup, steps, work, [])
+    b = f["between_steps_s"]
+    calls = b["prefill_steps"] + b["decode_steps"]
+    engine = b["prefill_steps"] * c["prefill_step_s"] + b["decode_steps"] * c["decode_step_s"]
+    c["engine_call_overhead_s"] = max(0.0, (b["rollout"] - engine) / calls) if calls else 0.0
+    c["weight_trip_s"] = max(0.0, b["weight_load"] - c["weight_load_s"])
+    cal["cross_process"] = {
+        "how": "one sync run of the default config on bench_wallclock's two-process "
+        f"arrangement ({warmup} warm-up + {steps} measured steps); between its train steps: "
+        "weight_trip_s = weight-load wall time - weight_load_s; engine_call_overhead_s = "
+        "(rollout wall time - prefill/decode calls x their one-core seconds) / calls",
+        "between_steps_s": b,
+        "seconds_per_step": f["seconds"] / f["steps"],
+        "train_step_s_median": f["train_step_s_median"],
+        "weight_load_s_median": f["weight_load_s_median"],
+    }
+    path.write_text(json.dumps(cal, indent=2) + "\n")
+    print(
+        f"cross-process calibration: weight trip {1e3 * c['weight_trip_s']:.1f} ms, engine call "
+        f"overhead {1e3 * c['engine_call_overhead_s']:.2f} ms (one-core call "
+        f"{1e3 * c['decode_step_s']:.2f} ms) from {calls:.0f} calls per gap",
+        flush=True,
+    )
+    return path
+
+
 def plot(series: list[tuple[str, list[dict]]], knob: str, out: Path) -> None:
     """Measured and predicted dora / sync against sync's rollout share, a line each per
     series (its label, its points), the paper's two clusters as stars."""
@@ -235,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--values", default="1,2,3,5,8", help="its values, comma-separated")
     p.add_argument("--steps", type=int, default=30, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=8, help="train steps before the window")
-    p.add_argument("--rounds", type=int, default=1, help="runs of each mode per point")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each mode per point")
     p.add_argument("--sim-steps", type=int, default=60, help="the simulator's train steps")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator's predictions")
     p.add_argument(
@@ -261,6 +301,24 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="an earlier result of this benchmark (another config) to draw beside this one",
     )
+    p.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="keep the runs (and the calibration run) under DIR, for --repredict",
+    )
+    p.add_argument(
+        "--repredict",
+        type=Path,
+        metavar="JSON",
+        help="predict the points of an earlier result again (its runs kept with --keep) with "
+        "--calibration's constants; writes --out",
+    )
+    p.add_argument(
+        "--one-core",
+        action="store_true",
+        help="calibrate the one-core constants only (no cross-process calibration run)",
+    )
     p.add_argument("overrides", nargs="*", help="config overrides for every run")
     quiet.add_arguments(p)
     a = p.parse_args(argv)
@@ -270,31 +328,73 @@ def main(argv: list[str] | None = None) -> int:
         plot(series, res["knob"], a.plot)
         print(f"wrote {a.plot}")
         return 0
+    if a.repredict:
+        return repredict(a)
     values = [v.strip() for v in a.values.split(",") if v.strip()]
     if len(values) < 2:
         p.error("--values: give at least two values")
     load0 = quiet.wait_for_quiet(a.max_load, a.wait)
-    if not a.no_sim and a.calibration is None:
-        a.calibration = calibrate(RESULTS / "bench_regime_calibration.json")
     points = []
     with tempfile.TemporaryDirectory(prefix="bench_regime_") as tmp:
+        root = a.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        if not a.no_sim and a.calibration is None:
+            a.calibration = calibrate(RESULTS / "bench_regime_calibration.json")
+            if not a.one_core:
+                (root / "calibration").mkdir(exist_ok=True)
+                calibrate_cross_process(a.calibration, root / "calibration")
         for i, value in enumerate(values, 1):
             print(f"point {i}/{len(values)}: {a.knob}={value}", flush=True)
-            work = Path(tmp) / f"point-{i}"  # the point's runs share its warm start
+            work = root / f"point-{i}"  # the point's runs share its warm start
             work.mkdir()
             points.append(point(a, value, work))
-            q = points[-1]
-            line = (
-                f"point {i}/{len(values)}: sync rollout share {q['sync_rollout_share']:.2f}, "
-                f"dora/sync {q['dora_over_sync_tokens']:.2f}x"
+            print(_point_line(points[-1], i, len(values)), flush=True)
+            (root / "points.json").write_text(json.dumps(points, default=str))  # so far
+        write_result(a, points, load0, argv)
+    return 0
+
+
+def _point_line(q: dict, i: int, n: int) -> str:
+    line = (
+        f"point {i}/{n}: sync rollout share {q['sync_rollout_share']:.2f}, "
+        f"dora/sync {q['dora_over_sync_tokens']:.2f}x"
+    )
+    for key, name in (("predicted", "predicted"), (PRESET_KEY, "preset constants")):
+        if q.get(key):
+            line += (
+                f"; {name} {q[key]['sync_rollout_share']:.2f}, "
+                f"{q[key]['dora_over_sync_tokens']:.2f}x"
             )
-            for key, name in (("predicted", "predicted"), (PRESET_KEY, "preset constants")):
-                if q.get(key):
-                    line += (
-                        f"; {name} {q[key]['sync_rollout_share']:.2f}, "
-                        f"{q[key]['dora_over_sync_tokens']:.2f}x"
-                    )
-            print(line, flush=True)
+    return line
+
+
+def repredict(a) -> int:
+    """The predictions of an earlier result again, from its runs kept with ``--keep`` (their
+    ``conversations.jsonl``) and the constants of ``--calibration``: the measurement stays,
+    the model is asked again."""
+    res = json.loads(a.repredict.read_text())
+    if a.calibration is None:
+        raise SystemExit("--repredict: give the constants with --calibration")
+    a.knob, a.overrides = res["knob"], res.get("overrides", [])
+    points = res["points"]
+    for i, q in enumerate(points, 1):
+        missing = [f["run_dir"] for fs in q["runs"].values() for f in fs
+                   if not (Path(f["run_dir"]) / "conversations.jsonl").exists()]  # fmt: skip
+        if missing:
+            raise SystemExit(
+                f"--repredict: the runs are gone ({missing[0]}); keep them with --keep"
+            )
+        extra = [f"{a.knob}={q['value']}", *a.overrides]
+        q["predicted"] = predicted(a, q["runs"], extra, a.calibration)
+        q[PRESET_KEY] = predicted(a, q["runs"], extra)
+        print(_point_line(q, i, len(points)), flush=True)
+    load = {k: res.get(k) for k in ("load_average_before", "load_average_after")}
+    write_result(a, points, None, None, measured=res, load=load)
+    return 0
+
+
+def write_result(a, points, load0, argv, measured: dict | None = None, load=None) -> None:
+    """Write the result's JSON and plot (``measured``: the earlier result re-predicted)."""
 
     def errors(key: str) -> list[float]:
         return [
@@ -304,24 +404,27 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
     err, err_preset = errors("predicted"), errors(PRESET_KEY)
+    command = "python benchmarks/bench_regime.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     res = {
         "benchmark": "the regime sweep: dora (K=2) over sync against sync's rollout share, "
         "default task, real engines, and the simulator's prediction",
-        "command": "python benchmarks/bench_regime.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": measured["command"] if measured else command,
         "arrangement": "2 processes (jax.distributed, gloo on loopback), each pinned to its own "
         "CPU core: process 0 = trainer (2x2 mesh) + control plane, process 1 = 4 rollout "
         "groups; wall clock",
         "knob": a.knob,
         "overrides": a.overrides,
-        "label": a.label,
+        "label": a.label or (measured or {}).get("label", ""),
         "units": {
             "sync_rollout_share": "share of sync's measured window in which the trainer waited",
             "dora_over_sync_tokens": "response tokens consumed by training per wall second, "
             "dora over sync (median over rounds)",
             "predicted": "the simulator's CPU preset with each mode's measured responses and "
-            "train step at the point and the constants measured pinned to one core "
-            "(calibration): the same two figures in modeled seconds",
+            "train step at the point, the constants measured pinned to one core and the "
+            "two-process arrangement's weight trip and engine-call overhead (calibration): the "
+            "same two figures in modeled seconds",
             PRESET_KEY: "the same with the preset's constants (calibrate_cpu.json, measured "
             "in one process over both cores)",
             "prediction_error_max": "the largest |predicted / measured - 1| of dora over sync",
@@ -332,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
         "prediction_error_max": max(err) if err else None,
         "prediction_error_max_preset_constants": max(err_preset) if err_preset else None,
     }
-    res.update({k: v for k, v in quiet.provenance(load0).items() if k != "command"})
+    if measured:
+        res["repredicted"] = command
+        res.update({k: v for k, v in measured.items() if k not in res and k != "repredicted"})
+    else:
+        res.update({k: v for k, v in quiet.provenance(load0).items() if k != "command"})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
     series = [(_label(r), r["points"]) for r in (res, *map(_read, a.also))]
@@ -345,7 +452,6 @@ def main(argv: list[str] | None = None) -> int:
         + (f" ({max(err_preset):.1%} with the preset's constants)" if err_preset else "")
         + f"; wrote {a.out} and {a.plot}"
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ def throughput(proc, argv: list[str]) -> dict:
     # weight loads in the window, wall seconds each on the group's own thread (across processes:
     # the pull of the staged params included): on sync's critical path once per step
     loads = sorted(x.t1 - x.t0 for x in spans if x.activity == "transfer")
+    gaps = _between_steps(win, spans)
     return {
         "mode": cfg.orchestrator.mode,
         "steps": steps,
@@ -186,7 +187,42 @@ def throughput(proc, argv: list[str]) -> dict:
         "compiled_ahead": len(exp.trainer.compiled_ahead),
         "weight_loads": len(loads),
         "weight_load_s_median": loads[len(loads) // 2] if loads else 0.0,
+        # between one train step's end and the next one's start (sync: the rollout-only phase),
+        # mean seconds per gap: all of it, the part some group loaded weights, the part some
+        # group prefilled or decoded (and none loaded), the rest (control rounds, hand-overs)
+        "between_steps_s": gaps,
     }
+
+
+def _between_steps(win, spans) -> dict:
+    """Where the time between consecutive train steps of the window went (means per gap)."""
+    from dora_jax.orchestrator.records import intersection_length, merge_intervals
+
+    pairs = [(a.end, b.start) for a, b in zip(win, win[1:], strict=False) if b.start > a.end]
+    if not pairs:
+        return {"gaps": 0}
+
+    def clipped(kinds, a, b):
+        return merge_intervals([(max(x.t0, a), min(x.t1, b)) for x in spans
+                                if x.activity in kinds and x.t1 > a and x.t0 < b])  # fmt: skip
+
+    total = load = roll = lead = tail = 0.0
+    calls = {k: sum(1 for a, b in pairs for x in spans if x.activity == k and a <= x.t0 < b)
+             for k in ("prefill", "decode")}  # fmt: skip
+    for a, b in pairs:
+        loading = clipped(("transfer",), a, b)
+        rolling = clipped(("prefill", "decode", "migrate"), a, b)
+        total += b - a
+        load += sum(y - x for x, y in loading)
+        roll += sum(y - x for x, y in rolling) - intersection_length(rolling, loading)
+        work = merge_intervals(loading + rolling)
+        lead += work[0][0] - a if work else b - a
+        tail += b - work[-1][1] if work else 0.0
+    n = len(pairs)
+    return {"gaps": n, "total": total / n, "weight_load": load / n, "rollout": roll / n,
+            "other": (total - load - roll) / n, "before_first_work": lead / n,
+            "after_last_work": tail / n, "prefill_steps": calls["prefill"] / n,
+            "decode_steps": calls["decode"] / n}  # fmt: skip
 
 
 def _model_turns(mask) -> list[int]:

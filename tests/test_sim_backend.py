@@ -257,3 +257,45 @@ def test_a_shared_device_with_measured_calls_longer_than_a_share():
     assert busy.sum() == pytest.approx(busy_apart.sum(), rel=1e-9)
     assert (np.cumsum(busy) <= 0.01 * np.arange(1, len(busy) + 1) + 0.002).all()
     assert max(t for t, _ in done.values()) >= 3 * max(t for t, _ in alone.values())
+
+
+def test_a_weight_trip_waits_without_holding_the_shared_device():
+    # a load from the trainer across processes: the group waits its trip (whole ticks), then
+    # does the load's own work; meanwhile the other group has the whole device (as a group
+    # waiting on the same seconds of load work would not); a load from a peer waits for the
+    # source's trip and load and has no trip of its own
+    from dora_jax.sim.cost_model import MeasuredCost
+
+    def run(trip_s: float, load_s: float):
+        cost = MeasuredCost(decode_call_s=0.004, decode_steps=4, prefill_call_s=0.008,
+                            prefill_chunk_tokens=64, max_slots=8, weight_load_s=load_s,
+                            kv_move_s=0.001, train_step_fixed_s=1.0, kv_capacity=1584,
+                            trip_s=trip_s)  # fmt: skip
+        b = SimBackend(cost, 3, FixedLengths(100), tick_s=0.01, max_slots=8, max_prompt_len=16,
+                       admit_watermark=1.0, admit_reserve_tokens=16,
+                       shared_device=True)  # fmt: skip
+        b.submit(0, [spec(0, plen=8)])
+        b.step()  # group 0 prefills
+        b.publish(1)
+        b.set_version(1, 1, TRAINER)
+        b.submit(1, [spec(100, version=1, plen=8)])
+        return b
+
+    b = run(0.035, 0.002)
+    assert b.groups()[1].busy_ticks == math.ceil((0.035 + 0.002) / 0.01)
+    tokens = 0
+    for _ in range(4):  # ceil(0.035 / 0.01) ticks of the trip
+        ev = b.step()
+        assert ev.groups[1].activity == "transfer" and ev.groups[1].time_s == pytest.approx(0.01)
+        assert b.gen[1, 0] == 0 and b.busy[1] == pytest.approx(0.002)  # the load's work waits
+        tokens += ev.groups[0].tokens
+    assert b.trip[1] == 0
+    b.step()
+    assert b.busy[1] == 0  # then its work, in its share
+    # the same seconds as the load's own work: group 1 takes half the device meanwhile
+    slow = run(0.0, 0.037)
+    assert sum(slow.step().groups[0].tokens for _ in range(4)) < 0.7 * tokens
+    # from a peer: after the source's trip and load, no trip of its own
+    b = run(0.035, 0.002)
+    b.set_version(2, 1, 1)
+    assert b.trip[2] == 0 and b.busy[2] == pytest.approx(0.035 + 0.002 + 0.002)

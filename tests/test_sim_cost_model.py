@@ -152,6 +152,15 @@ def test_measured_cpu_preset(tmp_path):
     assert float(cm.prefill_s(8 * 64 + 1, 0)) == 0.016  # a second call
     assert cm.train_step_s(np.array([100, 200]), 4) == 0.5 and cm.kv_capacity_tokens == 1584
     assert cm.weight_transfer_s() == 0.002 and cm.kv_transfer_s(10_000) == 0.001
+    assert cm.weight_trip_s() == 0.0  # neither optional constant given: none
+    # the host's seconds per engine call and the cross-process weight trip, when measured
+    path2 = tmp_path / "cross_process.json"
+    path2.write_text(json.dumps({"constants": {**consts, "engine_call_overhead_s": 0.0004,
+                                               "weight_trip_s": 0.05}}))  # fmt: skip
+    cm2 = MeasuredCost.from_file(path2)
+    assert np.allclose(cm2.decode_step_s(np.array([1, 8]), np.array([10, 900])), 0.0044 / 4)
+    assert float(cm2.prefill_s(8 * 64 + 1, 0)) == pytest.approx(2 * 0.0084)
+    assert cm2.weight_trip_s() == 0.05 and cm2.weight_transfer_s() == 0.002
     lens = tmp_path / "lens.txt"
     lens.write_text("\n".join(str(x) for x in (4, 8, 10, 12, 30, 160)) + "\n")
     from pathlib import Path

@@ -129,6 +129,7 @@ class SimBackend(WaitingRequests):
         self.n = np.zeros(num_groups, np.int64)
         self.version = np.zeros(num_groups, np.int64)
         self.busy = np.zeros(num_groups)  # seconds of weight transfer left
+        self.trip = np.zeros(num_groups)  # seconds a load from the trainer still waits
         self.mig = np.zeros(num_groups)  # seconds of incoming KV left
         self.carry = np.zeros(num_groups)
         self._frozen_until = 0
@@ -226,7 +227,7 @@ class SimBackend(WaitingRequests):
         reserved = np.where(valid, self._reserved(slice(None), w), 0).sum(axis=1)
         free = self._free(reserved, self._slots_held(w))
         total = self.capacity // self.page_size
-        busy = np.ceil(self.busy / self.tick_s - 1e-9).astype(np.int64)
+        busy = np.ceil((self.trip + self.busy) / self.tick_s - 1e-9).astype(np.int64)
         out = []
         for g in range(self.num_groups):
             k, v, b = int(self.n[g]), int(self.version[g]), int(busy[g])
@@ -259,7 +260,8 @@ class SimBackend(WaitingRequests):
         if not check_set_version(g, version, source, held, self._published, version_of):
             return
         self.version[g] = version
-        wait = 0.0 if source == TRAINER else float(self.busy[int(source)])
+        wait = 0.0 if source == TRAINER else float(self.trip[source] + self.busy[source])
+        self.trip[g] = self.cost.weight_trip_s() if source == TRAINER else 0.0
         self.busy[g] = wait + self.cost.weight_transfer_s()
         self.weight_transfers += 1
 
@@ -451,15 +453,21 @@ class SimBackend(WaitingRequests):
         if t < self._frozen_until:  # colocated: the devices train; the carry waits
             secs[:, TRAIN] = dt
         else:
-            budget = dt + self.carry
+            # a group whose weights are still on their way spends the tick waiting for them, in
+            # whole ticks, with no share of a shared device
+            trip = self.trip > 0
+            self.trip = np.maximum(self.trip - dt, 0.0)
+            self.carry[trip] = 0.0
+            budget = np.where(trip, 0.0, dt + self.carry)
             if self.shared_device:  # each group's share of the device's tick, and its own carry
-                share, working = self._device_shares(sched)
+                share, working = self._device_shares(sched, trip)
                 budget = share + self.carry
             for c, arr in ((TRANSFER, self.busy), (MIGRATE, self.mig)):
                 use = np.minimum(arr, np.maximum(budget, 0.0))
                 arr -= use
                 budget -= use
                 secs[:, c] = use
+            secs[:, TRANSFER] += np.where(trip, dt, 0.0)
             w = int(self.n.max())
             bank = np.zeros(G) if self.shared_device else None
             self._prefill(w, budget, secs, counts, sched, bank)
@@ -468,8 +476,9 @@ class SimBackend(WaitingRequests):
                 self.carry += bank
         idle_own = secs[:, IDLE].copy()  # idle with nothing to do (not waiting for the device)
         if self.shared_device and t >= self._frozen_until:
-            secs[:, IDLE] += dt - share  # the device runs the other groups meanwhile
-            idle_own += np.where(working, 0.0, dt - share)
+            away = np.where(trip, 0.0, dt - share)  # the device runs the other groups meanwhile
+            secs[:, IDLE] += away
+            idle_own += np.where(working, 0.0, away)
         self.seconds.append(secs.sum(axis=0))
         if self.conversations is not None:
             self._record_waits(idle_own)
@@ -487,12 +496,14 @@ class SimBackend(WaitingRequests):
         self._tick += 1
         return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
 
-    def _device_shares(self, sched: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _device_shares(
+        self, sched: np.ndarray | None, away: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Seconds of this tick each group gets of the one device the groups share: ``tick_s``
         water-filled by each group's work (the rest of its transfers and KV imports, its
         pending prefill in one call, and decode steps until its furthest turn end at the cost
         model's step time for its batch), less what it carried over; and which groups have
-        work."""
+        work. Groups ``away`` (waiting for their weights) take no share."""
         w = int(self.n.max())
         valid = self._col[None, :w] < self.n[:, None]
         live = valid if sched is None else valid & sched
@@ -506,6 +517,7 @@ class SimBackend(WaitingRequests):
         need = self.busy + self.mig + np.where(pf.sum(axis=1) > 0, self.cost.prefill_s(
             pf.sum(axis=1), pairs.sum(axis=1)), 0.0)  # fmt: skip
         need = need + np.where(nr > 0, step * rem.max(axis=1, initial=0), 0.0)
+        need = np.where(away, 0.0, need)
         working = need > 0
         need = np.maximum(need - self.carry, 0.0)
         share = np.zeros(self.num_groups)

@@ -135,6 +135,11 @@ class CostModel:
         bw = self.tp * self.hw.inter_bw * self.eff.comm
         return self.eff.weight_sync_latency_s + self.model.weight_bytes / bw
 
+    def weight_trip_s(self) -> float:
+        """Seconds a load from the trainer waits before its transfer, holding no device (none
+        here: the latency is part of :meth:`weight_transfer_s`)."""
+        return 0.0
+
     def kv_transfer_s(self, tokens: float) -> float:
         """Seconds to move the KV cache of ``tokens`` cached tokens between two groups."""
         bw = self.tp * self.hw.inter_bw * self.eff.comm
@@ -165,7 +170,12 @@ class MeasuredCost:
       tokens per request);
     - a prefill: one engine call per ``max_slots`` requests of up to ``prefill_chunk_tokens``
       tokens each (``ceil(tokens / (max_slots * chunk))`` calls of ``prefill_call_s``);
-    - a weight load, a KV move (any size here) and a train step: their measured times.
+    - a weight load, a KV move (any size here) and a train step: their measured times;
+    - ``call_overhead_s`` (optional constant ``engine_call_overhead_s``): the host's own seconds
+      per engine call where the engines run (reports, commands, other threads on that core),
+      added to every decode and prefill call;
+    - ``weight_trip_s`` (optional constant): a load from the trainer crossing processes waits
+      this long before its own ``weight_load_s`` of work, holding no device meanwhile.
     """
 
     decode_call_s: float
@@ -177,6 +187,8 @@ class MeasuredCost:
     kv_move_s: float
     train_step_fixed_s: float
     kv_capacity: int
+    call_overhead_s: float = 0.0
+    trip_s: float = 0.0
 
     @classmethod
     def from_file(cls, path: str | Path) -> MeasuredCost:
@@ -192,6 +204,8 @@ class MeasuredCost:
             kv_move_s=c["kv_move_s"],
             train_step_fixed_s=c["train_step_s"],
             kv_capacity=c["kv_capacity_tokens"],
+            call_overhead_s=c.get("engine_call_overhead_s", 0.0),
+            trip_s=c.get("weight_trip_s", 0.0),
         )
 
     @property
@@ -200,17 +214,20 @@ class MeasuredCost:
 
     def decode_step_s(self, n: np.ndarray | float, ctx: np.ndarray | float) -> np.ndarray:
         n = np.asarray(n, dtype=np.float64)
-        return np.full_like(n, self.decode_call_s / self.decode_steps)
+        return np.full_like(n, (self.decode_call_s + self.call_overhead_s) / self.decode_steps)
 
     def prefill_s(self, tokens: np.ndarray | float, pairs: np.ndarray | float) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.float64)
         calls = np.ceil(tokens / (self.max_slots * self.prefill_chunk_tokens))
-        return np.where(tokens > 0, calls * self.prefill_call_s, 0.0)
+        return np.where(tokens > 0, calls * (self.prefill_call_s + self.call_overhead_s), 0.0)
 
     causal_pairs = staticmethod(CostModel.causal_pairs)
 
     def weight_transfer_s(self) -> float:
         return self.weight_load_s
+
+    def weight_trip_s(self) -> float:
+        return self.trip_s
 
     def kv_transfer_s(self, tokens: float) -> float:
         return self.kv_move_s
