@@ -18,9 +18,12 @@ rollout groups on the other), each with the default config otherwise. Per point:
 - ``dora_over_sync_tokens``: response tokens consumed by training per wall second, dora over sync;
 - ``predicted``: the simulator's CPU preset at the point (``benchmarks/sim_agentic_cpu.py``'s
   predictor: the rollout groups share one core), each mode on the responses its run consumed
-  and with its measured median train step, and the engine's constants measured first in a
-  process pinned to one core (``--calibration``); ``predicted_preset_constants``: the same
-  with the preset's constants, measured in one process over both cores.
+  and with its trainer's measured busy seconds per step, the engine's constants measured first
+  in a process pinned to one core, and what the two-process arrangement adds to them (a
+  weight load's trip between the processes, the group host's work per engine call), measured
+  by one ``sync`` run of the default config that is not a point of the sweep
+  (``--calibration``); ``predicted_preset_constants``: the same with the preset's constants,
+  measured in one process over both cores.
 
 The window starts after ``--warmup`` steps, when every shape has compiled and dora's requests
 in flight have had time to reach their steady mix. Compare the response tokens per consumed
@@ -104,11 +107,15 @@ def predicted(
 ) -> dict:
     """The simulator at the point's config, each mode on its own measured responses (the ones
     its first run consumed: the policies of the two modes drift apart as they train, and so do
-    their lengths) and its own measured train step (dora's steps run while the other core
-    decodes, and can take longer)."""
+    their lengths) and its own measured train step: the trainer's busy seconds per step over
+    the window (its steps' spans: the jitted step and the host work around it, packing the
+    batch, exporting and serving the new version; dora's run while the other core decodes and
+    can take longer), the median over rounds. The simulator's trainer is busy that long per
+    step; the median of the jitted step alone (``train_step_s_median``) is shorter than the
+    mean span by 5-15% here, and throughput follows the mean."""
     from sim_agentic_cpu import predict
 
-    step_s = {m: statistics.median(f["train_step_s_median"] for f in runs[m]) for m in MODES}
+    step_s = {m: statistics.median(busy_per_step(f) for f in runs[m]) for m in MODES}
     sims = {}
     for m in MODES:
         sims[m] = predict(
@@ -124,8 +131,10 @@ def predicted(
             calibration=calibration,
         )
     rate = {m: sims[m]["model_tokens_per_s"][m] for m in MODES}
+    measured = {m: statistics.median(f["response_tokens_per_s"] for f in runs[m]) for m in MODES}
     return {
         "dora_over_sync_tokens": rate["dora"] / rate["sync"],
+        "error_per_mode": {m: rate[m] / measured[m] - 1 for m in MODES},
         "sync_rollout_share": sims["sync"]["modes"]["sync"]["trainer_waiting_frac"],
         "response_tokens_per_s": rate,
         "train_step_s": step_s,
@@ -135,6 +144,11 @@ def predicted(
         },
         "fit": sims["sync"]["workload"]["fit"],
     }
+
+
+def busy_per_step(f: dict) -> float:
+    """A run's trainer-busy seconds per train step over its measured window."""
+    return f["train_busy_share"] * f["seconds"] / f["steps"]
 
 
 def calibrate(out: Path) -> Path:
@@ -216,7 +230,7 @@ def plot(series: list[tuple[str, list[dict]]], knob: str, out: Path) -> None:
                 fontsize=8,
             )
         for key, style, name in (
-            ("predicted", "s", "simulator, one-core constants"),
+            ("predicted", "s", "simulator, calibrated (one core + two processes)"),
             (PRESET_KEY, "^", "simulator, preset constants"),
         ):
             pred = [p for p in points if p.get(key)]
@@ -422,7 +436,8 @@ def write_result(a, points, load0, argv, measured: dict | None = None, load=None
             "dora_over_sync_tokens": "response tokens consumed by training per wall second, "
             "dora over sync (median over rounds)",
             "predicted": "the simulator's CPU preset with each mode's measured responses and "
-            "train step at the point, the constants measured pinned to one core and the "
+            "trainer-busy seconds per step at the point, the constants measured pinned to one "
+            "core and the "
             "two-process arrangement's weight trip and engine-call overhead (calibration): the "
             "same two figures in modeled seconds",
             PRESET_KEY: "the same with the preset's constants (calibrate_cpu.json, measured "
