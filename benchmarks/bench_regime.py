@@ -230,7 +230,7 @@ def plot(series: list[tuple[str, list[dict]]], knob: str, out: Path) -> None:
                 fontsize=8,
             )
         for key, style, name in (
-            ("predicted", "s", "simulator, calibrated (one core + two processes)"),
+            ("predicted", "s", "simulator, calibrated (one core, then two processes)"),
             (PRESET_KEY, "^", "simulator, preset constants"),
         ):
             pred = [p for p in points if p.get(key)]
@@ -265,9 +265,9 @@ def plot(series: list[tuple[str, list[dict]]], knob: str, out: Path) -> None:
     ax.set_ylabel("dora / sync (response tokens per second)")
     ax.set_title(f"The regime sweep on 2 CPU cores ({knob}, labels: its value)", fontsize=10)
     ax.set_xlim(0, 1)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=1)
     fig.tight_layout()
-    fig.savefig(out)
+    fig.savefig(out, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -102,6 +102,8 @@ def test_a_file_that_fails_to_import(tmp_path):
         (None, r"a NoneType"),
         (("obs", math.nan, False, False, {}), "reward nan, not a finite number"),
         (("obs", "1", False, False, {}), "reward '1', not a finite number"),
+        (("obs", np.array("1"), False, False, {}), "not a finite number"),
+        (("obs", 10**400, False, False, {}), "not a finite number"),
         (("obs", 1.0, "no", False, {}), "terminated='no', not a bool"),
         ((b"obs", 1.0, False, False, {}), "observation is a bytes"),
         (([{"role": "user"}], 1.0, False, False, {}), "observation message 0"),

@@ -6,6 +6,7 @@ import os
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from dora_jax.data import RewardPool, Scorer
@@ -99,7 +100,13 @@ def test_bad_specs_name_data_reward(verifier_file, tmp_path):
 
 @pytest.mark.parametrize(
     "value,want",
-    [(1, (1.0, {})), (True, (1.0, {})), ({"score": 0.5, "len": 3}, (0.5, {"len": 3.0}))],
+    [
+        (1, (1.0, {})),
+        (True, (1.0, {})),
+        ({"score": 0.5, "len": 3}, (0.5, {"len": 3.0})),
+        (np.float32(0.25), (0.25, {})),
+        ({"score": np.array(1), "ok": np.bool_(True)}, (1.0, {"ok": 1.0})),
+    ],
 )
 def test_outcome_of_good_values(value, want):
     assert outcome(value) == want
@@ -107,7 +114,8 @@ def test_outcome_of_good_values(value, want):
 
 @pytest.mark.parametrize(
     "value", ["1.0", None, float("nan"), float("inf"), {"len": 3}, {"score": "1"},
-              {"score": 1.0, "note": "text"}, [1.0]],
+              {"score": 1.0, "note": "text"}, [1.0], np.array("1"), np.array(1 + 2j),
+              {"score": np.array("x")}, {"score": 1.0, "len": np.array(1j)}, 10**400],
 )  # fmt: skip
 def test_outcome_of_junk_is_invalid(value):
     with pytest.raises(InvalidReward):

@@ -150,15 +150,18 @@ def check_step(value: Any) -> Step:
 
 
 def _finite(x: Any) -> float | None:
-    if isinstance(x, bool):
-        return float(x)
-    if isinstance(x, int | float) or (hasattr(x, "dtype") and getattr(x, "ndim", 1) == 0):
-        try:
-            v = float(x)
-        except (TypeError, ValueError):
-            return None
-        return v if math.isfinite(v) else None
-    return None
+    """``x`` as a float if it is a finite real number (a bool, int or float, or a 0-d array of
+    such a dtype; not text, not complex), else None."""
+    kind = (
+        getattr(getattr(x, "dtype", None), "kind", None) if getattr(x, "ndim", None) == 0 else None
+    )
+    if not (isinstance(x, bool | int | float) or kind in ("b", "i", "u", "f")):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:  # an int past float's range
+        return None
+    return v if math.isfinite(v) else None
 
 
 def _shape(value: Any) -> str:
