@@ -48,7 +48,9 @@ Where the fit is approximate, and what the simulator does not mirror:
 - **The four rollout groups share one core** in the real arrangement (process 1 is pinned to
   it): the simulator divides each 10 ms tick among the groups with work by what each has left
   (``shared_core=False`` runs them in parallel instead); the real threads interleave at finer
-  grain, and the core also runs process 1's share of weight and KV transfers and its Python.
+  grain, and the core also runs process 1's share of weight and KV transfers and its Python
+  (a calibration with ``weight_trip_s`` and ``engine_call_overhead_s``, as
+  ``bench_regime.py`` measures them, charges the weights' trip and the Python per engine call).
   ``rollout_core_load`` is the share of the window the groups kept the core busy.
 - **The constants** were measured in one process on both cores (``calibrate_cpu.py``), at the
   default task's sequences: an engine step pinned to one core, and a train step on the
