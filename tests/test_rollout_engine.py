@@ -2,6 +2,7 @@
 submeshes and park-to-host with bit-identical continuation and zero re-prefill."""
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from dora_jax.config import ModelConfig, RolloutConfig
+from dora_jax.execution.group import GroupWorker, Place
 from dora_jax.mesh import make_mesh
 from dora_jax.model import forward, init_params
 from dora_jax.rollout import Engine, EngineError, PageAllocator, Request, request_key
@@ -266,6 +268,54 @@ def test_migration_continues_bit_identically(params, temperature, where, impl):
         assert f.prefill_tokens == len(f.prompt)
         assert f.migrations == (1 if rid in moved else 0)
     assert src.alloc.pages_used == 0 and dst.alloc.pages_used == 0
+
+
+_COMPILES: list[str] = []
+
+
+def _count_compile(name: str, *_, **__) -> None:
+    if name == "/jax/core/compile/backend_compile_duration":
+        _COMPILES.append(name)
+
+
+def test_moves_compiled_ahead_compile_nothing_and_change_no_continuation(params):
+    # a config of its own (other page shapes than the other tests'), so the first move of each
+    # pair below meets no program another test compiled
+    rcfg = dataclasses.replace(RCFG, page_size=4, num_pages=31)
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+    reqs = make_requests(3, seed=5, max_new=(40, 40), prompt=(10, 20))
+    ref_engine = Engine(CFG, rcfg, mesh_on(0), eos_id=-1)
+    ref_engine.load_params(params, 0)
+    ref_engine.submit([dataclasses.replace(r, tokens=[], logprobs=[]) for r in reqs])
+    ref = {f.id: f for f in run_to_end(ref_engine)}
+
+    def move(src_dev: int, dst_dev: int, ahead: str) -> tuple[int, dict]:
+        src = Engine(CFG, rcfg, mesh_on(src_dev), eos_id=-1)
+        dst = Engine(CFG, rcfg, mesh_on(dst_dev), eos_id=-1)
+        for e in (src, dst):
+            e.load_params(params, 0)
+            if ahead == "engine":
+                assert e.compile_moves() == [1, 2, 4, 8, 16, 32]  # 30 usable pages
+            elif ahead == "idle worker":  # a wall-clock group compiles one size per idle turn
+                w = GroupWorker(0, e, time.monotonic, Place())
+                for _ in range(7):
+                    w.idle()
+        src.submit([dataclasses.replace(r, tokens=[], logprobs=[]) for r in reqs])
+        for _ in range(12):
+            src.step()
+        _COMPILES.clear()
+        dst.import_requests(src.export_requests([reqs[0].id, reqs[2].id]))
+        compiles = len(_COMPILES)
+        finished = run_to_end(src) + run_to_end(dst)
+        return compiles, {f.id: f for f in finished}
+
+    compiles, _ = move(2, 3, ahead="no")
+    assert compiles >= 2  # the pack on the source, the unpack on the destination
+    for devices, ahead in (((0, 1), "engine"), ((4, 5), "idle worker")):
+        compiles, got = move(*devices, ahead=ahead)
+        assert compiles == 0, ahead
+        for rid, f in got.items():  # packing the padding page into itself changed nothing
+            assert f.tokens == ref[rid].tokens and f.logprobs == ref[rid].logprobs
 
 
 def test_import_refuses_another_version(params):

@@ -79,6 +79,7 @@ class GroupWorker:
         self.events: list[GroupEvent] = []  # since the transport last took them
         self.pausing = False  # wall clock: stop stepping (a Pause was applied)
         self.waiting_since: float | None = None  # idle while its conversations wait on the env
+        self._to_compile: list[int] | None = None  # wall clock: move sizes left to compile
         self.status = self._status()
         self._table: dict[type, Callable[[Any], Any]] = {
             c.Load: self._load, c.OfferParams: self._offer, c.Submit: self._submit,
@@ -113,9 +114,15 @@ class GroupWorker:
         self.status = self._status()
 
     def idle(self) -> None:
-        """A wall-clock worker found nothing to do: note when a wait on the environment began."""
+        """A wall-clock worker found nothing to do: note when a wait on the environment began,
+        and compile the programs of one more KV-move size (so that a migration does not compile
+        them on the spot, inside the run's time)."""
         if self.waiting_since is None and self.engine.waiting_ids():
             self.waiting_since = self.now()
+        if self._to_compile is None:
+            self._to_compile = self.engine.move_sizes()
+        if self._to_compile:
+            self.engine.compile_move(self._to_compile.pop(0))
 
     def take_events(self) -> list[GroupEvent]:
         out, self.events = self.events, []
