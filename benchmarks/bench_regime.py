@@ -402,12 +402,11 @@ def repredict(a) -> int:
         q["predicted"] = predicted(a, q["runs"], extra, a.calibration)
         q[PRESET_KEY] = predicted(a, q["runs"], extra)
         print(_point_line(q, i, len(points)), flush=True)
-    load = {k: res.get(k) for k in ("load_average_before", "load_average_after")}
-    write_result(a, points, None, None, measured=res, load=load)
+    write_result(a, points, None, None, measured=res)  # the measurement's load figures kept
     return 0
 
 
-def write_result(a, points, load0, argv, measured: dict | None = None, load=None) -> None:
+def write_result(a, points, load0, argv, measured: dict | None = None) -> None:
     """Write the result's JSON and plot (``measured``: the earlier result re-predicted)."""
 
     def errors(key: str) -> list[float]:

@@ -207,9 +207,11 @@ def _between_steps(win, spans) -> dict:
                                 if x.activity in kinds and x.t1 > a and x.t0 < b])  # fmt: skip
 
     total = load = roll = lead = tail = 0.0
-    calls = {k: sum(1 for a, b in pairs for x in spans if x.activity == k and a <= x.t0 < b)
-             for k in ("prefill", "decode")}  # fmt: skip
+    calls = {"prefill": 0, "decode": 0}
     for a, b in pairs:
+        for x in spans:
+            if x.activity in calls and a <= x.t0 < b:
+                calls[x.activity] += 1
         loading = clipped(("transfer",), a, b)
         rolling = clipped(("prefill", "decode", "migrate"), a, b)
         total += b - a

@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -75,3 +76,18 @@ def invoke(fn: Any, *args: Any) -> Any:
 
 async def _wait(awaitable):
     return await awaitable
+
+
+def finite_real(x: Any) -> float | None:
+    """A value user code returned (a reward, a metric) as a float if it is a finite real number
+    (a bool, int or float, or a 0-d array of such a dtype; not text, not complex), else None."""
+    kind = (
+        getattr(getattr(x, "dtype", None), "kind", None) if getattr(x, "ndim", None) == 0 else None
+    )
+    if not (isinstance(x, bool | int | float) or kind in ("b", "i", "u", "f")):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:  # an int past float's range
+        return None
+    return v if math.isfinite(v) else None

@@ -11,11 +11,10 @@ logged per step as its mean). A coroutine function is awaited. Anything else is 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dora_jax.user_code import UserImportError, import_target, invoke
+from dora_jax.user_code import UserImportError, finite_real, import_target, invoke
 from dora_jax.user_code import resolve_spec as resolve_spec
 
 BUILT_IN = ("exact", "boxed_math")  # partial_credit and exact of the built-in task: see arithmetic
@@ -77,39 +76,24 @@ def call(fn: Callable[..., Any], n_args: int, response: str, answer: str, metada
     return invoke(fn, response, answer, metadata) if n_args == 3 else invoke(fn, response, answer)
 
 
-def _finite(x: Any) -> float | None:
-    """``x`` as a float if it is a finite real number (a bool, int or float, or a 0-d array of
-    such a dtype; not text, not complex), else None."""
-    kind = (
-        getattr(getattr(x, "dtype", None), "kind", None) if getattr(x, "ndim", None) == 0 else None
-    )
-    if not (isinstance(x, bool | int | float) or kind in ("b", "i", "u", "f")):
-        return None
-    try:
-        v = float(x)
-    except OverflowError:  # an int past float's range
-        return None
-    return v if math.isfinite(v) else None
-
-
 def outcome(value: Any) -> tuple[float, dict[str, float]]:
     """``(score, metrics)`` of a returned value, or :class:`InvalidReward`."""
     if isinstance(value, Mapping):
         if "score" not in value:
             raise InvalidReward(f"returned a mapping without 'score' (keys: {sorted(value)})")
-        score = _finite(value["score"])
+        score = finite_real(value["score"])
         if score is None:
             raise InvalidReward(f"returned score {value['score']!r:.60}, not a finite number")
         metrics = {}
         for k, v in value.items():
             if k == "score":
                 continue
-            f = _finite(v)
+            f = finite_real(v)
             if f is None:
                 raise InvalidReward(f"returned metric {k!r} = {v!r:.60}, not a finite number")
             metrics[str(k)] = f
         return score, metrics
-    score = _finite(value)
+    score = finite_real(value)
     if score is None:
         raise InvalidReward(f"returned a {type(value).__name__} ({value!r:.60}), not a finite "
                             "number or a mapping with a 'score'")  # fmt: skip

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from dora_jax.user_code import finite_real
 
 Message = dict[str, str]
 ERROR_KINDS = ("timeout", "exception", "invalid", "crash")
@@ -140,28 +141,13 @@ def check_step(value: Any) -> Step:
         raise InvalidEnvReturn(f"step returned {_shape(value)}, not (observation, reward, "
                                "terminated, truncated, info)")  # fmt: skip
     obs, reward, terminated, truncated, info = value
-    r = _finite(reward)
+    r = finite_real(reward)
     if r is None:
         raise InvalidEnvReturn(f"step returned reward {reward!r:.60}, not a finite number")
     for name, flag in (("terminated", terminated), ("truncated", truncated)):
         if not isinstance(flag, bool | np.bool_):
             raise InvalidEnvReturn(f"step returned {name}={flag!r:.60}, not a bool")
     return Step(check_observation(obs), r, bool(terminated), bool(truncated), check_info(info))
-
-
-def _finite(x: Any) -> float | None:
-    """``x`` as a float if it is a finite real number (a bool, int or float, or a 0-d array of
-    such a dtype; not text, not complex), else None."""
-    kind = (
-        getattr(getattr(x, "dtype", None), "kind", None) if getattr(x, "ndim", None) == 0 else None
-    )
-    if not (isinstance(x, bool | int | float) or kind in ("b", "i", "u", "f")):
-        return None
-    try:
-        v = float(x)
-    except OverflowError:  # an int past float's range
-        return None
-    return v if math.isfinite(v) else None
 
 
 def _shape(value: Any) -> str:
