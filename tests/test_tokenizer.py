@@ -101,3 +101,74 @@ def test_vocabulary_check_and_undecodable_ids(hf_dir):
     assert tok.decode([hello, n + 3]) == "hello"  # the library drops the unknown id...
     assert undecodable(tok, [hello, n + 3, n + 9, 2]) == 2  # ...so it is counted here
     assert undecodable(CharTokenizer(), [5, 70]) == 1
+
+
+def test_chat_template_as_transformers_5_saves_it(hf_dir, tmp_path):
+    """transformers 5 writes the template to chat_template.jinja, not to tokenizer_config.json:
+    it must render as transformers renders it, never as the bare message text."""
+    saved = tmp_path / "saved"
+    transformers.AutoTokenizer.from_pretrained(str(hf_dir)).save_pretrained(str(saved))
+    assert (saved / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
+    ours = HFTokenizer(saved)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(saved))
+    messages = [{"role": "user", "content": "what is 2 + 3 ?"}]
+    ref = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ref.startswith("<|im_start|>user")
+    assert ours.apply_chat_template(messages) == ref
+    assert ours.chat_template_source == str(saved / "chat_template.jinja")
+
+
+def test_chat_template_legacy_files_and_named_templates(hf_dir):
+    cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    template = cfg.pop("chat_template")
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert HFTokenizer(hf_dir).chat_template is None  # no template anywhere: none
+    (hf_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tok = HFTokenizer(hf_dir)
+    assert tok.chat_template == template and tok.chat_template_source.endswith(".json")
+    (hf_dir / "chat_template.json").unlink()
+    named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]
+    cfg["chat_template"] = named
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert HFTokenizer(hf_dir).chat_template == template
+    # chat_template.jinja wins over the others, as in transformers
+    (hf_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert HFTokenizer(hf_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+@pytest.mark.parametrize(
+    "write, match",
+    [
+        (
+            lambda d: (d / "chat_template.jinja").write_text("{% for m in messages %}"),
+            r"chat_template\.jinja: the chat template is not valid Jinja",
+        ),
+        (
+            lambda d: (d / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}"),
+            r"chat_template\.jinja: cannot be read as UTF-8",
+        ),
+        (
+            lambda d: (d / "chat_template.jinja").write_text("  \n"),
+            r"chat_template\.jinja: the chat template is empty",
+        ),
+        (
+            lambda d: (d / "chat_template.json").write_text("{oops"),
+            r"chat_template\.json: not valid JSON",
+        ),
+        (
+            lambda d: (d / "chat_template.json").write_text(json.dumps({"chat_template": 3})),
+            r"chat_template\.json: chat_template must be a string or a list",
+        ),
+        (
+            lambda d: (d / "chat_template.json").write_text(
+                json.dumps({"chat_template": [{"name": "tool_use", "template": "x"}]})
+            ),
+            r"without a 'default' one \(names: \['tool_use'\]\)",
+        ),
+    ],
+)
+def test_a_template_that_cannot_be_read_is_refused(hf_dir, write, match):
+    write(hf_dir)
+    with pytest.raises(TokenizerError, match=match):
+        HFTokenizer(hf_dir)

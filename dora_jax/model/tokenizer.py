@@ -90,7 +90,10 @@ class CharTokenizer:
 
 class HFTokenizer:
     """A ``tokenizer.json`` through the ``tokenizers`` library, plus ``tokenizer_config.json``'s
-    special tokens and Jinja chat template when present.
+    special tokens and the Jinja chat template when present (``chat_template.jinja`` first, as
+    ``transformers`` 5 saves it; see :func:`read_chat_template`). ``encode`` never adds special
+    tokens: a BOS the model needs comes from the template (``{{ bos_token }}``), as with
+    ``transformers``' ``apply_chat_template``.
 
     ``eos_ids``: the ``eos_token`` and every ``eos_token_id`` of the model's
     ``generation_config.json`` (Qwen2.5-Instruct lists ``<|im_end|>`` and ``<|endoftext|>``);
@@ -110,7 +113,7 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception for parse errors
             raise TokenizerError(f"{tok_file}: cannot be parsed ({e})") from None
         self.config = _read_json(path / "tokenizer_config.json")
-        self.chat_template = self.config.get("chat_template")
+        self.chat_template, self.chat_template_source = read_chat_template(path, self.config)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token = _token_text(self.config.get("bos_token"))
@@ -157,6 +160,65 @@ class HFTokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+
+
+def read_chat_template(path: Path, config: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The directory's default chat template and the file it came from, or ``(None, None)``.
+
+    ``transformers`` 5 saves the template to ``chat_template.jinja``; older versions put it in
+    ``chat_template.json`` (``{"chat_template": ...}``) or ``tokenizer_config.json``'s
+    ``chat_template`` (a string, or a list of ``{"name", "template"}`` whose ``default`` is
+    used). The first of those files in that order that holds one wins, as in ``transformers``.
+    A template that is present but cannot be read, or is not valid Jinja, raises
+    :class:`TokenizerError` naming the file: it is never silently dropped."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            text = jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{jinja}: cannot be read as UTF-8 text ({e})") from None
+        return _checked_template(text, jinja), str(jinja)
+    for where, data in (
+        (path / "chat_template.json", _read_json(path / "chat_template.json")),
+        (path / "tokenizer_config.json", config),
+    ):
+        if data.get("chat_template") is not None:
+            text = _default_template(data["chat_template"], where)
+            return _checked_template(text, where), str(where)
+    return None, None
+
+
+def _default_template(value: Any, where: Path) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise TokenizerError(
+            f"{where}: chat_template is a list of named templates without a 'default' one "
+            f"(names: {sorted(str(n) for n in named)})"
+        )
+    raise TokenizerError(
+        f"{where}: chat_template must be a string or a list of named templates, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _checked_template(text: str, where: Path) -> str:
+    from jinja2.exceptions import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not text.strip():
+        raise TokenizerError(f"{where}: the chat template is empty")
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
+    except TemplateSyntaxError as e:
+        raise TokenizerError(f"{where}: the chat template is not valid Jinja ({e})") from None
+    return text
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str | Sequence[Message]) -> list[int]:

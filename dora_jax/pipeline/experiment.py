@@ -248,6 +248,14 @@ def build(
     note = check_vocabularies(tokenizer, cfg.model.vocab_size, cfg.data.tokenizer)
     if note:
         print(f"note: {note}", flush=True)
+    if cfg.data.tokenizer == "hf":
+        where = getattr(tokenizer, "chat_template_source", None)
+        print(
+            f"chat template: {where}"
+            if where
+            else f"note: {cfg.model.hf_path} has no chat template: prompts are used as they are",
+            flush=True,
+        )
     d = cfg.data
     encode = functools.partial(
         encode_chat, tokenizer, system_prompt=d.system_prompt, template=d.prompt_template
