@@ -176,14 +176,25 @@ def test_trainer_runs_the_plans_compiled_step_without_compiling_again():
     jax.default_backend() != "cpu",
     reason="accelerators report their memory; the host share is CPU-only",
 )
-def test_cpu_devices_share_the_host():
-    """No reported memory (CPU): each of the n devices is planned with 1/n of the host."""
-    from dora_jax.pipeline.memory_plan import device_limit, host_memory
+def test_cpu_devices_share_the_host(monkeypatch):
+    """No reported memory (CPU): each of the n devices the run uses is planned with 1/n of the
+    host, whatever number of fake devices the process has."""
+    from dora_jax.pipeline import memory_plan
 
+    monkeypatch.setattr(memory_plan, "host_memory", lambda: 24 * GiB)
     cfg = small()
-    limit, source = device_limit(cfg)
-    assert limit == host_memory() // jax.device_count() and "CPU devices" in source
-    assert device_limit(small("mesh.device_memory_gib=2"))[0] == 2 * GiB
+    used = {d.id for m in build_meshes(cfg.mesh).groups for d in m.devices.flat}
+    used |= {d.id for d in build_meshes(cfg.mesh).trainer.devices.flat}
+    limit, source = memory_plan.device_limit(cfg)
+    assert limit == 24 * GiB // len(used) and f"/ {len(used)} CPU devices in use" in source
+    one = ["mesh.trainer.devices=0:1", "mesh.trainer.data=1", "mesh.trainer.model=1"]
+    two = small(*one, "mesh.rollout.devices=1:2", "mesh.rollout.groups=1")
+    assert jax.device_count() == 8  # the process has eight; the run uses two
+    limit, source = memory_plan.device_limit(two)
+    assert limit == 12 * GiB and source == "the host's 24.0 GiB available / 2 CPU devices in use"
+    colocated = small(*one, "mesh.rollout.devices=0:1", "mesh.rollout.groups=2")
+    assert memory_plan.device_limit(colocated)[0] == 24 * GiB
+    assert memory_plan.device_limit(small("mesh.device_memory_gib=2"))[0] == 2 * GiB
 
 
 def test_the_one_line_summary_and_the_written_plan(tmp_path):

@@ -24,9 +24,9 @@ Per device, in bytes:
   each engine's step temporaries are counted together.
 
 The limit per device is ``mesh.device_memory_gib`` or what the device reports; CPU devices report
-nothing and share the host's memory, so each of ``n`` CPU devices is planned with ``1 / n`` of
-the host's available memory (a config that piles everything on one fake device is flagged as it
-would be on a machine of ``n`` accelerators; ``mesh.device_memory_gib`` overrides it). A device
+nothing and share the host's memory, so each of the ``n`` CPU devices the run uses (trainer and
+rollout groups, not every fake device of the process) is planned with ``1 / n`` of the host's
+available memory (``mesh.device_memory_gib`` overrides it). A device
 over ``memory_utilization x limit`` is refused with a message saying what to change.
 ``rollout.num_pages: null`` is sized here: as many pages as fit in what is left on the fullest
 device (like vLLM's ``gpu_memory_utilization``).
@@ -261,10 +261,12 @@ def _mesh_ids(mesh: Mesh) -> list[int]:
     return [ids[d] for d in mesh.devices.flat]
 
 
-def device_limit(cfg: ExperimentConfig) -> tuple[int | None, str]:
+def device_limit(cfg: ExperimentConfig, meshes: Meshes | None = None) -> tuple[int | None, str]:
     """``(bytes per device, where that figure comes from)``: ``mesh.device_memory_gib``, else
     the device's ``bytes_limit``; CPU devices report nothing and share the host, so each of the
-    ``n`` gets ``1 / n`` of the host's available memory (the config can say otherwise)."""
+    ``n`` devices the run uses (trainer and rollout groups; a run on two of eight fake devices
+    plans each with half of the host) gets ``1 / n`` of the host's available memory (the config
+    can say otherwise)."""
     if cfg.mesh.device_memory_gib is not None:
         return int(cfg.mesh.device_memory_gib * GiB), "mesh.device_memory_gib"
     devices = jax.devices()
@@ -274,8 +276,10 @@ def device_limit(cfg: ExperimentConfig) -> tuple[int | None, str]:
     if devices[0].platform == "cpu":
         host = host_memory()
         if host is not None:
-            return host // len(devices), (
-                f"the host's {host / GiB:.1f} GiB available / {len(devices)} CPU devices"
+            meshes = meshes or build_meshes(cfg.mesh)
+            used = {d.id for m in (meshes.trainer, *meshes.groups) for d in m.devices.flat}
+            return host // len(used), (
+                f"the host's {host / GiB:.1f} GiB available / {len(used)} CPU devices in use"
             )
     return None, "unknown"
 
@@ -314,7 +318,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     """The plan for ``cfg`` (its model already resolved from ``model.hf_path``)."""
     m, t, r, o = cfg.model, cfg.train, cfg.rollout, cfg.orchestrator
     meshes = meshes or build_meshes(cfg.mesh)
-    limit, limit_source = device_limit(cfg)
+    limit, limit_source = device_limit(cfg, meshes)
     items: list[Item] = []
     notes: list[str] = []
     live = o.staleness_k + 1
