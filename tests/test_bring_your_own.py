@@ -1,7 +1,7 @@
 """Bring your own task, end to end through the train command (in process, logical clock): a
-reward function in a file outside the package gets each dataset row's metadata and returns a
-dict whose extra metric lands in ``metrics.jsonl``; the held-out evaluation reports mean@4 and
-pass@4 (logged and summarised); Weights & Biases under ``WANDB_MODE=offline`` writes a local run
+reward function in a file outside the package gets each dataset row's metadata (and how the
+response ended) and returns a dict whose extra metric lands in ``metrics.jsonl``; the held-out
+evaluation reports mean@4 and pass@4 (logged and summarised); Weights & Biases under ``WANDB_MODE=offline`` writes a local run
 with the same steps and metric names as ``metrics.jsonl`` and ``eval.jsonl``."""
 
 import json
@@ -30,9 +30,12 @@ REWARD = textwrap.dedent('''
     import os
 
     def score(response, answer, metadata):
-        """Pays the row's own weight; says whether the row's tag arrived, and from where."""
-        return {"score": metadata["weight"], "tag_seen": float(metadata["tag"] == "mine"),
-                "pid": os.getpid()}
+        """Pays the row's own weight when it is told how the response ended; says whether the
+        row's tag arrived, and from where."""
+        ended = metadata["finish_reason"]
+        return {"score": metadata["weight"] * (ended in ("eos", "length")),
+                "tag_seen": float(metadata["tag"] == "mine"), "pid": os.getpid(),
+                "cut": float(ended == "length")}
 ''')
 
 
@@ -67,6 +70,7 @@ def test_file_reward_gets_metadata_and_its_metric_is_logged(run_dir):
     for m in lines:
         assert m["reward"] == 0.25  # the row's weight, through the metadata
         assert m["reward/tag_seen"] == 1.0
+        assert 0.0 < m["reward/cut"] <= 1.0  # a random policy's responses hit the token limit
         assert m["reward/pid"] != os.getpid()  # scored in a worker process
         assert m["reward_errors"] == 0 and m["reward_errors/timeout"] == 0
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -2,7 +2,9 @@
 ``package.module:function`` (``data.reward``).
 
 A function is called as ``fn(response, answer, metadata)`` (or ``fn(response, answer)`` when it
-takes two arguments): the response text, the reference answer and the dataset row's other fields.
+takes two arguments): the response text, the reference answer and the dataset row's other fields,
+plus ``metadata["finish_reason"]``: ``"eos"`` for a response that ended, ``"length"`` for one cut
+at ``rollout.max_new_tokens``.
 It returns a number, or a mapping with a numeric ``score`` and further numeric metrics (each
 logged per step as its mean). A coroutine function is awaited. Anything else is junk:
 :func:`outcome` raises :class:`InvalidReward` and the response scores 0.

@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 Item = tuple[str, str, dict[str, Any] | None]  # (response, answer, metadata)
 
 
+def with_finish_reason(metadata: dict[str, Any] | None, reason: str) -> dict[str, Any]:
+    """The row's fields plus ``finish_reason``, how the response ended (``"eos"``; ``"length"``:
+    cut at the token limit), which a reward function may read (for example, to give full
+    credit only to an answer that ends properly). The row's own ``finish_reason`` field, if it
+    has one, is shadowed."""
+    return {**(metadata or {}), "finish_reason": reason}
+
+
 class Scorer:
     def __init__(self, fn: Callable[..., Any] | None = None, pool: RewardPool | None = None):
         if (fn is None) == (pool is None):

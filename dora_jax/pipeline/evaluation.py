@@ -33,7 +33,7 @@ import numpy as np
 from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.data.examples import Example
-from dora_jax.data.scoring import Scorer
+from dora_jax.data.scoring import Scorer, with_finish_reason
 from dora_jax.execution.payloads import PromptPayload
 from dora_jax.execution.turns import TurnDriver
 from dora_jax.mesh import make_mesh
@@ -164,12 +164,14 @@ class Evaluator:
             for i, p in enumerate(self.prompts)
         )
         responses: dict[int, list[int]] = {}
+        reasons: dict[int, str] = {}
         faults.point("eval")
         while self.engine.num_requests:
             for f in self.engine.step().finished:
                 responses[f.id] = response_ids(self.tokenizer, f.tokens)
+                reasons[f.id] = f.finish_reason
         lens = [len(r) for r in responses.values()]
-        return self._result(step, t0, self._scored(responses), lens)
+        return self._result(step, t0, self._scored(responses, reasons), lens)
 
     def _conversations(self, step: int, t0: float) -> EvalResult:
         """Play every held-out episode to its end (``k`` samples each), the driver answering
@@ -201,16 +203,23 @@ class Evaluator:
         if driver.env_rewards:
             flat = [ended[j * n + i][1].reward for i, j in self.order]
         else:
-            flat = self._scored({rid: r.tokens for rid, (r, _) in ended.items()})
+            flat = self._scored(
+                {rid: r.tokens for rid, (r, _) in ended.items()},
+                {rid: r.finish_reason for rid, (r, _) in ended.items()},
+            )
         model_tokens = [sum(o.loss_mask) for _, o in ended.values()]
         return self._result(step, t0, flat, model_tokens)
 
-    def _scored(self, responses: dict[int, list[int]]) -> list[float]:
-        """The reward function's scores of the responses (token ids by request id), in
-        ``order``."""
+    def _scored(self, responses: dict[int, list[int]], reasons: dict[int, str]) -> list[float]:
+        """The reward function's scores of the responses (token ids and finish reasons by
+        request id), in ``order``."""
         n, decode = len(self.prompts), self.tokenizer.decode
         items = [
-            (decode(responses[j * n + i]), self.references[i], self.metadata[i])
+            (
+                decode(responses[j * n + i]),
+                self.references[i],
+                with_finish_reason(self.metadata[i], reasons[j * n + i]),
+            )
             for i, j in self.order
         ]
         return [o.score for o in self.scorer.score_many(items)]

@@ -27,7 +27,7 @@ import numpy as np
 from dora_jax import faults
 from dora_jax.data.examples import chat_messages
 from dora_jax.data.prompts import PromptSource
-from dora_jax.data.scoring import Scorer
+from dora_jax.data.scoring import Scorer, with_finish_reason
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids, undecodable
@@ -156,9 +156,14 @@ class GRPOTrainer:
         return int(state.version) + int(state.skipped)
 
     def item(self, comp: Completion) -> tuple[str, str, dict | None]:
-        """What the reward function reads: the response text, the answer, the row's fields."""
+        """What the reward function reads: the response text, the answer, the row's fields and
+        ``finish_reason`` (``"eos"``, or ``"length"`` for a response cut at the token limit)."""
         text = self.tokenizer.decode(response_ids(self.tokenizer, comp.tokens))
-        return text, comp.prompt.answer, comp.prompt.metadata
+        return (
+            text,
+            comp.prompt.answer,
+            with_finish_reason(comp.prompt.metadata, comp.finish_reason),
+        )
 
     def prefetch(self, request_id: int, comp: Completion) -> None:
         """Start scoring a request the moment it finishes (returns at once); its train step
