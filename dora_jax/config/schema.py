@@ -247,7 +247,7 @@ class OrchestratorConfig:
         )
 
 
-BUILT_IN_REWARDS = ("exact", "boxed_math", "partial_credit")
+BUILT_IN_REWARDS = ("exact", "boxed_math", "partial_credit", "final_number")
 # ``seed`` seeds numpy (``default_rng`` refuses negative integers; the warm-start and held-out
 # problems use ``seed`` plus an offset, which numpy takes at any size) and jax
 # (``jax.random.key`` keeps the low 32 bits without x64: seeds 2**32 apart would share their
@@ -275,7 +275,8 @@ class DataConfig:
     prompt_template: str = "{prompt}"
     shuffle: bool = True  # a fresh seeded order every epoch (exact on resume)
     # exact: the answer (arithmetic: the remainder after '#') equals the reference; boxed_math:
-    # the last \\boxed{} against the reference through math-verify (files only);
+    # the last \\boxed{} against the reference through math-verify (files only); final_number:
+    # the response's last number equals the reference and the response ended (files only);
     # partial_credit: arithmetic only, also credits a correct countdown prefix; or your own
     # function, 'path/to/file.py:function' or 'package.module:function'
     reward: str = "exact"
@@ -310,7 +311,7 @@ class DataConfig:
         )
         _check(
             (self.task == "arithmetic" or self.reward != "partial_credit")
-            and (self.task != "arithmetic" or self.reward != "boxed_math"),
+            and (self.task != "arithmetic" or self.reward not in ("boxed_math", "final_number")),
             "reward",
             f"{self.reward!r} does not apply to task {self.task!r}",
         )

@@ -19,7 +19,11 @@ from typing import Any
 from dora_jax.user_code import UserImportError, finite_real, import_target, invoke
 from dora_jax.user_code import resolve_spec as resolve_spec
 
-BUILT_IN = ("exact", "boxed_math")  # partial_credit and exact of the built-in task: see arithmetic
+BUILT_IN = (
+    "exact",
+    "boxed_math",
+    "final_number",
+)  # partial_credit and exact of the built-in task: see arithmetic
 
 
 class RewardSpecError(ValueError):
@@ -35,9 +39,10 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     """The function ``spec`` names; :class:`RewardSpecError` naming ``data.reward`` otherwise."""
     if spec in BUILT_IN:
         from dora_jax.data.math_answers import boxed_math_reward
-        from dora_jax.data.rewards import exact_reward
+        from dora_jax.data.rewards import exact_reward, final_number_reward
 
-        return {"exact": exact_reward, "boxed_math": boxed_math_reward}[spec]
+        built_in = {"final_number": final_number_reward}
+        return {"exact": exact_reward, "boxed_math": boxed_math_reward, **built_in}[spec]
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise RewardSpecError(f"data.reward: expected 'file.py:function' or "

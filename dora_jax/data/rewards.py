@@ -1,10 +1,13 @@
-"""Built-in reward functions ``(response, answer) -> float``: exact match, and the pieces of the
-boxed-math reward (:mod:`dora_jax.data.math_answers`) that do not need math-verify."""
+"""Built-in reward functions ``(response, answer) -> float``: exact match, the final number of
+a response, and the pieces of the boxed-math reward (:mod:`dora_jax.data.math_answers`) that do
+not need math-verify."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
 RewardFn = Callable[[str, str], float]
 
@@ -12,6 +15,25 @@ RewardFn = Callable[[str, str], float]
 def exact_reward(response: str, answer: str) -> float:
     """1 when the response, stripped, equals the answer."""
     return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> str | None:
+    """The last number written in ``text`` (``-3``, ``1,024``, ``2.5``), commas dropped."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def final_number_reward(response: str, answer: str, metadata: dict[str, Any]) -> dict[str, float]:
+    """``data.reward: final_number``: 1 when the last number of the response equals the answer
+    (numerically: ``12.0`` is ``12``) and the response ended on its own (an EOS, not the token
+    limit), else 0. Its metrics: ``correct`` (the number is right, ended or not) and ``ended``."""
+    got = final_number(response)
+    correct = got is not None and _normalise(got) == _normalise(answer)
+    ended = metadata.get("finish_reason", "eos") == "eos"
+    return {"score": float(correct and ended), "correct": float(correct), "ended": float(ended)}
 
 
 def last_boxed(text: str) -> str | None:

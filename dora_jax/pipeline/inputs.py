@@ -16,7 +16,7 @@ from dora_jax.data.math_answers import FALLBACK_NOTE, MATH_VERIFY
 from dora_jax.data.prompts import PromptSource, shuffled_epochs
 from dora_jax.data.reward_functions import RewardSpecError, load_reward_function, resolve_spec
 from dora_jax.data.reward_pool import RewardPool
-from dora_jax.data.rewards import exact_reward
+from dora_jax.data.rewards import exact_reward, final_number_reward
 from dora_jax.envs import EnvPoolError, EnvSpecError
 from dora_jax.mesh import Meshes
 from dora_jax.model.tokenizer import TokenizerError
@@ -78,7 +78,8 @@ def task_parts(cfg: ExperimentConfig, encode: Callable[[object], list[int]] | No
     if encode is not None:
         items, skipped = fitting(items, encode, cfg, d.path, "data.path")
     source = PromptSource(shuffled_epochs(items, cfg.seed, d.shuffle), f"{d.task}:{d.path}")
-    return source, {"exact": exact_reward}.get(d.reward), None, skipped
+    inline = {"exact": exact_reward, "final_number": final_number_reward}  # cheap: no workers
+    return source, inline.get(d.reward), None, skipped
 
 
 def load_examples(cfg: ExperimentConfig, path: str, setting: str = "data.path") -> list[Example]:
