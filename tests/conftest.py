@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-TEST_EXTRA = ("torch", "transformers", "hypothesis")  # pytest itself is the fourth
+TEST_EXTRA = ("torch", "transformers", "accelerate", "hypothesis")  # and pytest itself
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
