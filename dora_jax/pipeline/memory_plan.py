@@ -24,9 +24,9 @@ Per device, in bytes:
   each engine's step temporaries are counted together.
 
 The limit per device is ``mesh.device_memory_gib`` or what the device reports; CPU devices report
-nothing and share the host's memory, so each of the ``n`` CPU devices the run uses (trainer and
-rollout groups, not every fake device of the process) is planned with ``1 / n`` of the host's
-available memory (``mesh.device_memory_gib`` overrides it). A device
+nothing and share the host's memory, so on CPUs the devices the run uses (trainer and rollout
+groups, however many fake devices the process has) are checked together: their sum against the
+host's available memory (``mesh.device_memory_gib`` sets a per-device limit instead). A device
 over ``memory_utilization x limit`` is refused with a message saying what to change.
 ``rollout.num_pages: null`` is sized here: as many pages as fit in what is left on the fullest
 device (like vLLM's ``gpu_memory_utilization``).
@@ -87,12 +87,16 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     train_step: Any = None  # the compiled step at train_bucket (a Trainer can adopt it)
     concurrent: bool = False  # wall clock: transients of one device can be live at once
+    shared: bool = False  # CPU devices: one memory (the host's), the limit is for them all
 
     def devices(self) -> list[int]:
         return sorted({i.device for i in self.items})
 
     def pools(self) -> dict[str, list[int]]:
-        """Devices checked together against the limit: each device on its own."""
+        """Devices checked together against the limit: each device on its own, or every
+        device at once when they share the host's memory (CPU devices)."""
+        if self.shared:
+            return {f"the host (CPU devices {_ids(self.devices())})": self.devices()}
         return {f"device {d}": [d] for d in self.devices()}
 
     def total(self, devices: list[int]) -> int:
@@ -151,10 +155,13 @@ class MemoryPlan:
                 tag = " (transient)" if i.kind == TRANSIENT else ""
                 lines.append(f"    {i.bytes / GiB:9.3f}  {i.what}{tag}")
         if self.limit is not None:
+            each = f"for all {len(self.devices())} devices" if self.shared else "per device"
             lines.append(
-                f"  limit: {self.limit / GiB:.2f} GiB per device ({self.limit_source}), planned "
+                f"  limit: {self.limit / GiB:.2f} GiB {each} ({self.limit_source}), planned "
                 f"up to {self.utilization:.0%} = {self.budget / GiB:.2f} GiB"
             )
+            if self.shared:
+                lines.append(f"  all devices: {self.total(self.devices()) / GiB:.2f}")
         else:
             lines.append("  limit: unknown (set mesh.device_memory_gib to check the plan)")
         if self.num_pages:
@@ -168,9 +175,13 @@ class MemoryPlan:
         (the full plan is :meth:`table`)."""
         if not self.items:
             return "memory plan: nothing placed"
-        device = max(self.devices(), key=lambda d: self.total([d]))
-        total = self.total([device])
-        head = f"memory plan: at most {_size(total)} per device (device {device})"
+        if self.shared:
+            total = self.total(self.devices())
+            head = f"memory plan: {_size(total)} on {len(self.devices())} CPU devices"
+        else:
+            device = max(self.devices(), key=lambda d: self.total([d]))
+            total = self.total([device])
+            head = f"memory plan: at most {_size(total)} per device (device {device})"
         if self.budget is None:
             return f"{head}; limit unknown (set mesh.device_memory_gib to check the plan)"
         verdict = "ok" if total <= self.budget else "over"
@@ -197,6 +208,13 @@ class MemoryPlan:
             "(mesh.memory_utilization x mesh.device_memory_gib)\n"
             f"{_advice(self, self.pools()[pool])}\n{self.table()}"
         )
+
+
+def _ids(ids: list[int]) -> str:
+    """``0-3`` for a run of consecutive ids, else ``0, 2, 5``."""
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ", ".join(map(str, ids))
 
 
 def _size(n: int) -> str:
@@ -230,8 +248,8 @@ def _advice(plan: MemoryPlan, devs: list[int], *more: str) -> str:
         elif w.startswith("evaluator"):
             out.append("lower eval.num_prompts or eval.samples_per_prompt (or num_prompts 0: "
                        "no held-out evaluation)")  # fmt: skip
-    if "CPU devices" in plan.limit_source:
-        out.append("or give each CPU device more of the host: mesh.device_memory_gib")
+    if plan.shared:
+        out.append("or free memory on the host (the plan takes what it has available now)")
     fixes = list(dict.fromkeys(out)) or ["use a larger device or fewer devices' worth of work"]
     largest = "; ".join(f"{i.what} {i.bytes / GiB:.2f} GiB" for i in items)
     return f"largest items: {largest}\nto change: {'; '.join([*fixes, *more])}"
@@ -261,27 +279,22 @@ def _mesh_ids(mesh: Mesh) -> list[int]:
     return [ids[d] for d in mesh.devices.flat]
 
 
-def device_limit(cfg: ExperimentConfig, meshes: Meshes | None = None) -> tuple[int | None, str]:
-    """``(bytes per device, where that figure comes from)``: ``mesh.device_memory_gib``, else
-    the device's ``bytes_limit``; CPU devices report nothing and share the host, so each of the
-    ``n`` devices the run uses (trainer and rollout groups; a run on two of eight fake devices
-    plans each with half of the host) gets ``1 / n`` of the host's available memory (the config
-    can say otherwise)."""
+def device_limit(cfg: ExperimentConfig) -> tuple[int | None, str, bool]:
+    """``(bytes, where that figure comes from, shared)``: ``mesh.device_memory_gib`` per device,
+    else the device's ``bytes_limit``; CPU devices report nothing and share the host, so the
+    limit is the host's available memory for all the devices the run uses together
+    (``shared``: the plan checks their sum; the config can set a per-device figure instead)."""
     if cfg.mesh.device_memory_gib is not None:
-        return int(cfg.mesh.device_memory_gib * GiB), "mesh.device_memory_gib"
+        return int(cfg.mesh.device_memory_gib * GiB), "mesh.device_memory_gib", False
     devices = jax.devices()
     stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
     if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"reported by {devices[0].device_kind}"
+        return int(stats["bytes_limit"]), f"reported by {devices[0].device_kind}", False
     if devices[0].platform == "cpu":
         host = host_memory()
         if host is not None:
-            meshes = meshes or build_meshes(cfg.mesh)
-            used = {d.id for m in (meshes.trainer, *meshes.groups) for d in m.devices.flat}
-            return host // len(used), (
-                f"the host's {host / GiB:.1f} GiB available / {len(used)} CPU devices in use"
-            )
-    return None, "unknown"
+            return host, "the host's available memory, shared by its CPU devices", True
+    return None, "unknown", False
 
 
 def host_memory() -> int | None:
@@ -318,7 +331,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     """The plan for ``cfg`` (its model already resolved from ``model.hf_path``)."""
     m, t, r, o = cfg.model, cfg.train, cfg.rollout, cfg.orchestrator
     meshes = meshes or build_meshes(cfg.mesh)
-    limit, limit_source = device_limit(cfg, meshes)
+    limit, limit_source, shared = device_limit(cfg)
     items: list[Item] = []
     notes: list[str] = []
     live = o.staleness_k + 1
@@ -447,7 +460,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     # KV caches
     page = _page_bytes(cfg, cfg.mesh.rollout.tp)
     plan = MemoryPlan(items, limit, cfg.mesh.memory_utilization, limit_source, 0, False, (rows, T),
-                      notes, compiled, concurrent)  # fmt: skip
+                      notes, compiled, concurrent, shared)  # fmt: skip
     if r.num_pages is None:
         plan.num_pages, plan.pages_sized = _size_pages(plan, per_device_groups, page, cfg), True
     else:
