@@ -13,7 +13,8 @@ so a float metric round-trips (a ``None`` written on purpose also reads back as 
 TensorBoard: a number (bool, int, float, numpy scalar) is an ``add_scalar`` under its key; a
 nested dict is flattened with ``/`` (``{"loss": {"pg": x}}`` is the scalar ``loss/pg``); a
 non-empty list / tuple / array of finite numbers is an ``add_histogram``; strings, empty lists
-and lists holding anything but numbers are skipped (they are in the JSONL only). tensorboardX
+and lists holding anything but numbers are skipped (they are in the JSONL only);
+:meth:`MetricsWriter.write_text` adds a text (the sampled completions). tensorboardX
 is imported only when ``tensorboard=True``; if it is missing the writer warns and goes on with
 the JSONL alone. A ``mirror`` (Weights & Biases, :mod:`dora_jax.wandb_log`) is given every
 record too, under the same names.
@@ -160,6 +161,13 @@ class MetricsWriter:
             self._write_tb(step, metrics)
         if self.mirror is not None:
             self.mirror.log(step, metrics)
+
+    def write_text(self, step: int, tag: str, text: str) -> None:
+        """A text (markdown) under ``tag`` at ``step`` in TensorBoard (nothing without it; the
+        JSONL holds numbers only)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, int(step))
+            self._tb.flush()
 
     def _write_tb(self, step: int, metrics: Mapping[str, Any]) -> None:
         for key, v in flatten_metrics(metrics).items():

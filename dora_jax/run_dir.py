@@ -6,7 +6,8 @@
   ``flock`` of a process that dies, so a lock left by a killed run is taken over (and said so);
   where the file system has no ``flock``, a lock whose pid no longer runs on this host is stale.
 - :func:`create`: makes the directory, turning an ``OSError`` into a message naming it.
-- :func:`cut_jsonl`: ``metrics.jsonl`` and ``eval.jsonl`` keep the lines of steps up to the
+- :func:`cut_jsonl`: ``metrics.jsonl`` and ``eval.jsonl`` (one line per step) and
+  ``samples.jsonl`` and ``eval_samples.jsonl`` (several) keep the lines of steps up to the
   checkpoint a run resumes from (a killed run may have written lines past it, or a torn line);
   :func:`start_over` clears the logs of an earlier run that never checkpointed.
 
@@ -23,11 +24,19 @@ import json
 import os
 import shutil
 import socket
+from collections.abc import Container
 from pathlib import Path
 
 LOCK_FILE = ".lock"
 # the append-only logs (records.jsonl and consumed.jsonl: dora_jax.orchestrator.history)
-LOGS = ("metrics.jsonl", "eval.jsonl", "records.jsonl", "consumed.jsonl")
+LOGS = (
+    "metrics.jsonl",
+    "eval.jsonl",
+    "samples.jsonl",
+    "eval_samples.jsonl",
+    "records.jsonl",
+    "consumed.jsonl",
+)
 
 
 class RunDirError(RuntimeError):
@@ -61,22 +70,32 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def cut_jsonl(path: Path, last_step: int) -> int:
-    """Keep the lines of ``path`` whose ``step`` is at most ``last_step`` (each step once: a
-    repeated step keeps its first line; torn or unreadable lines go). Returns lines dropped."""
+def cut_jsonl(
+    path: Path, last_step: int, *, several: bool = False, steps: Container[int] | None = None
+) -> int:
+    """Keep the lines of ``path`` whose ``step`` is at most ``last_step`` (and one of ``steps``
+    when given), each step once: a repeated step keeps its first line, or with ``several`` (a
+    log of several lines per step) its first run of consecutive lines; torn or unreadable lines
+    go. Returns lines dropped."""
     if not path.is_file():
         return 0
-    kept, seen, dropped = [], set(), 0
+    kept, seen, dropped, last = [], set(), 0, None
     for line in path.read_text(errors="replace").splitlines():
         try:
             step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
             dropped += bool(line.strip())
             continue
-        if not isinstance(step, int) or step > last_step or step in seen:
+        if (
+            not isinstance(step, int)
+            or step > last_step
+            or (step in seen and not (several and step == last))
+            or (steps is not None and step not in steps)
+        ):
             dropped += 1
             continue
         seen.add(step)
+        last = step
         kept.append(line + "\n")
     if dropped:
         atomic_write_text(path, "".join(kept))

@@ -2,7 +2,8 @@
 
 :class:`WandbLog` mirrors what :class:`~dora_jax.metrics.MetricsWriter` writes, under the same
 names and steps: numbers as scalars (nested dicts flattened with ``/``), numeric lists as
-histograms. ``logging.wandb_project``, ``wandb_name`` (default: the run directory's name) and
+histograms; each step's sampled completions as a table (:meth:`WandbLog.log_table`).
+``logging.wandb_project``, ``wandb_name`` (default: the run directory's name) and
 ``wandb_tags`` name the run; the resolved config is its config. With ``WANDB_MODE=offline`` the
 run is written under ``run_dir/wandb/`` and needs no network (``wandb sync`` uploads it later).
 Only process 0 of a multi-process run logs (the others never build a logger).
@@ -10,7 +11,7 @@ Only process 0 of a multi-process run logs (the others never build a logger).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,13 @@ class WandbLog:
                     if arr.size:
                         data[key] = self._wandb.Histogram(arr)
         self.run.log(data, step=int(step))
+
+    def log_table(
+        self, step: int, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """A table (``rows`` of plain values under ``columns``) under ``key`` at ``step``."""
+        table = self._wandb.Table(columns=list(columns), data=[list(r) for r in rows])
+        self.run.log({key: table}, step=int(step))
 
     def close(self) -> None:
         if self.run is not None:

@@ -1,8 +1,9 @@
 """Bring your own task, end to end through the train command (in process, logical clock): a
 reward function in a file outside the package gets each dataset row's metadata (and how the
 response ended) and returns a dict whose extra metric lands in ``metrics.jsonl``; the held-out
-evaluation reports mean@4 and pass@4 (logged and summarised); Weights & Biases under ``WANDB_MODE=offline`` writes a local run
-with the same steps and metric names as ``metrics.jsonl`` and ``eval.jsonl``."""
+evaluation reports mean@4 and pass@4 (logged and summarised); Weights & Biases under
+``WANDB_MODE=offline`` writes a local run with the same steps and metric names as
+``metrics.jsonl`` and ``eval.jsonl``, and each step's sampled completions as a table."""
 
 import json
 import os
@@ -108,8 +109,10 @@ def test_wandb_offline_run_has_the_same_steps_and_names(run_dir):
     train_rows = [r for r in rows if "loss" in r]
     assert [r["_step"] for r in train_rows] == [m["step"] for m in lines]
     for row, line in zip(train_rows, lines, strict=True):
-        names = {n for n in _names(row) if not n.startswith("eval/")}
+        names = {n for n in _names(row) if n.partition("/")[0] not in ("eval", "samples")}
         assert names == set(line) - {"step"}
+        # the step's sampled completions (logging.samples_per_step, 2), as a table
+        assert row["samples/_type"] == "table-file" and row["samples/nrows"] == 2
         assert row["reward/tag_seen"] == line["reward/tag_seen"] and row["loss"] == line["loss"]
     eval_names = set(read_metrics(run_dir / "eval.jsonl")[0]) - {"step"}
     eval_steps = sorted(r["_step"] for r in rows if "eval/mean@4" in r)

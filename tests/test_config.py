@@ -62,6 +62,9 @@ def test_every_preset_loads(preset):
         ("train.lr=abc", r"^train\.lr: expected a float, got 'abc'"),
         ("train.microbatches=1.5", r"^train\.microbatches: expected an integer, got 1\.5"),
         ("logging.progress=yes please", r"^logging\.progress: expected a boolean"),
+        ("logging.samples_per_step=-1", r"^logging\.samples_per_step: must be >= 0, got -1"),
+        ("logging.samples_every=-2", r"^logging\.samples_every: must be >= 0, got -2"),
+        ("logging.samples_every=2.5", r"^logging\.samples_every: expected an integer, got 2\.5"),
         (
             "model.family=gpt2",
             r"^model\.family: expected one of 'qwen2', 'llama', 'qwen3', 'mistral', 'qwen3_moe', "

@@ -59,6 +59,29 @@ def test_cut_jsonl_keeps_each_step_once_up_to_the_checkpoint(tmp_path):
     assert cut_jsonl(path, 3) == 0 and cut_jsonl(tmp_path / "none.jsonl", 3) == 0
 
 
+def test_cut_jsonl_keeps_each_steps_block_of_lines_once(tmp_path):
+    """A log of several lines per step (samples.jsonl): a step's first run of lines stays, a
+    later repeat of it goes; ``steps`` keeps only the steps named (eval_samples.jsonl keeps the
+    evaluations eval.jsonl kept)."""
+    path = tmp_path / "samples.jsonl"
+    rows = [(1, "a"), (1, "b"), (2, "a"), (2, "b"), (1, "c"), (3, "a"), (3, "b"), (4, "a")]
+    text = "".join(json.dumps({"step": s, "x": x}) + "\n" for s, x in rows)
+    path.write_text(text + '{"step": 4, "x"')
+    assert cut_jsonl(path, 3, several=True) == 3  # the repeated 1, step 4, the torn line
+    kept = [(r["step"], r["x"]) for r in map(json.loads, path.read_text().splitlines())]
+    assert kept == [(1, "a"), (1, "b"), (2, "a"), (2, "b"), (3, "a"), (3, "b")]
+    assert cut_jsonl(path, 3, several=True, steps={1, 3}) == 2
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 1, 3, 3]
+    assert cut_jsonl(path, 3, several=True, steps=set()) == 4 and path.read_text() == ""
+
+
+def test_start_over_removes_the_samples_files(tmp_path):
+    for name in ("samples.jsonl", "eval_samples.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text("x")
+    assert sorted(start_over(tmp_path)) == ["eval.jsonl", "eval_samples.jsonl", "samples.jsonl"]
+    assert not list(tmp_path.iterdir())
+
+
 def test_start_over_and_create(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("x")
     (tmp_path / "tb").mkdir()

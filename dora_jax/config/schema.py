@@ -373,9 +373,15 @@ class LoggingConfig:
     # print the full per-device memory plan at the start (else one line; the full plan is
     # written to run_dir/memory_plan.txt either way, and printed when it refuses the run)
     memory_plan: bool = False
+    # sampled completions (run_dir/samples.jsonl, TensorBoard text, a W&B table): the first
+    # trajectories of each step's first prompt groups; 0: none
+    samples_per_step: int = 2
+    # print one of them (prompt, response, reward) every this many steps; 0: never
+    samples_every: int = 10
 
     def __post_init__(self):
         _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")
+        check_non_negative(self, "samples_per_step", "samples_every")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ keys at every evaluation, so two evaluations differ only through the policy (pai
 low-variance comparisons). With k > 1 it also reports mean@k (the mean reward of the k samples,
 averaged over problems) and pass@j for j = 1, 2, 4, ..., k: the chance that at least one of j
 samples is solved, from the unbiased estimator ``1 - C(k - c, j) / C(k, j)`` with c solved
-samples of k (Chen et al., 2021), averaged over problems.
+samples of k (Chen et al., 2021), averaged over problems. Every response comes back as text too
+(:attr:`EvalResult.samples`: prompt, response, reward and correctness per problem and sample,
+the rows of ``eval_samples.jsonl``; :mod:`dora_jax.pipeline.samples`).
 
 It owns a small engine on one device of the trainer submesh and runs between train steps, so it
 never touches the rollout groups, their requests or any random stream of the run.
@@ -33,14 +35,16 @@ import numpy as np
 from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.data.examples import Example
+from dora_jax.data.reward_pool import Outcome
 from dora_jax.data.scoring import Scorer, with_finish_reason
 from dora_jax.execution.payloads import PromptPayload
 from dora_jax.execution.turns import TurnDriver
 from dora_jax.mesh import make_mesh
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt, eos_ids, response_ids
+from dora_jax.pipeline import samples
 from dora_jax.rollout.engine import Engine
-from dora_jax.rollout.requests import Request, request_key
+from dora_jax.rollout.requests import EngineFinished, Request, request_key
 
 _EVAL_STREAM = 0x45564C  # keeps evaluation keys apart from the run's request keys
 
@@ -54,6 +58,9 @@ class EvalResult:
     seconds: float
     at_k: dict[str, float] = field(default_factory=dict)  # "mean@k", "pass@j" (k > 1 samples)
     scores: tuple[tuple[float, ...], ...] = ()  # [problem][sample] rewards (not logged)
+    # one row per problem and sample: texts, reward, correctness (eval_samples.jsonl, not in
+    # eval.jsonl; dora_jax.pipeline.samples)
+    samples: tuple[dict, ...] = ()
 
     @classmethod
     def from_metrics(cls, step: int, m: dict[str, float]) -> EvalResult:
@@ -148,6 +155,7 @@ class Evaluator:
             decode_steps=max(rollout_cfg.decode_steps, 8),
         )
         self.max_new_tokens = cfg.max_new_tokens
+        self._prompt_texts: list[str] | None = None
         self.engine = Engine(model_cfg, cfg, make_mesh([device], 1, 1), eos_ids(tokenizer))
 
     def __call__(self, params: Params, step: int) -> EvalResult:
@@ -163,15 +171,24 @@ class Evaluator:
             for j in range(self.k)
             for i, p in enumerate(self.prompts)
         )
-        responses: dict[int, list[int]] = {}
-        reasons: dict[int, str] = {}
+        sampled: dict[int, EngineFinished] = {}
         faults.point("eval")
         while self.engine.num_requests:
             for f in self.engine.step().finished:
-                responses[f.id] = response_ids(self.tokenizer, f.tokens)
-                reasons[f.id] = f.finish_reason
+                sampled[f.id] = f
+        responses = {rid: response_ids(self.tokenizer, f.tokens) for rid, f in sampled.items()}
         lens = [len(r) for r in responses.values()]
-        return self._result(step, t0, self._scored(responses, reasons), lens)
+        reasons = {rid: f.finish_reason for rid, f in sampled.items()}
+        texts, outcomes = self._scored(responses, reasons)
+        rows = [
+            {
+                **self._row_head(i, j),
+                "response": text,
+                **self._row_tail(i, o, o.score, sampled[j * n + i]),
+            }
+            for (i, j), text, o in zip(self.order, texts, outcomes, strict=True)
+        ]
+        return self._result(step, t0, [o.score for o in outcomes], lens, rows)
 
     def _conversations(self, step: int, t0: float) -> EvalResult:
         """Play every held-out episode to its end (``k`` samples each), the driver answering
@@ -201,30 +218,61 @@ class Evaluator:
                 else:
                     self.engine.extend(o.request_id, o.observation)
         if driver.env_rewards:
+            outcomes = [None] * len(self.order)
             flat = [ended[j * n + i][1].reward for i, j in self.order]
         else:
-            flat = self._scored(
+            _, outcomes = self._scored(
                 {rid: r.tokens for rid, (r, _) in ended.items()},
                 {rid: r.finish_reason for rid, (r, _) in ended.items()},
             )
-        model_tokens = [sum(o.loss_mask) for _, o in ended.values()]
-        return self._result(step, t0, flat, model_tokens)
-
-    def _scored(self, responses: dict[int, list[int]], reasons: dict[int, str]) -> list[float]:
-        """The reward function's scores of the responses (token ids and finish reasons by
-        request id), in ``order``."""
-        n, decode = len(self.prompts), self.tokenizer.decode
-        items = [
-            (
-                decode(responses[j * n + i]),
-                self.references[i],
-                with_finish_reason(self.metadata[i], reasons[j * n + i]),
+            flat = [o.score for o in outcomes]
+        rows = []
+        for (i, j), o, reward in zip(self.order, outcomes, flat, strict=True):
+            rec, turn = ended[j * n + i]
+            end = (turn.figures or {}).get("end_reason") or "env"
+            rows.append(
+                {
+                    **self._row_head(i, j),
+                    **samples.response_text(self.tokenizer, rec.tokens, turn.loss_mask),
+                    **self._row_tail(i, o, reward, rec, finish=end),
+                }
             )
-            for i, j in self.order
-        ]
-        return [o.score for o in self.scorer.score_many(items)]
+        model_tokens = [sum(o.loss_mask) for _, o in ended.values()]
+        return self._result(step, t0, flat, model_tokens, rows)
 
-    def _result(self, step: int, t0: float, flat: list[float], lens: list[int]) -> EvalResult:
+    def _scored(
+        self, responses: dict[int, list[int]], reasons: dict[int, str]
+    ) -> tuple[list[str], list[Outcome]]:
+        """The decoded responses (token ids and finish reasons by request id) and the reward
+        function's outcomes of them, in ``order``."""
+        n, decode = len(self.prompts), self.tokenizer.decode
+        texts = [decode(responses[j * n + i]) for i, j in self.order]
+        items = [
+            (t, self.references[i], with_finish_reason(self.metadata[i], reasons[j * n + i]))
+            for t, (i, j) in zip(texts, self.order, strict=True)
+        ]
+        return texts, self.scorer.score_many(items)
+
+    def _row_head(self, i: int, j: int) -> dict:
+        """An ``eval_samples.jsonl`` row's problem, sample and prompt text."""
+        if self._prompt_texts is None:  # decoded once, at the first evaluation
+            self._prompt_texts = [samples.prompt_text(self.tokenizer, p) for p in self.prompts]
+        return {"problem": i, "sample": j, "prompt": self._prompt_texts[i]}
+
+    def _row_tail(self, i: int, outcome, reward: float, f, finish: str | None = None) -> dict:
+        """An ``eval_samples.jsonl`` row's answer, reward and its parts, length and end."""
+        answer = self.references[i]
+        return {
+            "answer": answer if answer not in (None, "") else None,
+            **samples.scoring(reward, outcome),
+            "correct": reward >= 1.0,
+            "response_len": len(f.tokens),
+            "finish": finish or f.finish_reason,
+        }
+
+    def _result(
+        self, step: int, t0: float, flat: list[float], lens: list[int], rows: list[dict]
+    ) -> EvalResult:
         scores = np.array(flat, np.float64).reshape(len(self.prompts), self.k)
         return EvalResult(
             step=step,
@@ -234,6 +282,7 @@ class Evaluator:
             seconds=time.perf_counter() - t0,
             at_k=at_k_metrics(scores) if self.k > 1 else {},
             scores=tuple(tuple(row) for row in scores.tolist()),
+            samples=tuple(rows),
         )
 
     def _key(self, i: int, j: int) -> np.ndarray:

@@ -8,6 +8,8 @@
   :class:`~dora_jax.data.Scorer` (a pooled scorer starts on each request as it finishes, see
   :meth:`GRPOTrainer.prefetch`), packs them into a train batch, runs one jitted GRPO step on the
   trainer submesh, and keeps the params of every version the rollout side may still ask for.
+  Its first ``samples_per_step`` trajectories are kept as text in the step's log
+  (:mod:`dora_jax.pipeline.samples`).
 
 Versions: the policy version is the number of train steps taken. A step that the non-finite
 guard skips leaves the params unchanged and still produces the next version (equal params), so
@@ -33,6 +35,7 @@ from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import Tokenizer, encode_prompt, response_ids, undecodable
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.orchestrator.transfer_queue import ReadyGroup
+from dora_jax.pipeline import samples
 from dora_jax.train import Trainer, Trajectory
 
 
@@ -117,6 +120,9 @@ class StepLog:
     # the train step's own seconds (dispatch to computed) and real tokens per second; kept out
     # of ``metrics``, which two runs of one config reproduce bit for bit
     timing: dict[str, float] = field(default_factory=dict)
+    # the first consumed trajectories as text (dora_jax.pipeline.samples: samples.jsonl rows
+    # without their step)
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 class GRPOTrainer:
@@ -129,8 +135,11 @@ class GRPOTrainer:
         reward_fn: Scorer | Callable[[str, str], float],
         *,
         train_ticks: int = 1,
+        samples_per_step: int = 0,
     ):
         self.trainer, self.tokenizer = trainer, tokenizer
+        # trajectories per step kept as text for the run's record (the first ones consumed)
+        self.samples_per_step = samples_per_step
         self.scorer = reward_fn if isinstance(reward_fn, Scorer) else Scorer(reward_fn)
         self.train_ticks = train_ticks
         self.params: dict[int, Params] = {self.version: trainer.export_params()}
@@ -174,6 +183,8 @@ class GRPOTrainer:
 
     def step(self, batch: list[ReadyGroup]) -> int:
         trajectories, rewards, ids = [], [], []
+        picked = samples.chosen(batch, self.samples_per_step)
+        kept: dict[int, dict[str, Any]] = {}
         found = [(t.request_id, t.payload) for rg in batch for t in rg.trajectories]
         # counted here, once per consumed response (``item`` also runs for prefetches)
         self.undecodable_tokens += sum(
@@ -187,6 +198,7 @@ class GRPOTrainer:
         for rg in batch:
             for t in rg.trajectories:
                 comp: Completion = t.payload
+                out = None
                 if comp.env_reward is None:
                     out = next(outcomes)
                     reward = out.score
@@ -194,6 +206,10 @@ class GRPOTrainer:
                         extra.setdefault(k, []).append(v)
                 else:
                     reward = comp.env_reward
+                if t.request_id in picked:  # decoded here, the chosen ones only
+                    kept[t.request_id] = samples.trajectory_sample(
+                        self.tokenizer, t, rg, picked[t.request_id], reward, out
+                    )
                 for k, v in conversation_metrics(comp).items():
                     extra.setdefault(k, []).append(v)
                 rewards.append(reward)
@@ -214,8 +230,9 @@ class GRPOTrainer:
                 )
         # a broken policy may have sampled non-finite logprobs: the step's guard skips the step
         fallbacks = getattr(self.trainer, "fallback_batches", 0)
+        trainer_version = self.version  # (waits for the previous step on the device)
         packed = self.trainer.pack(
-            trajectories, num_groups=len(batch), version=self.version,
+            trajectories, num_groups=len(batch), version=trainer_version,
             allow_nonfinite_logprobs=True,
         )  # fmt: skip
         t0 = time.perf_counter()
@@ -237,7 +254,8 @@ class GRPOTrainer:
         version = self.version
         self.params[version] = self.trainer.export_params(self.export_shardings)
         means = {k: float(np.mean(v)) for k, v in extra.items()}
-        self.log.append(StepLog(version, metrics, rewards, ids, means, timing))
+        rows = [kept[rid] | {"staleness": trainer_version - kept[rid]["version"]} for rid in picked]
+        self.log.append(StepLog(version, metrics, rewards, ids, means, timing, rows))
         return version
 
     def step_logs(self, start: int) -> list[StepLog]:
@@ -265,6 +283,7 @@ class GRPOTrainer:
                     s.trajectories,
                     s.reward_metrics,
                     s.timing,
+                    s.samples,
                 )
                 for s in self.log
             ],

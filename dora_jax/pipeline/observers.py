@@ -6,9 +6,12 @@
   mean reward, the solved share, the means of the reward function's extra metrics
   (``reward/<name>``) and the failed reward calls so far, in all and by kind
   (``reward_errors``, ``reward_errors/timeout``, ``/exception``, ``/invalid``, ``/crash``).
+  Each step's first trajectories as text go to ``samples.jsonl``, TensorBoard and W&B, one of
+  them to the terminal every ``logging.samples_every`` steps (:mod:`dora_jax.pipeline.samples`).
 - :class:`HeldOutEval`: the held-out evaluation every ``eval.every_steps`` steps, appended to
-  ``eval.jsonl`` (a resumed run keeps the evaluations up to its checkpoint). On the wall clock it
-  holds the run still (:meth:`Runtime.quiesce`) while it evaluates.
+  ``eval.jsonl``, every problem's prompt, response and reward to ``eval_samples.jsonl`` (a
+  resumed run keeps the evaluations up to its checkpoint). On the wall clock it holds the run
+  still (:meth:`Runtime.quiesce`) while it evaluates.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dora_jax.config import ExperimentConfig
 from dora_jax.metrics import METRICS_FILE, MetricsWriter, progress, read_metrics
 from dora_jax.pipeline.evaluation import EvalResult
 from dora_jax.pipeline.experiment import Experiment
+from dora_jax.pipeline.samples import EVAL_SAMPLES_FILE, SampleLog, append_rows, cut_eval_samples
 from dora_jax.run_dir import cut_jsonl
 
 
@@ -52,6 +56,17 @@ class MetricsLog:
         )
         self.bar.update(done)
         self.seen = done
+        lg = cfg.logging
+        self.samples = SampleLog(
+            run_dir,
+            lg.samples_per_step,
+            lg.samples_every,
+            resume=resume,
+            done=done,
+            writer=self.writer,
+            mirror=mirror,
+            echo=self.echo,
+        )
         self.t0 = time.perf_counter()
         self.tokens = 0
 
@@ -95,6 +110,7 @@ class MetricsLog:
                 f"len {m['response_len_mean']:.1f}",
                 flush=True,
             )
+        self.samples.write(log.version, log.samples)  # (after the step's line)
 
     def close(self) -> None:
         self.bar.close()
@@ -116,18 +132,20 @@ class HeldOutEval:
         mirror=None,
     ):
         self.exp, self.every, self.echo = exp, cfg.eval.every_steps, echo
+        self.samples_path = run_dir / EVAL_SAMPLES_FILE
         self.results: list[EvalResult] = []
         self.seconds = 0.0
         self.writer = None
         if exp.evaluator is None:
             return
-        path = run_dir / self.FILE
+        path, done = run_dir / self.FILE, exp.runtime.steps_done
         if resume and path.is_file():
-            cut_jsonl(path, exp.runtime.steps_done)
+            cut_jsonl(path, done)
             kept = read_metrics(path)
             self.results = [EvalResult.from_metrics(r["step"], r) for r in kept]
         elif path.is_file():
             path.unlink()
+        cut_eval_samples(run_dir, resume, {r.step for r in self.results}, done)
         self.writer = MetricsWriter(
             run_dir, cfg.logging.tensorboard, filename=self.FILE, tb_dir="tb/eval", mirror=mirror
         )
@@ -144,6 +162,7 @@ class HeldOutEval:
         r = self.exp.evaluate(step)
         self.results.append(r)
         self.seconds += r.seconds
+        append_rows(self.samples_path, step, r.samples)  # before eval.jsonl's line: see resume
         self.writer.write(step, r.metrics())
         at_k = "".join(f" {k} {v:.3f}" for k, v in r.at_k.items())
         self.echo(

@@ -55,9 +55,10 @@ def write_run_report(
             "warm_start_s": warm_start_s,
             "eval_s": evals.seconds,
         },
-        held_out=[
-            {k: v for k, v in dataclasses.asdict(r).items() if k != "scores"} for r in evals.results
-        ],  # fmt: skip
+        held_out=[  # (the per-problem scores and texts are in eval_samples.jsonl)
+            {k: v for k, v in dataclasses.asdict(r).items() if k not in ("scores", "samples")}
+            for r in evals.results
+        ],
         extra={
             "trainer": trainer,
             "reward_errors": exp.reward.errors,
