@@ -299,8 +299,8 @@ def greedy_agreement(wl: Workload, ours: Result, theirs: Result) -> dict:
     same = []
     for i in range(len(wl.prompts)):
         a, b = ours.outputs[i], theirs.outputs[i]
-        same.append(next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                         min(len(a), len(b))))  # fmt: skip
+        differ = (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        same.append(next(differ, min(len(a), len(b))))
     return {
         "requests_equal": sum(n == int(k) for n, k in zip(same, wl.lengths, strict=True)),
         "requests": len(same),
@@ -345,17 +345,21 @@ def bench_real_shape(args, base: ModelConfig) -> dict:
         warm_engine_s = time.perf_counter() - t0
         theirs = run_hf(hf, wl)
         agree = greedy_agreement(wl, ours, theirs)
-        print(f"  {dtype}: warm-up (engine compiles: {warm_engine_s:.0f} s); greedy outputs: "
-              f"{agree['requests_equal']}/{agree['requests']} requests equal token for token, "
-              f"first token equal in {agree['first_token_equal']}")  # fmt: skip
+        print(
+            f"  {dtype}: warm-up (engine compiles: {warm_engine_s:.0f} s); greedy outputs: "
+            f"{agree['requests_equal']}/{agree['requests']} requests equal token for token, "
+            f"first token equal in {agree['first_token_equal']}"
+        )
         if dtype == "float32" and agree["first_token_equal"] < agree["requests"]:
             raise SystemExit("float32: a first response token differs from HF generate's")
         a, b = [], []
         for r in range(args.rounds):
             a.append(run_engine(cfg, params, wl).tokens_per_s)
             b.append(run_hf(hf, wl).tokens_per_s)
-            print(f"  {dtype} round {r}: engine {a[-1]:.2f} tok/s, HF generate {b[-1]:.2f} "
-                  "tok/s", flush=True)  # fmt: skip
+            print(
+                f"  {dtype} round {r}: engine {a[-1]:.2f} tok/s, HF generate {b[-1]:.2f} tok/s",
+                flush=True,
+            )
         rows[dtype] = {
             "engine_tokens_per_s": a,
             "hf_generate_tokens_per_s": b,
@@ -379,8 +383,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests and rounds")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny", help="model shapes")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/bench_rollout"
-                    "[_MODEL].json")  # fmt: skip
+    ap.add_argument(
+        "--out", default=None, help="default: benchmarks/results/bench_rollout[_MODEL].json"
+    )
     ap.add_argument("--requests", type=int, default=8, help="real shapes: requests")
     ap.add_argument("--tokens", type=int, default=16, help="real shapes: response tokens each")
     ap.add_argument("--rounds", type=int, default=2, help="real shapes: timed rounds")
@@ -493,14 +498,19 @@ def write(out: dict, path: str) -> None:
 def main_real_shape(args, cfg: ModelConfig, load_start: float) -> int:
     import torch
 
-    print(f"{args.model} shape, random weights ({cfg.num_layers} layers, hidden "
-          f"{cfg.hidden_size}, vocab {cfg.vocab_size}): {args.requests} requests x {args.tokens} "
-          f"tokens, {args.rounds} timed round(s) per dtype", flush=True)  # fmt: skip
+    print(
+        f"{args.model} shape, random weights ({cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}, vocab {cfg.vocab_size}): {args.requests} requests x {args.tokens} "
+        f"tokens, {args.rounds} timed round(s) per dtype",
+        flush=True,
+    )
     res = bench_real_shape(args, cfg)
     for dtype, row in res["by_dtype"].items():
-        print(f"(a) {dtype}: engine {statistics.median(row['engine_tokens_per_s']):.2f} tok/s, "
-              f"HF generate {statistics.median(row['hf_generate_tokens_per_s']):.2f} tok/s -> "
-              f"{row['engine_over_hf']:.2f}x")  # fmt: skip
+        print(
+            f"(a) {dtype}: engine {statistics.median(row['engine_tokens_per_s']):.2f} tok/s, "
+            f"HF generate {statistics.median(row['hf_generate_tokens_per_s']):.2f} tok/s -> "
+            f"{row['engine_over_hf']:.2f}x"
+        )
     out = {
         "command": f"python launch/bench_rollout.py --model {args.model}"
         + (f" --requests {args.requests}" if args.requests != 8 else "")
