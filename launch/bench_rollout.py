@@ -21,11 +21,19 @@
 Rounds alternate the contenders; ratios are of medians. Writes
 ``benchmarks/results/bench_rollout.json`` with units and the command.
 
-    python launch/bench_rollout.py [--quick] [--model tiny]
+    python launch/bench_rollout.py [--quick] [--model tiny|qwen2.5-0.5b|smollm2-135m-instruct]
 
 ``--model qwen2.5-0.5b`` runs (a) only, at Qwen2.5-0.5B's shape (random weights), in float32
 and in bfloat16, on a small uniform workload (``--requests``, ``--tokens``, ``--rounds``), and
 writes ``benchmarks/results/bench_rollout_qwen2.5-0.5b.json``.
+
+``--model smollm2-135m-instruct`` runs (a) only, on SmolLM2-135M-Instruct's real weights from
+``--model-dir`` (default ``models/smollm2-135m-instruct``, made by ``python
+launch/prepare_model.py smollm2-135m-instruct``) and chat-templated questions, both workloads,
+in float32 (outputs equal token for token, else it fails) and in bfloat16 (agreement figures:
+rounding may part the two greedy runs), after waiting for a quiet machine (``--max-load``,
+``--wait``); it writes ``benchmarks/results/bench_rollout_smollm2.json``. That path lives in
+``launch/bench_rollout_real.py`` (its docstring says why it runs without EOS).
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dora_jax.platform import fake_cpu_devices  # noqa: E402
 
 fake_cpu_devices(8)
+# bench_rollout_real imports this module by name: run as a script, it is __main__
+sys.modules.setdefault("bench_rollout", sys.modules[__name__])
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -128,17 +138,24 @@ def make_workloads(cfg: ModelConfig, n: int, rng: np.random.Generator) -> list[W
     p50, p99 = np.percentile(tail, 50), np.percentile(tail, 99)
     if p99 / p50 < 10:
         raise SystemExit(f"workload p99/median is {p99 / p50:.1f}, below the 10 required")
-    uniform = np.full(n, tail.sum() // n, int)
-    uniform[: tail.sum() - uniform.sum()] += 1  # the same total, lengths differ by at most 1
-    return [Workload("long_tail", prompts, tail), Workload("uniform", prompts, uniform)]
+    return [Workload("long_tail", prompts, tail), Workload("uniform", prompts, uniform_like(tail))]
+
+
+def uniform_like(lengths: np.ndarray) -> np.ndarray:
+    """As many requests with the same total, lengths differing by at most 1."""
+    n, total = len(lengths), int(lengths.sum())
+    uniform = np.full(n, total // n, int)
+    uniform[: total - uniform.sum()] += 1
+    return uniform
 
 
 def run_engine(cfg: ModelConfig, params, wl: Workload) -> Result:
+    prompt_len = max(64, PAGE * -(-max(len(p) for p in wl.prompts) // PAGE))
     rcfg = RolloutConfig(
         max_slots=SLOTS,
         page_size=PAGE,
-        num_pages=1 + SLOTS * -(-(64 + int(wl.lengths.max())) // PAGE),
-        max_prompt_len=64,
+        num_pages=1 + SLOTS * -(-(prompt_len + int(wl.lengths.max())) // PAGE),
+        max_prompt_len=prompt_len,
         max_new_tokens=int(wl.lengths.max()),
         prefill_chunk=64,
         temperature=0.0,
@@ -299,8 +316,8 @@ def greedy_agreement(wl: Workload, ours: Result, theirs: Result) -> dict:
     same = []
     for i in range(len(wl.prompts)):
         a, b = ours.outputs[i], theirs.outputs[i]
-        same.append(next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                         min(len(a), len(b))))  # fmt: skip
+        differ = (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        same.append(next(differ, min(len(a), len(b))))
     return {
         "requests_equal": sum(n == int(k) for n, k in zip(same, wl.lengths, strict=True)),
         "requests": len(same),
@@ -345,17 +362,21 @@ def bench_real_shape(args, base: ModelConfig) -> dict:
         warm_engine_s = time.perf_counter() - t0
         theirs = run_hf(hf, wl)
         agree = greedy_agreement(wl, ours, theirs)
-        print(f"  {dtype}: warm-up (engine compiles: {warm_engine_s:.0f} s); greedy outputs: "
-              f"{agree['requests_equal']}/{agree['requests']} requests equal token for token, "
-              f"first token equal in {agree['first_token_equal']}")  # fmt: skip
+        print(
+            f"  {dtype}: warm-up (engine compiles: {warm_engine_s:.0f} s); greedy outputs: "
+            f"{agree['requests_equal']}/{agree['requests']} requests equal token for token, "
+            f"first token equal in {agree['first_token_equal']}"
+        )
         if dtype == "float32" and agree["first_token_equal"] < agree["requests"]:
             raise SystemExit("float32: a first response token differs from HF generate's")
         a, b = [], []
         for r in range(args.rounds):
             a.append(run_engine(cfg, params, wl).tokens_per_s)
             b.append(run_hf(hf, wl).tokens_per_s)
-            print(f"  {dtype} round {r}: engine {a[-1]:.2f} tok/s, HF generate {b[-1]:.2f} "
-                  "tok/s", flush=True)  # fmt: skip
+            print(
+                f"  {dtype} round {r}: engine {a[-1]:.2f} tok/s, HF generate {b[-1]:.2f} tok/s",
+                flush=True,
+            )
         rows[dtype] = {
             "engine_tokens_per_s": a,
             "hf_generate_tokens_per_s": b,
@@ -375,16 +396,53 @@ def bench_real_shape(args, base: ModelConfig) -> dict:
     }
 
 
-def main() -> int:
+# A real model's weights from its Hugging Face directory (launch/bench_rollout_real.py)
+REAL_MODELS = {"smollm2-135m-instruct": "models/smollm2-135m-instruct"}
+# --requests, --tokens, --rounds when not given (smollm2: --tokens is the long tail's median)
+REAL_DEFAULTS = {"qwen2.5-0.5b": (8, 16, 2), "smollm2-135m-instruct": (32, 4, 2)}
+QUICK_DEFAULTS = {"smollm2-135m-instruct": (4, 2, 1)}  # --quick: the path end to end, tiny
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer requests and rounds")
-    ap.add_argument("--model", choices=sorted(MODELS), default="tiny", help="model shapes")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/bench_rollout"
-                    "[_MODEL].json")  # fmt: skip
-    ap.add_argument("--requests", type=int, default=8, help="real shapes: requests")
-    ap.add_argument("--tokens", type=int, default=16, help="real shapes: response tokens each")
-    ap.add_argument("--rounds", type=int, default=2, help="real shapes: timed rounds")
-    args = ap.parse_args()
+    add = ap.add_argument
+    add("--quick", action="store_true", help="fewer requests and rounds")
+    add("--model", choices=[*sorted(MODELS), *REAL_MODELS], default="tiny", help="model")
+    add("--model-dir", type=Path, help=f"default {', '.join(REAL_MODELS.values())}")
+    add("--out", help="default: benchmarks/results/bench_rollout[_MODEL].json")
+    shown = "; ".join(f"{m} {'/'.join(map(str, d))}" for m, d in REAL_DEFAULTS.items())
+    quick = "; ".join(f"{m} {'/'.join(map(str, d))}" for m, d in QUICK_DEFAULTS.items())
+    add(
+        "--requests",
+        type=int,
+        help=f"real models: requests (/tokens/rounds: {shown}; --quick: {quick})",
+    )
+    add("--tokens", type=int, help="real models: response tokens each (smollm2: the median)")
+    add("--rounds", type=int, help="real models: timed rounds")
+    add("--max-load", type=float, default=1.5, help="smollm2: wait for a lower load average")
+    add("--wait", type=float, default=600.0, help="smollm2: seconds to wait for that")
+    args = ap.parse_args(argv)
+    if args.model_dir is not None and args.model not in REAL_MODELS:
+        ap.error(f"--model-dir is for --model {' or '.join(REAL_MODELS)}")
+    if args.model in REAL_MODELS:
+        args.model_dir = args.model_dir or Path(REAL_MODELS[args.model])
+    if args.model in REAL_DEFAULTS:
+        table = QUICK_DEFAULTS if args.quick and args.model in QUICK_DEFAULTS else REAL_DEFAULTS
+        given = (args.requests, args.tokens, args.rounds)
+        args.requests, args.tokens, args.rounds = (
+            d if g is None else g for g, d in zip(given, table[args.model], strict=True)
+        )
+        if min(args.requests, args.tokens, args.rounds) < 1:
+            ap.error("--requests, --tokens and --rounds must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model in REAL_MODELS:
+        import bench_rollout_real
+
+        return bench_rollout_real.main(args)
     import torch
     import transformers
 
@@ -493,14 +551,19 @@ def write(out: dict, path: str) -> None:
 def main_real_shape(args, cfg: ModelConfig, load_start: float) -> int:
     import torch
 
-    print(f"{args.model} shape, random weights ({cfg.num_layers} layers, hidden "
-          f"{cfg.hidden_size}, vocab {cfg.vocab_size}): {args.requests} requests x {args.tokens} "
-          f"tokens, {args.rounds} timed round(s) per dtype", flush=True)  # fmt: skip
+    print(
+        f"{args.model} shape, random weights ({cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}, vocab {cfg.vocab_size}): {args.requests} requests x {args.tokens} "
+        f"tokens, {args.rounds} timed round(s) per dtype",
+        flush=True,
+    )
     res = bench_real_shape(args, cfg)
     for dtype, row in res["by_dtype"].items():
-        print(f"(a) {dtype}: engine {statistics.median(row['engine_tokens_per_s']):.2f} tok/s, "
-              f"HF generate {statistics.median(row['hf_generate_tokens_per_s']):.2f} tok/s -> "
-              f"{row['engine_over_hf']:.2f}x")  # fmt: skip
+        print(
+            f"(a) {dtype}: engine {statistics.median(row['engine_tokens_per_s']):.2f} tok/s, "
+            f"HF generate {statistics.median(row['hf_generate_tokens_per_s']):.2f} tok/s -> "
+            f"{row['engine_over_hf']:.2f}x"
+        )
     out = {
         "command": f"python launch/bench_rollout.py --model {args.model}"
         + (f" --requests {args.requests}" if args.requests != 8 else "")

@@ -1,4 +1,5 @@
-"""The rollout benchmark's bookkeeping (``launch/bench_rollout.py``): its two workloads separate
+"""The rollout benchmark's bookkeeping (``launch/bench_rollout.py``, and
+``launch/bench_rollout_real.py`` for a real model's weights): its two workloads separate
 scheduling from per-step speed, and a greedy mismatch with Hugging Face stops it."""
 
 import importlib.util
@@ -20,6 +21,16 @@ def bench():
     spec.loader.exec_module(mod)
     yield mod
     del sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def real(bench):
+    sys.path.insert(0, str(ROOT / "launch"))  # bench_rollout.main imports it from there
+    import bench_rollout_real
+
+    yield bench_rollout_real
+    sys.path.remove(str(ROOT / "launch"))
+    del sys.modules["bench_rollout_real"]
 
 
 def test_uniform_control_has_the_same_prompts_and_tokens_and_no_scheduling_slack(bench):
@@ -67,3 +78,61 @@ def test_real_shape_is_qwen2_5_0_5b(bench):
 
     leaves = jax.tree.leaves(abstract_params(bench.MODELS["qwen2.5-0.5b"]))
     assert sum(int(np.prod(x.shape)) for x in leaves) == 494_032_768
+
+
+SMOL = "smollm2-135m-instruct"
+
+
+def test_real_model_arguments(bench):
+    args = bench.parse_args(["--model", SMOL])
+    assert args.model_dir == Path("models/smollm2-135m-instruct")
+    assert (args.requests, args.tokens, args.rounds) == bench.REAL_DEFAULTS[SMOL]
+    args = bench.parse_args(["--model", SMOL, "--quick", "--tokens", "3", "--model-dir", "d"])
+    assert (args.requests, args.tokens, args.rounds) == (bench.QUICK_DEFAULTS[SMOL][0], 3, 1)
+    assert args.model_dir == Path("d")
+    assert bench.parse_args(["--model", "qwen2.5-0.5b", "--quick"]).requests == 8
+    assert bench.parse_args([]).model_dir is None
+    for bad in (["--model-dir", "d"], ["--model", SMOL, "--rounds", "0"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(bad)
+        assert e.value.code == 2
+
+
+def test_missing_model_directory_names_the_command_that_makes_it(bench, real, tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")  # a directory without config.json
+    for d in (tmp_path / "absent", tmp_path):
+        with pytest.raises(SystemExit, match=f"python launch/prepare_model.py {SMOL}`") as e:
+            bench.main(["--model", SMOL, "--model-dir", str(d), "--wait", "0"])
+        assert str(d) in str(e.value) and "\n" not in str(e.value)
+
+
+class ChatTokenizer:
+    """A stand-in: a chat template that marks the turns, one id per character."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_real_workloads_are_chat_templated_questions_with_a_long_tail(real):
+    from dora_jax.data.word_arithmetic import problems
+
+    tail, uniform = real.make_workloads(ChatTokenizer(), 32, median=4)
+    texts = ["".join(map(chr, p)) for p in tail.prompts]
+    assert texts == [f"<user>{r['prompt']}<assistant>" for r in problems("+", 10, 99, 32, 0)]
+    assert texts[0].startswith("<user>What is ") and len(set(texts)) == 32
+    assert uniform.prompts == tail.prompts and uniform.lengths.sum() == tail.lengths.sum()
+    assert uniform.lengths.max() - uniform.lengths.min() <= 1
+    assert np.median(tail.lengths) == 4 and tail.lengths.max() <= 64
+    assert np.percentile(tail.lengths, 99) / np.median(tail.lengths) >= 10
+    small, _ = real.make_workloads(ChatTokenizer(), 4, median=2)  # too few for the shape: allowed
+    assert len(small.prompts) == 4 and small.prompts == tail.prompts[:4]
+
+
+def test_eos_positions_in_responses(bench, real):
+    wl = bench.Workload("w", [[3], [4], [5]], np.array([4, 4, 4]))
+    res = bench.Result(1.0, {0: [5, 2, 6, 2], 1: [7, 7, 7, 9], 2: [2, 1, 1, 1]}, 4)
+    eos = real.eos_in_responses(wl, res, (2, 9))
+    assert eos == {"eos_ids": [2, 9], "requests_with_eos": 3, "first_eos_position_median": 1.0}
