@@ -8,7 +8,7 @@ measured on the two-process arrangement and predicted by the simulator.
 One knob is varied; by default the default task's ``data.median_steps`` (the median number of
 steps of a problem, so the median response length), with ``rollout.max_new_tokens`` fixed: the
 shorter the typical response against the cap, the more of a synchronous step might go to
-waiting for the long tail (on 2 CPU cores the measured share barely moves: see the README).
+waiting for the long tail (on 2 CPU cores the measured share barely moves: see docs/benchmarks.md).
 At each value, ``sync`` and ``dora`` (K=2) run on ``bench_wallclock``'s arrangement (two
 processes, each pinned to its own core: the trainer and the control plane on one, the four
 rollout groups on the other), each with the default config otherwise. Per point:

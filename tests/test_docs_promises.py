@@ -6,6 +6,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+USAGE = (ROOT / "docs" / "usage.md").read_text()
+
+MAIN_JOB = "pip install -e . && python launch/train.py"
+TESTS = (
+    'pip install -e ".[test]" && ruff format --check . && ruff check . && python -m pytest -q -n 2'
+)
 
 
 def _paragraph_after(text: str, marker: str, paragraphs: int = 4) -> str:
@@ -13,19 +19,32 @@ def _paragraph_after(text: str, marker: str, paragraphs: int = 4) -> str:
     return "\n\n".join(text[start:].split("\n\n")[:paragraphs])
 
 
-def test_readme_says_a_reward_file_runs_with_the_users_rights():
+def test_usage_says_a_reward_file_runs_with_the_users_rights():
     """``data.reward=file.py:fn`` runs that code as the user, and a resumed run directory (its
-    saved config) names the code it runs."""
-    near = _paragraph_after(README, "**Your own reward function.**")
+    saved config) names the code it runs (docs/usage.md, "Your own data and model")."""
+    near = _paragraph_after(USAGE, "**Your own reward function.**")
     assert "**It runs with your rights.**" in near
     assert "as the user who started the run" in near
     assert "so `--resume` of a run directory runs the reward" in near
     assert "resume and run only run directories and configs you trust" in near
 
 
-def test_readme_says_reward_error_counts_are_cumulative():
-    assert "The `reward_errors` counts in `metrics.jsonl` are cumulative" in README
-    assert "(`reward_errors`, `reward_errors/*`: cumulative counts, not per step)" in README
+def test_usage_says_reward_error_counts_are_cumulative():
+    assert "The `reward_errors` counts in `metrics.jsonl` are cumulative" in USAGE
+    assert "(`reward_errors`, `reward_errors/*`: cumulative counts, not per step)" in USAGE
+
+
+def test_readme_is_short_links_the_docs_and_holds_the_two_commands():
+    """The README stays a front page: at most 160 lines, the two commands as they are, and links
+    to where the rest moved (docs/usage.md, docs/benchmarks.md)."""
+    assert len(README.splitlines()) <= 160
+    for doc in ("docs/usage.md", "docs/benchmarks.md"):
+        assert f"]({doc})" in README, doc
+        assert (ROOT / doc).is_file(), doc
+    blocks = README.split("```bash\n")[1:]
+    commands = [b.split("```")[0].strip() for b in blocks]
+    assert MAIN_JOB in commands
+    assert TESTS in commands
 
 
 def test_the_listeners_are_said_to_authenticate_nothing(capsys):
