@@ -1,13 +1,14 @@
 """The train step on padded and on packed batches, side by side: real tokens per second.
 
     python benchmarks/bench_train_step.py [--steps 40] [--big-steps 3]
+    python benchmarks/bench_train_step.py --case smollm2 [--model-dir DIR] [--smollm2-steps 8]
 
-Two cases, each timed on the same batches, one after the other in this process, three ways:
-``padded`` (``train.packing=rows``: one trajectory per row, padded to the batch's bucket),
-``packed_ladder`` (``train.packing=tokens``: several per row, the row count from the ladder, a
-compilation per shape met) and ``packed`` (the same packing in microbatches of
-``train.microbatch_tokens`` per device, the step looping over those that hold samples: one
-compilation per bucket; the default config's path):
+Two synthetic cases (the default, ``--case synthetic``), each timed on the same batches, one
+after the other in this process, three ways: ``padded`` (``train.packing=rows``: one trajectory
+per row, padded to the batch's bucket), ``packed_ladder`` (``train.packing=tokens``: several per
+row, the row count from the ladder, a compilation per shape met) and ``packed`` (the same
+packing in microbatches of ``train.microbatch_tokens`` per device, the step looping over those
+that hold samples: one compilation per bucket; the default config's path):
 
 - ``default_task``: the default config's policy, trainer mesh (data 2 x model 2 on fake CPU
   devices), batch (8 prompt groups x 8 samples) and buckets (96, 192), on the built-in task's
@@ -27,7 +28,17 @@ shapes met, and
 against ``matmul_peak_tflops``, a float32 matmul measured on the same machine. Then
 ``speedup_packed_over_padded`` in real tokens per second. Writes
 ``benchmarks/results/bench_train_step.json`` with the command, commit and load averages.
-Run it alone on a quiet machine.
+
+``--case smollm2`` (or ``--model smollm2-135m-instruct``): SmolLM2-135M-Instruct's real weights
+from ``--model-dir`` (default ``models/smollm2-135m-instruct``; a missing one exits naming
+``python launch/prepare_model.py smollm2-135m-instruct``) at the train shape of
+``configs/recipes/smollm2-add-cpu.yaml``, on trajectories of its lengths, ``--smollm2-steps``
+timed steps after one that compiles; model FLOPs counted for the model (non-embedding params, the
+LM head once, causal attention over the packed segments) against the matmul peak. It lives in
+``benchmarks/train_step_real.py`` (the formula is there) and writes
+``benchmarks/results/bench_train_step_smollm2.json``.
+
+Run it alone on a quiet machine (it waits for one: ``--max-load``, ``--wait``).
 """
 
 from __future__ import annotations
@@ -177,13 +188,44 @@ def run_case(name, model_cfg, train_cfg, mesh, batches, steps) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+CASES = ("synthetic", "smollm2")  # synthetic: default_task and qwen2.5-0.5b_shape
+MODEL_CASES = {"smollm2-135m-instruct": "smollm2"}  # --model NAME: the case of that model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--case", choices=CASES, help="default: synthetic (or --model's)")
+    p.add_argument("--model", choices=sorted(MODEL_CASES), help="a real model's case")
+    p.add_argument("--model-dir", type=Path, help="smollm2: default models/smollm2-135m-instruct")
     p.add_argument("--steps", type=int, default=40, help="timed steps, default task")
     p.add_argument("--big-steps", type=int, default=3, help="timed steps, 0.5B shape")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--smollm2-steps", type=int, default=8, help="timed steps, smollm2")
+    p.add_argument("--out", type=Path, help="default: benchmarks/results/bench_train_step[_CASE]")
     quiet.add_arguments(p)
     a = p.parse_args(argv)
+    by_model = MODEL_CASES.get(a.model)
+    if by_model and a.case not in (None, by_model):
+        p.error(f"--model {a.model} is --case {by_model}, not {a.case}")
+    a.case = by_model or a.case or "synthetic"
+    if a.case != "smollm2" and a.model_dir is not None:
+        p.error("--model-dir is for --case smollm2")
+    if a.smollm2_steps < 1:
+        p.error("--smollm2-steps must be at least 1")
+    if a.case == "smollm2":
+        import train_step_real
+
+        a.model_dir = a.model_dir or ROOT / train_step_real.DEFAULT_DIR
+        a.out = a.out or train_step_real.RESULTS
+    a.out = a.out or RESULTS
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.case == "smollm2":
+        import train_step_real
+
+        return train_step_real.main(a, matmul_peak_tflops)
     load0 = quiet.wait_for_quiet(a.max_load, a.wait)
 
     import jax
