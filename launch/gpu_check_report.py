@@ -22,6 +22,11 @@ UNITS = dict(
 )
 
 
+class SkipCase(Exception):
+    """Raised by a case that cannot run here (an input is missing): recorded as ``skipped`` with
+    the message as its ``reason``, never as an error."""
+
+
 # ----------------------------------------------------------------------------------------------
 # Recording: one row per case, written after every case
 # ----------------------------------------------------------------------------------------------
@@ -62,7 +67,7 @@ class Recorder:
     """Runs cases in isolation and keeps DIR/gpu_check.{json,md,log} up to date."""
 
     def __init__(self, out_dir: Path, meta: dict, *, only, fail_case, deadline: float):
-        self.out_dir = out_dir
+        self.out_dir = out_dir  # (a section may write files of its own there)
         self.only, self.fail_case, self.deadline = only, fail_case, deadline
         self.result = dict(meta, units=UNITS, sections={}, warnings=[], finished=False)
         self.log = (out_dir / "gpu_check.log").open("w")
@@ -84,7 +89,7 @@ class Recorder:
         row = dict(case=name, table=table, **labels)
         t0 = time.perf_counter()
         if time.monotonic() > self.deadline:
-            row.update(status="skipped", error="time budget (--max-seconds) spent")
+            row.update(status="skipped", reason="time budget (--max-seconds) spent")
         else:
             try:
                 if any(s in name for s in self.fail_case):
@@ -92,13 +97,19 @@ class Recorder:
                 figures = fn()
                 row.update(figures)
                 row["status"] = "ok" if figures.get("ok", True) else "failed"
+            except SkipCase as exc:  # an input this machine lacks: why, not a traceback
+                row.update(status="skipped", reason=str(exc))
             except Exception as exc:  # every failure is a figure to keep
                 row.update(status="error", error=error_text(exc))
                 row["traceback"] = "".join(traceback.format_exception(exc))[-4000:]
         row["seconds"] = round(time.perf_counter() - t0, 3)
         self.section(section)["cases"].append(row)
         shown = {k: row[k] for k in SHOWN.get(table, ()) if k in row}
-        extra = row.get("error") or " ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
+        extra = (
+            row.get("error")
+            or row.get("reason")
+            or " ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
+        )
         self.say(f"[{row['status']}] {name} ({row['seconds']:.1f}s) {extra}")
         self.write()
         return row
@@ -195,6 +206,10 @@ def markdown(result: dict) -> str:
         if bad:
             lines += ["", "### errors", ""]
             lines += [f"- `{r['case']}`: {r['error'][:500]}" for r in bad]
+        skipped = [r for r in sec["cases"] if r["status"] == "skipped"]
+        if skipped:
+            lines += ["", "### skipped", ""]
+            lines += [f"- `{r['case']}`: {r.get('reason', '')[:800]}" for r in skipped]
     if result.get("warnings"):
         lines += ["", "## warnings", ""]
         lines += [f"- {w['category']} x{w['count']}: {w['message']}" for w in result["warnings"]]

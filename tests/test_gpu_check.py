@@ -105,6 +105,11 @@ def test_time_budget_skips_the_remaining_cases(tmp_path):
     assert gpu_check.main(argv) == gpu_check.EXIT_FAILED
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["kernels"]["cases"]
     assert rows and all(r["status"] == "skipped" for r in rows)
+    assert all(
+        r["reason"] == "time budget (--max-seconds) spent" and "error" not in r for r in rows
+    )
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "### skipped" in md and "### errors" not in md
 
 
 def test_warnings_are_shown_once_and_counted():
