@@ -19,6 +19,17 @@ UNITS = dict(
     ratio_to_copy="bandwidth_gbs / copy_bandwidth_gbs",
     decode_tokens_per_s="tokens sampled by decode steps / wall seconds of the decode calls",
     tokens_per_s="all sampled tokens / wall seconds of the whole round (prefill included)",
+    rollout_tokens_per_s="grpo: response tokens the rollout groups sampled / seconds some group "
+    "was prefilling or decoding (the union over groups; compilation included)",
+    rollout_tokens_per_s_warm="grpo: the same without each group's first prefill and first "
+    "decode call (they compile, unless the held-out evaluation before the first step compiled "
+    "the same programs)",
+    train_real_tokens_per_s="grpo: real (prompt + response) tokens of a train step / its "
+    "seconds (metrics.jsonl real_tokens_per_s), median over the steps after the first",
+    e2e_tokens_per_s="grpo: response tokens the train steps consumed / wall seconds of the run "
+    "loop (rollout, training, weight transfers, compilation; held-out evaluations excluded)",
+    held_out_solved_before="grpo: share of the held-out problems solved, one sample each, "
+    "before the first step (held_out_solved_after: after the last)",
 )
 
 
@@ -156,6 +167,9 @@ TABLES = {
     "engine": ["impl", "model", "slots", "decode_tokens", "decode_tokens_per_s", "tokens_per_s"]
     + ["status"],
     "moe": ["impl", "experts", "shape", "max_abs_err", "tol", "tokens_per_s", "status"],
+    "grpo": ["model", "dtype", "impl", "steps", "trajectories", "rollout_tokens_per_s"]
+    + ["rollout_tokens_per_s_warm", "train_real_tokens_per_s", "train_step_s"]
+    + ["e2e_tokens_per_s", "held_out_solved_before", "held_out_solved_after", "status"],
 }
 SHOWN = dict(
     correctness=("max_abs_err", "tuning_used"),
@@ -163,6 +177,8 @@ SHOWN = dict(
     engine=("decode_tokens_per_s", "tokens_per_s"),
     train=("tokens_per_s", "mfu", "step_s"),
     moe=("max_abs_err", "tokens_per_s"),
+    grpo=("rollout_tokens_per_s", "train_real_tokens_per_s", "e2e_tokens_per_s")
+    + ("held_out_solved_before", "held_out_solved_after"),
 )
 
 
