@@ -17,11 +17,17 @@ engine   Decode tokens/s of the rollout engine (a small bf16 model, greedy, cont
          with the reference attention and with the Pallas kernels.
 train    Train-step tokens/s and MFU of the GRPO step at Qwen2.5-0.5B's shape (bf16, float32
          master weights, blockwise attention, nested remat) at 4k and 16k tokens per row.
+moe      The mixture-of-experts block's grouped paths against a per-expert loop, and their
+         tokens/s at 8 and 64 experts.
+grpo     A few GRPO steps of the real SmolLM2-135M-Instruct end to end (the smollm2-add-cpu
+         recipe on one device): rollout and train tokens/s, the held-out score before and after.
+         Skipped, with the reason, where its weights are not here (--grpo-model-dir, --grpo-gguf).
 
 Every case runs in its own try: a case that raises is recorded with its error text and the run
 goes on. Results are written after every case, so a crash or a kill loses only the case in
 flight. Files written to DIR: ``gpu_check.json`` (everything, with units), ``gpu_check.md`` (the
-tables) and ``gpu_check.log`` (what was printed).
+tables) and ``gpu_check.log`` (what was printed); the grpo section adds its run's
+``gpu_check_grpo_metrics.jsonl`` and ``gpu_check_grpo_eval.jsonl``.
 
 Exit status: 0 every case ran and passed; 1 some case raised, failed its check or was skipped (the
 other figures are written); 2 bad arguments; 3 the default backend is not a GPU and --cpu-smoke
@@ -55,6 +61,7 @@ for _path in (ROOT, ROOT / "launch"):  # also runs without PYTHONPATH=. and load
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from gpu_check_grpo import grpo_section  # noqa: E402
 from gpu_check_kernels import (  # noqa: E402
     TOL,
     TOL_TF32,
@@ -326,6 +333,7 @@ SECTIONS: dict[str, Callable[[Recorder, Plan], None]] = {
     "engine": engine_section,
     "train": train_section,
     "moe": moe_section,
+    "grpo": grpo_section,
 }
 
 
@@ -379,6 +387,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=[],
         help="cases whose name contains this raise before running (tests the error path)",
     )
+    ap.add_argument(
+        "--grpo-model-dir",
+        default=None,
+        help="grpo: the prepared SmolLM2-135M-Instruct directory (default: the plan's, "
+        "models/smollm2-135m-instruct)",
+    )
+    ap.add_argument(
+        "--grpo-gguf",
+        default=None,
+        help="grpo: the GGUF to convert when that directory is not there (default: the plan's, "
+        ".gpu_model/SmolLM2-135M-Instruct.Q4_1.gguf)",
+    )
     a = ap.parse_args(argv)
     unknown = [s for s in a.sections.split(",") if s not in SECTIONS]
     if unknown:
@@ -408,6 +428,9 @@ def main(argv: list[str]) -> int:
         )
         return EXIT_NO_GPU
     plan = smoke_plan(a.repeats) if a.cpu_smoke else gpu_plan(a.repeats)
+    for field, value in (("grpo_model_dir", a.grpo_model_dir), ("grpo_gguf", a.grpo_gguf)):
+        if value is not None:
+            plan = dataclasses.replace(plan, **{field: value})
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = dict(

@@ -34,6 +34,45 @@ class Plan:
     # the packed-against-padded train step: trajectories, median response length, longest
     # trajectory, length buckets (lognormal lengths, p99/median > 10)
     train_mix: tuple[int, int, int, tuple[int, ...]] = (16, 256, 8192, (1024, 2048, 4096, 8192))
+    # the GRPO run of SmolLM2-135M-Instruct (launch/gpu_check_grpo.py): the recipe
+    # configs/recipes/smollm2-add-cpu.yaml on one device, these settings replacing its own
+    grpo: dict = dataclasses.field(default_factory=lambda: dict(GRPO_GPU))
+    # where its weights come from (relative to the repository root unless absolute): the
+    # prepared Hugging Face directory, else the GGUF it is converted from (on this machine)
+    grpo_model_dir: str = "models/smollm2-135m-instruct"
+    grpo_gguf: str = ".gpu_model/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# The GRPO case on one GPU: trainer and rollout groups colocated on device 0 (as
+# configs/qwen2.5-0.5b-1gpu.yaml), bf16 params and compute with float32 master weights, the Pallas
+# decode kernels, the wall clock; 16 prompts x 8 samples a step (4x the recipe's batch), the
+# recipe's 200 held-out problems before and after.
+GRPO_GPU = dict(
+    steps=5,
+    train_batch_prompts=16,
+    rollout_batch_prompts=32,
+    group_size=8,
+    groups=2,
+    max_slots=128,
+    max_new_tokens=64,
+    eval_prompts=200,
+    dtype="bfloat16",
+    attention_impl="pallas",
+)
+# The CPU smoke run: one step of 1 prompt x 2 samples of 8 tokens, 2 held-out problems; float32
+# and the reference attention (the engine would swap interpret-mode Pallas for it on a CPU).
+GRPO_SMOKE = dict(
+    steps=1,
+    train_batch_prompts=1,
+    rollout_batch_prompts=1,
+    group_size=2,
+    groups=1,
+    max_slots=2,
+    max_new_tokens=8,
+    eval_prompts=2,
+    dtype="float32",
+    attention_impl="reference",
+)
 
 
 def _attn(batch, num_heads, num_kv_heads, head_dim, page_size, pages_per_seq) -> dict:
@@ -133,6 +172,7 @@ def smoke_plan(repeats: int | None = None) -> Plan:
         train_rows=2,
         moe_dims=(64, 32, 2, 256),
         train_mix=(8, 4, 64, (16, 32, 64)),
+        grpo=dict(GRPO_SMOKE),
     )
 
 

@@ -19,7 +19,23 @@ UNITS = dict(
     ratio_to_copy="bandwidth_gbs / copy_bandwidth_gbs",
     decode_tokens_per_s="tokens sampled by decode steps / wall seconds of the decode calls",
     tokens_per_s="all sampled tokens / wall seconds of the whole round (prefill included)",
+    rollout_tokens_per_s="grpo: response tokens the rollout groups sampled / seconds some group "
+    "was prefilling or decoding (the union over groups; compilation included)",
+    rollout_tokens_per_s_warm="grpo: the same without each group's first prefill and first "
+    "decode call (they compile, unless the held-out evaluation before the first step compiled "
+    "the same programs)",
+    train_real_tokens_per_s="grpo: real (prompt + response) tokens of a train step / its "
+    "seconds (metrics.jsonl real_tokens_per_s), median over the steps after the first",
+    e2e_tokens_per_s="grpo: response tokens the train steps consumed / wall seconds of the run "
+    "loop (rollout, training, weight transfers, compilation; held-out evaluations excluded)",
+    held_out_solved_before="grpo: share of the held-out problems solved, one sample each, "
+    "before the first step (held_out_solved_after: after the last)",
 )
+
+
+class SkipCase(Exception):
+    """Raised by a case that cannot run here (an input is missing): recorded as ``skipped`` with
+    the message as its ``reason``, never as an error."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,7 +78,7 @@ class Recorder:
     """Runs cases in isolation and keeps DIR/gpu_check.{json,md,log} up to date."""
 
     def __init__(self, out_dir: Path, meta: dict, *, only, fail_case, deadline: float):
-        self.out_dir = out_dir
+        self.out_dir = out_dir  # (a section may write files of its own there)
         self.only, self.fail_case, self.deadline = only, fail_case, deadline
         self.result = dict(meta, units=UNITS, sections={}, warnings=[], finished=False)
         self.log = (out_dir / "gpu_check.log").open("w")
@@ -84,7 +100,7 @@ class Recorder:
         row = dict(case=name, table=table, **labels)
         t0 = time.perf_counter()
         if time.monotonic() > self.deadline:
-            row.update(status="skipped", error="time budget (--max-seconds) spent")
+            row.update(status="skipped", reason="time budget (--max-seconds) spent")
         else:
             try:
                 if any(s in name for s in self.fail_case):
@@ -92,13 +108,19 @@ class Recorder:
                 figures = fn()
                 row.update(figures)
                 row["status"] = "ok" if figures.get("ok", True) else "failed"
+            except SkipCase as exc:  # an input this machine lacks: why, not a traceback
+                row.update(status="skipped", reason=str(exc))
             except Exception as exc:  # every failure is a figure to keep
                 row.update(status="error", error=error_text(exc))
                 row["traceback"] = "".join(traceback.format_exception(exc))[-4000:]
         row["seconds"] = round(time.perf_counter() - t0, 3)
         self.section(section)["cases"].append(row)
         shown = {k: row[k] for k in SHOWN.get(table, ()) if k in row}
-        extra = row.get("error") or " ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
+        extra = (
+            row.get("error")
+            or row.get("reason")
+            or " ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
+        )
         self.say(f"[{row['status']}] {name} ({row['seconds']:.1f}s) {extra}")
         self.write()
         return row
@@ -145,6 +167,9 @@ TABLES = {
     "engine": ["impl", "model", "slots", "decode_tokens", "decode_tokens_per_s", "tokens_per_s"]
     + ["status"],
     "moe": ["impl", "experts", "shape", "max_abs_err", "tol", "tokens_per_s", "status"],
+    "grpo": ["model", "dtype", "impl", "steps", "trajectories", "rollout_tokens_per_s"]
+    + ["rollout_tokens_per_s_warm", "train_real_tokens_per_s", "train_step_s"]
+    + ["e2e_tokens_per_s", "held_out_solved_before", "held_out_solved_after", "status"],
 }
 SHOWN = dict(
     correctness=("max_abs_err", "tuning_used"),
@@ -152,6 +177,8 @@ SHOWN = dict(
     engine=("decode_tokens_per_s", "tokens_per_s"),
     train=("tokens_per_s", "mfu", "step_s"),
     moe=("max_abs_err", "tokens_per_s"),
+    grpo=("rollout_tokens_per_s", "train_real_tokens_per_s", "e2e_tokens_per_s")
+    + ("held_out_solved_before", "held_out_solved_after"),
 )
 
 
@@ -195,6 +222,10 @@ def markdown(result: dict) -> str:
         if bad:
             lines += ["", "### errors", ""]
             lines += [f"- `{r['case']}`: {r['error'][:500]}" for r in bad]
+        skipped = [r for r in sec["cases"] if r["status"] == "skipped"]
+        if skipped:
+            lines += ["", "### skipped", ""]
+            lines += [f"- `{r['case']}`: {r.get('reason', '')[:800]}" for r in skipped]
     if result.get("warnings"):
         lines += ["", "## warnings", ""]
         lines += [f"- {w['category']} x{w['count']}: {w['message']}" for w in result["warnings"]]
