@@ -59,21 +59,29 @@ def conversation_figures(run_dir: Path) -> dict:
 
 def measure(a, work: Path) -> dict:
     extra = [
-        f"config={RECIPE}", "eval.num_prompts=0", "logging.progress=false",
-        "orchestrator.clock=wall", f"env.kwargs.latency_s={a.latency}",
-        f"env.kwargs.latency_sigma={a.sigma}", f"env.workers={a.env_workers}", *a.overrides,
-    ]  # fmt: skip
+        f"config={RECIPE}",
+        "eval.num_prompts=0",
+        "logging.progress=false",
+        "orchestrator.clock=wall",
+        f"env.kwargs.latency_s={a.latency}",
+        f"env.kwargs.latency_sigma={a.sigma}",
+        f"env.workers={a.env_workers}",
+        *a.overrides,
+    ]
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(a.rounds):
         for mode in MODES:
             f = run_mode(mode, a.warmup, a.steps, work, extra)
             f |= conversation_figures(Path(f["run_dir"]))
             runs[mode].append(f)
-            print(f"round {r + 1} {mode:>7}: {f['model_tokens_per_s']:.0f} model tokens/s "
-                  f"({f['trajectories_per_s']:.1f} conversations/s) over {f['seconds']:.1f} s; "
-                  f"turns {f['turns_mean']:.2f}, tool {f['env_seconds_mean']:.2f} s per "
-                  f"conversation; group idle {', '.join(f'{x:.2f}' for x in f['group_idle'])}; "
-                  f"trainer busy {f['train_busy_share']:.2f}", flush=True)  # fmt: skip
+            print(
+                f"round {r + 1} {mode:>7}: {f['model_tokens_per_s']:.0f} model tokens/s "
+                f"({f['trajectories_per_s']:.1f} conversations/s) over {f['seconds']:.1f} s; "
+                f"turns {f['turns_mean']:.2f}, tool {f['env_seconds_mean']:.2f} s per "
+                f"conversation; group idle {', '.join(f'{x:.2f}' for x in f['group_idle'])}; "
+                f"trainer busy {f['train_busy_share']:.2f}",
+                flush=True,
+            )
     med = {m: statistics.median(f["model_tokens_per_s"] for f in fs) for m, fs in runs.items()}
     return {
         "dora_over_sync_wall": med["dora"] / med["sync"],
@@ -96,8 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating")
     p.add_argument("--latency", type=float, default=0.1, help="median seconds of a tool call")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal shape of the latency")
-    p.add_argument("--env-workers", type=int, default=16,
-                   help="environment worker processes (one tool call at a time each)")  # fmt: skip
+    p.add_argument(
+        "--env-workers",
+        type=int,
+        default=16,
+        help="environment worker processes (one tool call at a time each)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "bench_agentic.json")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator's prediction")
     p.add_argument("overrides", nargs="*", help="config overrides for every mode")
@@ -119,13 +131,20 @@ def main(argv: list[str] | None = None) -> int:
             # the measured train step (median over the dora runs' windows) replaces the CPU
             # preset's, which was measured in one process on both cores
             step_s = statistics.median(f["train_step_s_median"] for f in res["runs"]["dora"])
-            sim = predict(conv, a.latency, a.sigma, modes=MODES, env_workers=a.env_workers,
-                          train_step_s=step_s, recipe_overrides=a.overrides)  # fmt: skip
+            sim = predict(
+                conv,
+                a.latency,
+                a.sigma,
+                modes=MODES,
+                env_workers=a.env_workers,
+                train_step_s=step_s,
+                recipe_overrides=a.overrides,
+            )
     res = {
         "benchmark": "wall-clock throughput of multi-turn conversations with a slow tool: sync, "
         "partial and dora (K=2), real engines, tool_arithmetic recipe",
         "command": "python benchmarks/bench_agentic.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),  # fmt: skip
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "arrangement": "2 processes (jax.distributed, gloo on loopback), each pinned to its own "
         "CPU core: process 0 = trainer (2x2 mesh) + control plane + environment workers, "
         "process 1 = 4 rollout groups; wall clock",
@@ -149,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     res.update({k: v for k, v in quiet.provenance(load0).items() if k != "command"})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    line = (f"dora over sync (wall): {res['dora_over_sync_wall']:.2f}x, over partial "
-            f"{res['dora_over_partial_wall']:.2f}x in model tokens/s")  # fmt: skip
+    line = (
+        f"dora over sync (wall): {res['dora_over_sync_wall']:.2f}x, over partial "
+        f"{res['dora_over_partial_wall']:.2f}x in model tokens/s"
+    )
     if sim:
-        line += (f"; simulator: {sim['dora_over_sync']:.2f}x, "
-                 f"{sim['dora_over_partial']:.2f}x")  # fmt: skip
+        line += f"; simulator: {sim['dora_over_sync']:.2f}x, {sim['dora_over_partial']:.2f}x"
     print(f"{line}; wrote {a.out}")
     return 0
 

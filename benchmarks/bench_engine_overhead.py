@@ -84,14 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     total = [s for s, _ in steps]
     device = [j for _, j in steps]
     host = [s - j for s, j in steps]
-    med = {k: 1e3 * statistics.median(v) for k, v in
-           (("step_ms", total), ("jitted_ms", device), ("host_ms", host),
-            ("worker_ms", snaps))}  # fmt: skip
+    med = {
+        k: 1e3 * statistics.median(v)
+        for k, v in (
+            ("step_ms", total),
+            ("jitted_ms", device),
+            ("host_ms", host),
+            ("worker_ms", snaps),
+        )
+    }
     per_step = med["host_ms"] + med["worker_ms"]
     res = {
         "benchmark": "host-side overhead per engine step (default config engine, CPU)",
         "command": "python benchmarks/bench_engine_overhead.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),  # fmt: skip
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "steps": len(steps),
         "median": med,
         "host_share_here": per_step / med["step_ms"],

@@ -74,9 +74,16 @@ def measure(fn, args, repeats):
 
 
 def bench_experts(E: int, a: argparse.Namespace, B: int, T: int) -> dict:
-    cfg = ModelConfig(family="qwen3_moe", hidden_size=a.hidden, num_layers=1,
-                      num_heads=4, num_kv_heads=2, num_experts=E, num_experts_per_tok=a.top_k,
-                      moe_intermediate_size=a.ffn)  # fmt: skip
+    cfg = ModelConfig(
+        family="qwen3_moe",
+        hidden_size=a.hidden,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        num_experts=E,
+        num_experts_per_tok=a.top_k,
+        moe_intermediate_size=a.ffn,
+    )
     lp = layer_params(cfg, jax.random.key(E))
     x = jax.random.normal(jax.random.key(1), (B, T, a.hidden), jnp.float32)
     impls = {name: grouped(name) for name in ("ragged", "blocked", "loop")}
@@ -102,8 +109,11 @@ def bench_experts(E: int, a: argparse.Namespace, B: int, T: int) -> dict:
                 "median_ms": round(1e3 * secs, 2),
                 "temp_mib": round(temp / 2**20, 2),
             }
-            print(f"E={E:3d} {impl:7s} {mode:16s} {B * T / secs:10.0f} tokens/s "
-                  f"{temp / 2**20:8.2f} MiB temp", flush=True)  # fmt: skip
+            print(
+                f"E={E:3d} {impl:7s} {mode:16s} {B * T / secs:10.0f} tokens/s "
+                f"{temp / 2**20:8.2f} MiB temp",
+                flush=True,
+            )
     for mode in ("forward", "forward_backward"):
         lo = row[f"loop_{mode}"]
         for name in ("ragged", "blocked"):
@@ -136,7 +146,7 @@ def main(argv=None) -> dict:
         "units": "tokens_per_s: tokens through one MoE block per second (median of repeats); "
         "temp_mib: compiled temporaries (memory_analysis().temp_size_in_bytes) in MiB",
         "command": "python benchmarks/bench_moe.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),  # fmt: skip
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": {"tokens": a.tokens, "hidden": a.hidden, "expert_ffn": a.ffn, "dtype": "float32"},
         "repeats": a.repeats,
         "device": jax.devices()[0].device_kind,

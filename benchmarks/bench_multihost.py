@@ -41,12 +41,21 @@ def migration(contexts: list[int], work: Path) -> list[dict]:
     run_dir = work / "migration"
     out = run_dir / "figures.json"
     pages = -(-(longest + 16) // 16) * 2 + 8
-    args = ["migration", str(out), ",".join(map(str, contexts)),
-            f"rollout.max_prompt_len={longest}", "rollout.max_new_tokens=8",
-            f"rollout.num_pages={pages}", "rollout.prefill_chunk=256",
-            "mesh.trainer.devices=0:2", "mesh.trainer.data=1", "mesh.trainer.model=2",
-            "mesh.rollout.devices=2:8", "mesh.rollout.groups=6",
-            f"run_dir={run_dir}"]  # fmt: skip
+    args = [
+        "migration",
+        str(out),
+        ",".join(map(str, contexts)),
+        f"rollout.max_prompt_len={longest}",
+        "rollout.max_new_tokens=8",
+        f"rollout.num_pages={pages}",
+        "rollout.prefill_chunk=256",
+        "mesh.trainer.devices=0:2",
+        "mesh.trainer.data=1",
+        "mesh.trainer.model=2",
+        "mesh.rollout.devices=2:8",
+        "mesh.rollout.groups=6",
+        f"run_dir={run_dir}",
+    ]
     code = launch_local(2, args, run_dir, devices_per_process=4, pin_cores=True, entry=DRIVER)
     if code:
         logs = "".join(p.read_text()[-2000:] for p in sorted((run_dir / "logs").glob("*.log")))
@@ -80,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "benchmark": "multi-process (jax.distributed, 2 CPU processes on loopback)",
         "command": "python benchmarks/bench_multihost.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),  # fmt: skip
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "arrangement": "process 0 = trainer (2x2 mesh) + control plane, process 1 = 4 rollout "
-        "groups; each process pinned to its own CPU core",  # fmt: skip
+        "groups; each process pinned to its own CPU core",
         "throughput_overrides": a.overrides,
         "dora_over_sync_wall": thr["dora_over_sync_wall"],
         "trajectories_per_s": thr["trajectories_per_s"],
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": "migrate_s / prefill_s",
             "response_tokens_per_s": "response tokens of the consumed trajectories per wall second",
             "control_round_ms": "process 0's own milliseconds per control round",
-        },  # fmt: skip
+        },
         "seconds": time.monotonic() - t0,
     }
     res.update({k: v for k, v in quiet.provenance(load0).items() if k != "command"})

@@ -41,8 +41,16 @@ from dora_jax.orchestrator.planner import PlanPolicy, Snapshot, plan  # noqa: E4
 OUT = Path(__file__).resolve().parent / "results" / "bench_planner.json"
 
 
-def _group(gid: int, version: int, n: int, slots: int, rid: int, rng: random.Random,
-           kv_total: int, pages_hi: int = 96) -> tuple[GroupInfo, int]:  # fmt: skip
+def _group(
+    gid: int,
+    version: int,
+    n: int,
+    slots: int,
+    rid: int,
+    rng: random.Random,
+    kv_total: int,
+    pages_hi: int = 96,
+) -> tuple[GroupInfo, int]:
     ids = tuple(range(rid, rid + n))
     pages = tuple(rng.randint(2, pages_hi) for _ in ids)
     info = GroupInfo(gid, version, 0, slots, slots - n, sum(pages), kv_total, ids, pages)

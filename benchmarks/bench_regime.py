@@ -392,8 +392,12 @@ def repredict(a) -> int:
     a.knob, a.overrides = res["knob"], res.get("overrides", [])
     points = res["points"]
     for i, q in enumerate(points, 1):
-        missing = [f["run_dir"] for fs in q["runs"].values() for f in fs
-                   if not (Path(f["run_dir"]) / "conversations.jsonl").exists()]  # fmt: skip
+        missing = [
+            f["run_dir"]
+            for fs in q["runs"].values()
+            for f in fs
+            if not (Path(f["run_dir"]) / "conversations.jsonl").exists()
+        ]
         if missing:
             raise SystemExit(
                 f"--repredict: the runs are gone ({missing[0]}); keep them with --keep"

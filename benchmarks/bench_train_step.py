@@ -244,15 +244,26 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     big = ModelConfig(
-        family="qwen2", vocab_size=16384, hidden_size=896, intermediate_size=4864,
-        num_layers=2, num_heads=14, num_kv_heads=2, attention="blockwise",
-        attention_block=256, tie_word_embeddings=True,
-    )  # fmt: skip
+        family="qwen2",
+        vocab_size=16384,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=2,
+        num_heads=14,
+        num_kv_heads=2,
+        attention="blockwise",
+        attention_block=256,
+        tie_word_embeddings=True,
+    )
     big_train = TrainConfig(group_size=4, length_buckets=(256, 512, 1024), microbatch_tokens=1024)
     figures["qwen2.5-0.5b_shape"] = run_case(
-        "qwen2.5-0.5b_shape", big, big_train, make_mesh(jax.devices()[:1], 1, 1),
-        long_tail_batches(big.vocab_size, 2, 4, a.big_steps), a.big_steps,
-    )  # fmt: skip
+        "qwen2.5-0.5b_shape",
+        big,
+        big_train,
+        make_mesh(jax.devices()[:1], 1, 1),
+        long_tail_batches(big.vocab_size, 2, 4, a.big_steps),
+        a.big_steps,
+    )
     for case in ("default_task", "qwen2.5-0.5b_shape"):
         for kind in ("padded", "packed_ladder", "packed"):
             if kind not in figures[case]:

@@ -36,8 +36,12 @@ import quiet  # noqa: E402
 
 DRIVER = ROOT / "benchmarks" / "wallclock_driver.py"
 RESULTS = ROOT / "benchmarks" / "results"
-BASE = ["eval.num_prompts=0", "logging.progress=false", "orchestrator.clock=wall",
-        "orchestrator.staleness_k=2"]  # fmt: skip
+BASE = [
+    "eval.num_prompts=0",
+    "logging.progress=false",
+    "orchestrator.clock=wall",
+    "orchestrator.staleness_k=2",
+]
 
 
 def run_mode(mode: str, warmup: int, steps: int, work: Path, extra: list[str]) -> dict:
@@ -46,8 +50,16 @@ def run_mode(mode: str, warmup: int, steps: int, work: Path, extra: list[str]) -
 
     run_dir = work / f"{mode}-{time.monotonic_ns()}"
     out = run_dir / "figures.json"
-    args = ["throughput", str(out), str(warmup), str(steps), *BASE, *extra,
-            f"orchestrator.mode={mode}", f"run_dir={run_dir}"]  # fmt: skip
+    args = [
+        "throughput",
+        str(out),
+        str(warmup),
+        str(steps),
+        *BASE,
+        *extra,
+        f"orchestrator.mode={mode}",
+        f"run_dir={run_dir}",
+    ]
     code = launch_local(2, args, run_dir, devices_per_process=4, pin_cores=True, entry=DRIVER)
     if code:
         logs = "".join(p.read_text()[-2000:] for p in sorted((run_dir / "logs").glob("*.log")))
@@ -63,18 +75,22 @@ def measure(steps: int, warmup: int, rounds: int, extra: list[str], work: Path) 
         for mode in ("sync", "dora"):
             f = run_mode(mode, warmup, steps, work, extra)
             runs[mode].append(f)
-            print(f"round {r + 1} {mode:>4}: {f['trajectories_per_s']:.1f} traj/s "
-                  f"({f['response_tokens_per_s']:.0f} response tokens/s) over "
-                  f"{f['seconds']:.1f} s, overlap {f['overlap']:.2f}, group idle "
-                  f"{', '.join(f'{x:.2f}' for x in f['group_idle'])}; train step median "
-                  f"{f.get('train_step_s_median', 0):.2f} s, {f.get('compiling_steps', 0)} "
-                  f"compiling ({f.get('compiling_steps_s', 0):.1f} s), "
-                  f"{f.get('fallback_steps', 0)} in a bigger shape while theirs compiled",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {r + 1} {mode:>4}: {f['trajectories_per_s']:.1f} traj/s "
+                f"({f['response_tokens_per_s']:.0f} response tokens/s) over "
+                f"{f['seconds']:.1f} s, overlap {f['overlap']:.2f}, group idle "
+                f"{', '.join(f'{x:.2f}' for x in f['group_idle'])}; train step median "
+                f"{f.get('train_step_s_median', 0):.2f} s, {f.get('compiling_steps', 0)} "
+                f"compiling ({f.get('compiling_steps_s', 0):.1f} s), "
+                f"{f.get('fallback_steps', 0)} in a bigger shape while theirs compiled",
+                flush=True,
+            )
     med = {m: statistics.median(f["trajectories_per_s"] for f in fs) for m, fs in runs.items()}
     tok = {m: statistics.median(f["response_tokens_per_s"] for f in fs) for m, fs in runs.items()}
-    best = {m: min(fs, key=lambda f, m=m: abs(f["trajectories_per_s"] - med[m]))
-            for m, fs in runs.items()}  # fmt: skip
+    best = {
+        m: min(fs, key=lambda f, m=m: abs(f["trajectories_per_s"] - med[m]))
+        for m, fs in runs.items()
+    }
     return {
         "dora_over_sync_wall": med["dora"] / med["sync"],
         "trajectories_per_s": med,
@@ -113,17 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "benchmark": "wall-clock throughput, sync vs dora (K=2), default task, real engines",
         "command": "python benchmarks/bench_wallclock.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),  # fmt: skip
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "arrangement": "2 processes (jax.distributed, gloo on loopback), each pinned to its own "
         "CPU core: process 0 = trainer (2x2 mesh) + control plane, process 1 = "
-        "4 rollout groups; wall clock",  # fmt: skip
+        "4 rollout groups; wall clock",
         "units": {
             "trajectories_per_s": "trajectories consumed by training per wall second",
             "response_tokens_per_s": "their response tokens per wall second",
             "overlap": "share of trainer-busy seconds with a group decoding",
             "group_idle": "share of the window a group did nothing",
             "round_ms": "ms of process 0's own time per control round",
-        },  # fmt: skip
+        },
         **res,
     }
     res.update({k: v for k, v in quiet.provenance(load0).items() if k != "command"})

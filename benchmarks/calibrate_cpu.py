@@ -211,10 +211,17 @@ def run_real(mode: str, steps: int, workdir: Path, warm_from: Path | None) -> di
     if warm_from is not None and (warm_from / "warm_start").is_dir():
         shutil.copytree(warm_from / "warm_start", run_dir / "warm_start")  # the cached warm start
     cmd = [
-        sys.executable, str(ROOT / "launch" / "train.py"), "--mode", mode,
-        "orchestrator.clock=wall", f"train.total_steps={steps}", "eval.num_prompts=0",
-        "logging.tensorboard=false", "logging.progress=false", f"run_dir={run_dir}",
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "launch" / "train.py"),
+        "--mode",
+        mode,
+        "orchestrator.clock=wall",
+        f"train.total_steps={steps}",
+        "eval.num_prompts=0",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        f"run_dir={run_dir}",
+    ]
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -311,8 +318,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-runs", action="store_true", help="constants only (no real runs)")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "calibrate_cpu")
     p.add_argument("--out", type=Path, default=OUT, help="where the constants and figures go")
-    p.add_argument("--recompare", action="store_true", help="only recompute the comparison of "
-                   "the stored measurements and predictions")  # fmt: skip
+    p.add_argument(
+        "--recompare",
+        action="store_true",
+        help="only recompute the comparison of the stored measurements and predictions",
+    )
     args = p.parse_args(argv)
     if args.recompare:
         payload = json.loads(args.out.read_text())
@@ -360,8 +370,9 @@ def main(argv: list[str]) -> int:
             f"({100 * (q['tokens_per_s'] / r['tokens_per_s'] - 1):+.1f}%); load average "
             f"{r['load_average_before']:.1f} -> {r['load_average_after']:.1f}"
         )
-    payload["runs"] = {m: {k: v for k, v in runs[m].items() if not k.endswith("_lens")}
-                       for m in runs}  # fmt: skip
+    payload["runs"] = {
+        m: {k: v for k, v in runs[m].items() if not k.endswith("_lens")} for m in runs
+    }
     payload["workload"] = {
         m: {
             "responses": len(runs[m]["response_lens"]),
@@ -378,8 +389,11 @@ def main(argv: list[str]) -> int:
     print(f"dora / sync: measured {c['measured']:.2f}x, predicted {c['predicted']:.2f}x")
     args.out.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     print(f"wrote {args.out}")
-    return 0 if all(math.isfinite(v["error"]) for k, v in payload["comparison"].items()
-                    if "error" in v) else 1  # fmt: skip
+    return (
+        0
+        if all(math.isfinite(v["error"]) for k, v in payload["comparison"].items() if "error" in v)
+        else 1
+    )
 
 
 def compare(payload: dict) -> dict:

@@ -45,11 +45,19 @@ GiB = 1 << 30
 
 CASES = [
     # (name, preset, target GiB per device, baseline overrides: the preset before this change)
-    ("qwen2.5-0.5b", "configs/qwen2.5-0.5b-1gpu.yaml", 16,
-     ["model.attention=dense", "model.remat=dots", "model.seq_chunk=0"]),
-    ("qwen2.5-7b", "configs/qwen2.5-7b-8gpu.yaml", 40,
-     ["model.attention=dense", "model.remat=full", "model.seq_chunk=0", "train.microbatches=16"]),
-]  # fmt: skip
+    (
+        "qwen2.5-0.5b",
+        "configs/qwen2.5-0.5b-1gpu.yaml",
+        16,
+        ["model.attention=dense", "model.remat=dots", "model.seq_chunk=0"],
+    ),
+    (
+        "qwen2.5-7b",
+        "configs/qwen2.5-7b-8gpu.yaml",
+        40,
+        ["model.attention=dense", "model.remat=full", "model.seq_chunk=0", "train.microbatches=16"],
+    ),
+]
 
 
 def step_memory(cfg) -> dict:
@@ -86,7 +94,7 @@ def main(argv: list[str]) -> int:
         "benchmark": "train-step memory by abstract compilation (XLA memory analysis, CPU)",
         "units": {"*_bytes": "bytes per device", "*_gib": "GiB (2**30 bytes) per device"},
         "command": "python benchmarks/memory_plan.py"
-        + (" --no-baseline" if args.no_baseline else ""),  # fmt: skip
+        + (" --no-baseline" if args.no_baseline else ""),
         "jax": jax.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -97,9 +105,12 @@ def main(argv: list[str]) -> int:
         case = {"preset": preset, "target_temp_gib": target, "train_step": step_memory(cfg)}
         ts = case["train_step"]
         case["meets_target"] = ts["temp_gib"] < target
-        print(f"{name}: {ts['rows_per_microbatch_per_device']} x {ts['seq_len']} per "
-              f"microbatch, mesh {ts['mesh']}: temporaries {ts['temp_gib']} GiB "
-              f"(target < {target}) [{ts['compile_s']} s]", flush=True)  # fmt: skip
+        print(
+            f"{name}: {ts['rows_per_microbatch_per_device']} x {ts['seq_len']} per "
+            f"microbatch, mesh {ts['mesh']}: temporaries {ts['temp_gib']} GiB "
+            f"(target < {target}) [{ts['compile_s']} s]",
+            flush=True,
+        )
         if not args.no_baseline:
             case["baseline_overrides"] = baseline
             case["baseline_train_step"] = step_memory(load_config(ROOT / preset, baseline))

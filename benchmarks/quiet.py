@@ -55,10 +55,19 @@ def rel(path) -> str:
 def commit() -> str:
     """The checkout's commit, with ``+changes`` when the package differs from it."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "dora_jax", "benchmarks"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "dora_jax", "benchmarks"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         return out.stdout.strip() + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -75,7 +84,7 @@ def provenance(load_before: tuple[float, float, float]) -> dict:
                 else sys.argv[0],
                 *sys.argv[1:],
             ]
-        ),  # fmt: skip
+        ),
         "commit": commit(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],

@@ -99,8 +99,14 @@ from dora_jax.sim.workload import Z99, ResponseLengths  # noqa: E402
 
 PRESET = ROOT / "configs" / "sim" / "cpu_default_task.yaml"
 RECIPE = ROOT / "configs" / "recipes" / "tool-arithmetic-cpu.yaml"
-FIELDS = ("turns", "model_tokens", "env_tokens", "env_seconds", "prompt_tokens",
-          "model_turn_tokens")  # fmt: skip
+FIELDS = (
+    "turns",
+    "model_tokens",
+    "env_tokens",
+    "env_seconds",
+    "prompt_tokens",
+    "model_turn_tokens",
+)
 BUSY = ("transfer", "migrate", "prefill", "reprefill", "decode")
 
 
@@ -179,8 +185,15 @@ def fit_observations(rows: list[dict], cap: int) -> dict:
     t = np.array([int(r["env_tokens"]) for r in rows], np.float64)
     some = k > 0
     if not some.any() or t[some].sum() <= 0:
-        return {"median": 1.0, "p99_ratio": 1.0, "measured_mean": 0.0, "observations": 0,
-                "measured_cv": 0.0, "sigma": 0.0, "simulated_mean": 1.0}  # fmt: skip
+        return {
+            "median": 1.0,
+            "p99_ratio": 1.0,
+            "measured_mean": 0.0,
+            "observations": 0,
+            "measured_cv": 0.0,
+            "sigma": 0.0,
+            "simulated_mean": 1.0,
+        }
     mu = float(t[some].sum() / k[some].sum())
     var = float(np.mean((t[some] - k[some] * mu) ** 2 / k[some]))
     cv = math.sqrt(var) / mu
@@ -211,8 +224,12 @@ def measured_figures(rows: list[dict]) -> dict:
 
     def stat(x) -> dict:
         x = np.asarray(x, np.float64)
-        return {"median": float(np.median(x)), "p99": float(np.percentile(x, 99)),
-                "mean": float(x.mean()), "max": float(x.max())}  # fmt: skip
+        return {
+            "median": float(np.median(x)),
+            "p99": float(np.percentile(x, 99)),
+            "mean": float(x.mean()),
+            "max": float(x.max()),
+        }
 
     per_turn = [t for r in rows for t in r["model_turn_tokens"]]
     return {
@@ -227,7 +244,7 @@ def measured_figures(rows: list[dict]) -> dict:
             len(r["model_turn_tokens"]) != r["turns"]
             or sum(r["model_turn_tokens"]) != r["model_tokens"]
             for r in rows
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -350,7 +367,7 @@ def build_overrides(
             "p99_ratio": math.exp(Z99 * latency_sigma),
             "workers": workers,
             "max_s": env.timeout_s,
-        },  # fmt: skip
+        },
         "kv_capacity_tokens": c["kv_capacity_tokens"],
         "kv_admit_reserve_tokens": reserve,
         "train_step_s": c["train_step_s"],
@@ -426,15 +443,26 @@ def predict(
     with tempfile.TemporaryDirectory(prefix="sim_agentic_cpu_") as tmp:
         work = Path(workdir) if workdir is not None else Path(tmp)
         overrides, fit = build_overrides(
-            rows, latency_median_s, latency_sigma, work, modes=modes, steps=steps, seed=seed,
-            recipe=recipe, train_step_s=train_step_s, env_workers=env_workers,
-            turns_prompt_corr=turns_prompt_corr, shared_core=shared_core,
-            recipe_overrides=recipe_overrides, calibration=calibration,
-        )  # fmt: skip
+            rows,
+            latency_median_s,
+            latency_sigma,
+            work,
+            modes=modes,
+            steps=steps,
+            seed=seed,
+            recipe=recipe,
+            train_step_s=train_step_s,
+            env_workers=env_workers,
+            turns_prompt_corr=turns_prompt_corr,
+            shared_core=shared_core,
+            recipe_overrides=recipe_overrides,
+            calibration=calibration,
+        )
         cfg = load_sim_config(PRESET, overrides)
         o = cfg.orchestration
-        conv = Conversations(cfg.turns, ResponseLengths(cfg.response, o.group_size, cfg.run.seed),
-                             cfg.run.seed)  # fmt: skip
+        conv = Conversations(
+            cfg.turns, ResponseLengths(cfg.response, o.group_size, cfg.run.seed), cfg.run.seed
+        )
         simulated = conversation_stats(conv, o.train_batch_prompts)
         per_mode = {}
         for mode in modes:
@@ -543,11 +571,18 @@ def synthesize(
                     break
                 used += answer
                 env_tokens += answer
-            lines.append(json.dumps({
-                "turns": len(model), "model_tokens": sum(model), "env_tokens": env_tokens,
-                "env_seconds": secs, "prompt_tokens": len(f"{n}-{s}="),
-                "model_turn_tokens": model,
-            }))  # fmt: skip
+            lines.append(
+                json.dumps(
+                    {
+                        "turns": len(model),
+                        "model_tokens": sum(model),
+                        "env_tokens": env_tokens,
+                        "env_seconds": secs,
+                        "prompt_tokens": len(f"{n}-{s}="),
+                        "model_turn_tokens": model,
+                    }
+                )
+            )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -575,36 +610,56 @@ def main(argv: list[str]) -> int:
         metavar="GROUPS",
         help="first write GROUPS prompt groups of the ideal play to CONVERSATIONS",
     )
-    p.add_argument("--json", type=Path, help="write the prediction there")  # fmt: skip
+    p.add_argument("--json", type=Path, help="write the prediction there")
     p.add_argument("overrides", nargs="*", help="config overrides of the recipe the runs used")
     a = p.parse_intermixed_args(argv)
     if a.synthesize:
-        synthesize(a.conversations, a.synthesize, seed=a.seed, latency_median_s=a.latency,
-                   latency_sigma=a.sigma)  # fmt: skip
+        synthesize(
+            a.conversations,
+            a.synthesize,
+            seed=a.seed,
+            latency_median_s=a.latency,
+            latency_sigma=a.sigma,
+        )
         print(f"wrote {a.synthesize} prompt groups of ideal play to {a.conversations}")
-    res = predict(a.conversations, a.latency, a.sigma, tuple(a.modes.split(",")), a.steps,
-                  a.seed, train_step_s=a.train_step_s, env_workers=a.env_workers,
-                  shared_core=not a.parallel_groups, recipe_overrides=a.overrides)  # fmt: skip
+    res = predict(
+        a.conversations,
+        a.latency,
+        a.sigma,
+        tuple(a.modes.split(",")),
+        a.steps,
+        a.seed,
+        train_step_s=a.train_step_s,
+        env_workers=a.env_workers,
+        shared_core=not a.parallel_groups,
+        recipe_overrides=a.overrides,
+    )
     w, fit = res["workload"], res["workload"]["fit"]
     meas, sim = w["measured"], w["simulated"]
-    print(f"{meas['conversations']} conversations: turns mean {meas['turns']['mean']:.2f} "
-          f"(simulated {sim['turns']['mean']:.2f}), p99 {meas['turns']['p99']:.0f} "
-          f"({sim['turns']['p99']:.0f}); model tokens mean {meas['model_tokens']['mean']:.1f} "
-          f"({sim['model_tokens']['mean']:.1f}); observation tokens mean "
-          f"{meas['observation_tokens']['mean']:.2f} ({sim['observation_tokens']['mean']:.2f}); "
-          f"turns' group correlation {fit['turns_prompt_corr']:.2f}; tools median "
-          f"{a.latency} s, p99/median {fit['latency']['p99_ratio']:.1f}, "
-          f"{fit['latency']['workers']} workers; train step "
-          f"{fit['train_step_s']:.3f} s")  # fmt: skip
-    print(f"{'mode':<8} {'model tok/s':>11} {'traj/s':>7} {'step s':>7} {'tr wait':>7} "
-          f"{'bubble':>6} {'env idle':>8} {'core':>5} {'workers':>7} {'queue s':>7} "
-          f"{'turns':>5} {'stale':>5}")  # fmt: skip
+    print(
+        f"{meas['conversations']} conversations: turns mean {meas['turns']['mean']:.2f} "
+        f"(simulated {sim['turns']['mean']:.2f}), p99 {meas['turns']['p99']:.0f} "
+        f"({sim['turns']['p99']:.0f}); model tokens mean {meas['model_tokens']['mean']:.1f} "
+        f"({sim['model_tokens']['mean']:.1f}); observation tokens mean "
+        f"{meas['observation_tokens']['mean']:.2f} ({sim['observation_tokens']['mean']:.2f}); "
+        f"turns' group correlation {fit['turns_prompt_corr']:.2f}; tools median "
+        f"{a.latency} s, p99/median {fit['latency']['p99_ratio']:.1f}, "
+        f"{fit['latency']['workers']} workers; train step "
+        f"{fit['train_step_s']:.3f} s"
+    )
+    print(
+        f"{'mode':<8} {'model tok/s':>11} {'traj/s':>7} {'step s':>7} {'tr wait':>7} "
+        f"{'bubble':>6} {'env idle':>8} {'core':>5} {'workers':>7} {'queue s':>7} "
+        f"{'turns':>5} {'stale':>5}"
+    )
     for mode, f in res["modes"].items():
-        print(f"{mode:<8} {f['model_tokens_per_s']:>11.1f} {f['trajectories_per_s']:>7.2f} "
-              f"{f['step_s']:>7.3f} {f['trainer_waiting_frac']:>7.2f} {f['bubble']:>6.2f} "
-              f"{f['env_wait_frac']:>8.3f} {f['rollout_core_load']:>5.2f} "
-              f"{f.get('env_worker_load', 0):>7.2f} {f.get('env_queue_s_mean', 0):>7.3f} "
-              f"{f['turns_mean']:>5.2f} {f['staleness_mean']:>5.2f}")  # fmt: skip
+        print(
+            f"{mode:<8} {f['model_tokens_per_s']:>11.1f} {f['trajectories_per_s']:>7.2f} "
+            f"{f['step_s']:>7.3f} {f['trainer_waiting_frac']:>7.2f} {f['bubble']:>6.2f} "
+            f"{f['env_wait_frac']:>8.3f} {f['rollout_core_load']:>5.2f} "
+            f"{f.get('env_worker_load', 0):>7.2f} {f.get('env_queue_s_mean', 0):>7.3f} "
+            f"{f['turns_mean']:>5.2f} {f['staleness_mean']:>5.2f}"
+        )
     for k in ("dora_over_sync", "dora_over_partial"):
         if res[k] is not None:
             print(f"{k}: {res[k]:.2f}x")

@@ -75,16 +75,24 @@ def throughput(proc, argv: list[str]) -> dict:
             c = comp.conversation
             turns = _model_turns(comp.loss_mask)
             conversations[rid] = {
-                "turns": c["turns"], "model_tokens": sum(turns), "env_tokens": c["env_tokens"],
-                "env_seconds": c["env_seconds"], "prompt_tokens": len(comp.prompt.tokens),
-                "model_turn_tokens": turns, "reward": comp.env_reward,
-            }  # fmt: skip
+                "turns": c["turns"],
+                "model_tokens": sum(turns),
+                "env_tokens": c["env_tokens"],
+                "env_seconds": c["env_seconds"],
+                "prompt_tokens": len(comp.prompt.tokens),
+                "model_turn_tokens": turns,
+                "reward": comp.env_reward,
+            }
         elif comp.tokens:
             responses[rid] = {
-                "turns": 1, "model_tokens": len(comp.tokens), "env_tokens": 0,
-                "env_seconds": 0.0, "prompt_tokens": len(comp.prompt.tokens),
-                "model_turn_tokens": [len(comp.tokens)], "reward": None,
-            }  # fmt: skip
+                "turns": 1,
+                "model_tokens": len(comp.tokens),
+                "env_tokens": 0,
+                "env_seconds": 0.0,
+                "prompt_tokens": len(comp.prompt.tokens),
+                "model_turn_tokens": [len(comp.tokens)],
+                "reward": None,
+            }
 
     exp.grpo.on_consume.append(on_consume)
     rounds: list[float] = []
@@ -124,22 +132,25 @@ def throughput(proc, argv: list[str]) -> dict:
     taken = [c for c in rec.consumed if first <= c.trainer_version < first + steps]
     consumed = len(taken)
     tokens = sum(c.response_len for c in taken)
-    model_tokens = sum(conversations[c.request_id]["model_tokens"] for c in taken
-                       if c.request_id in conversations)  # fmt: skip
+    model_tokens = sum(
+        conversations[c.request_id]["model_tokens"] for c in taken if c.request_id in conversations
+    )
     rows = conversations or responses  # the window's consumed ones, for the simulator
     with open(Path(cfg.run_dir) / "conversations.jsonl", "w") as f:
         for c in taken:
             if c.request_id in rows:
                 f.write(json.dumps(rows[c.request_id]) + "\n")
     spans = [g for g in rec.spans if g.t1 > t_a and g.t0 < t_b]
-    rolling = [(max(g.t0, t_a), min(g.t1, t_b)) for g in spans
-               if g.activity in ("prefill", "decode")]  # fmt: skip
+    rolling = [
+        (max(g.t0, t_a), min(g.t1, t_b)) for g in spans if g.activity in ("prefill", "decode")
+    ]
     train = merge_intervals([(max(s.start, t_a), min(s.end, t_b)) for s in win])
     busy_train = sum(b - a for a, b in train)
     idle = []
     for g in range(rec.num_groups):
-        busy = sum(min(x.t1, t_b) - max(x.t0, t_a) for x in spans
-                   if x.group == g and x.activity != "idle")  # fmt: skip
+        busy = sum(
+            min(x.t1, t_b) - max(x.t0, t_a) for x in spans if x.group == g and x.activity != "idle"
+        )
         idle.append(max(0.0, 1.0 - busy / span))
     view = window(rec, t_a, min(t_b, t_a + 12.0))
     title = f"{cfg.orchestrator.mode}, wall clock: 12 s of the measured window"
@@ -147,8 +158,11 @@ def throughput(proc, argv: list[str]) -> dict:
     rounds.sort()
     # the train steps' own seconds in the window: a step much slower than the median compiled
     # the step for a batch shape met for the first time
-    step_s = sorted(s.timing["train_step_s"] for s in exp.grpo.log[first : first + steps]
-                    if "train_step_s" in s.timing)  # fmt: skip
+    step_s = sorted(
+        s.timing["train_step_s"]
+        for s in exp.grpo.log[first : first + steps]
+        if "train_step_s" in s.timing
+    )
     median = step_s[len(step_s) // 2] if step_s else 0.0
     slow = [t for t in step_s if t > 3 * median]
     # weight loads in the window, wall seconds each on the group's own thread (across processes:
@@ -183,7 +197,7 @@ def throughput(proc, argv: list[str]) -> dict:
         # (train.compile_shapes), and the shapes compiled there over the whole run
         "fallback_steps": int(
             sum(s.timing.get("fallback_shape", 0.0) for s in exp.grpo.log[first : first + steps])
-        ),  # fmt: skip
+        ),
         "compiled_ahead": len(exp.trainer.compiled_ahead),
         "weight_loads": len(loads),
         "weight_load_s_median": loads[len(loads) // 2] if loads else 0.0,
@@ -203,8 +217,13 @@ def _between_steps(win, spans) -> dict:
         return {"gaps": 0}
 
     def clipped(kinds, a, b):
-        return merge_intervals([(max(x.t0, a), min(x.t1, b)) for x in spans
-                                if x.activity in kinds and x.t1 > a and x.t0 < b])  # fmt: skip
+        return merge_intervals(
+            [
+                (max(x.t0, a), min(x.t1, b))
+                for x in spans
+                if x.activity in kinds and x.t1 > a and x.t0 < b
+            ]
+        )
 
     total = load = roll = lead = tail = 0.0
     calls = {"prefill": 0, "decode": 0}
@@ -221,10 +240,17 @@ def _between_steps(win, spans) -> dict:
         lead += work[0][0] - a if work else b - a
         tail += b - work[-1][1] if work else 0.0
     n = len(pairs)
-    return {"gaps": n, "total": total / n, "weight_load": load / n, "rollout": roll / n,
-            "other": (total - load - roll) / n, "before_first_work": lead / n,
-            "after_last_work": tail / n, "prefill_steps": calls["prefill"] / n,
-            "decode_steps": calls["decode"] / n}  # fmt: skip
+    return {
+        "gaps": n,
+        "total": total / n,
+        "weight_load": load / n,
+        "rollout": roll / n,
+        "other": (total - load - roll) / n,
+        "before_first_work": lead / n,
+        "after_last_work": tail / n,
+        "prefill_steps": calls["prefill"] / n,
+        "decode_steps": calls["decode"] / n,
+    }
 
 
 def _model_turns(mask) -> list[int]:
@@ -261,8 +287,12 @@ def migration(proc, argv: list[str]) -> dict:
     params = init_params(cfg.model, jax.random.key(0))
     clock, bus = LogicalClock(), Bus()
     cluster = Cluster(proc)
-    stage = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rollout_rules(),
-                           make_mesh(jax.local_devices()[:1], 1, 1))  # fmt: skip
+    stage = tree_shardings(
+        param_axes(cfg.model),
+        abstract_params(cfg.model),
+        rollout_rules(),
+        make_mesh(jax.local_devices()[:1], 1, 1),
+    )
     cluster.connect(bus.post, clock.now, lambda: stage)
     cluster.start_hosts(to_dict(cfg), [-1], cfg.seed, False)
     src_g = next(g for g, m in enumerate(meshes.groups) if cluster.owner(m, "g") == 0)

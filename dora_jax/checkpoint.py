@@ -286,8 +286,12 @@ class RunCheckpointer:
             return step
         text, arrays = state_codec.dumps(exp.state_dict())
         host = {"state": np.frombuffer(text, np.uint8), **arrays}
-        meta = {"format": HOST_FORMAT, "steps_done": step, "tick": exp.tick,
-                "saved_at": time.time()}  # fmt: skip
+        meta = {
+            "format": HOST_FORMAT,
+            "steps_done": step,
+            "tick": exp.tick,
+            "saved_at": time.time(),
+        }
         # host copies: gathered to process 0 when the trainer spans processes
         items = exp.arrays(self.host_copies)
         self._check_space(step, [items["train_state"], items["versions"], host])
@@ -323,8 +327,11 @@ class RunCheckpointer:
     def _save_failed(self, step: int | None, e: BaseException) -> CheckpointSaveError:
         step = step if step is not None else -1
         last = max([s for s in self.safe_steps() if s != step], default=None)
-        kept = f"the last complete checkpoint is {self.directory / str(last)}" if last is not None \
-            else "no checkpoint was completed"  # fmt: skip
+        kept = (
+            f"the last complete checkpoint is {self.directory / str(last)}"
+            if last is not None
+            else "no checkpoint was completed"
+        )
         return CheckpointSaveError(
             f"saving checkpoint {self.directory / str(step)} failed ({_one_line(e)}); the run "
             f"stopped; {kept}"

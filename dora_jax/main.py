@@ -67,8 +67,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="with --local-processes: pin each process to its own CPU core",
     )
-    m.add_argument("--coordinator", help="host:port of process 0 (else DORA_COORDINATOR, or the "
-                                         "scheduler's: SLURM, Open MPI, Cloud TPU)")  # fmt: skip
+    m.add_argument(
+        "--coordinator",
+        help="host:port of process 0 (else DORA_COORDINATOR, or the "
+        "scheduler's: SLURM, Open MPI, Cloud TPU)",
+    )
     m.add_argument("--num-processes", type=int, help="processes in the run (DORA_NUM_PROCESSES)")
     m.add_argument("--process-id", type=int, help="this process's index (DORA_PROCESS_ID)")
     p.add_argument(
@@ -267,8 +270,7 @@ def _launch_local(args: argparse.Namespace, argv: list[str], run_dir: Path) -> i
         if a.startswith(("--local-processes=", "--devices-per-process=")) or a == "--pin-cores":
             continue
         rest.append(a)
-    return launch_local(n, rest, run_dir, devices_per_process=k,
-                        pin_cores=args.pin_cores)  # fmt: skip
+    return launch_local(n, rest, run_dir, devices_per_process=k, pin_cores=args.pin_cores)
 
 
 def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
@@ -376,9 +378,14 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
             evals.at(exp.runtime.steps_done)
         evals.close()
         write_run_report(
-            exp, result, evals, run_dir, time.perf_counter() - t_start, warm_start_s,
+            exp,
+            result,
+            evals,
+            run_dir,
+            time.perf_counter() - t_start,
+            warm_start_s,
             health=health,
-        )  # fmt: skip
+        )
         if health.tripped:
             print(f"error: {health.tripped}", file=sys.stderr)
             return 1

@@ -99,9 +99,14 @@ def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
     """``[groups, ncols, 3]`` RGB: each column the time-weighted mean colour of what it spans."""
     p = len(PALETTE)
     lut = np.concatenate(
-        [[IDLE_RGB, TRANSFER_RGB], PALETTE, PALETTE * (1 - TINT) + TINT, [MIGRATE_RGB],
-         [ENV_WAIT_RGB]]
-    )  # fmt: skip
+        [
+            [IDLE_RGB, TRANSFER_RGB],
+            PALETTE,
+            PALETTE * (1 - TINT) + TINT,
+            [MIGRATE_RGB],
+            [ENV_WAIT_RGB],
+        ]
+    )
     busy = (act == _DECODE) | (act == _PREFILL) | ((act == _IDLE) & (active > 0))
     idx = np.where(act == _TRANSFER, 1, np.where(act == _MIGRATE, 2 + 2 * p, 0))
     idx = np.where(act == _ENV_WAIT, 3 + 2 * p, idx)
@@ -137,9 +142,12 @@ def _span_image(records: Records, end: float, ncols: int, start: float = 0.0) ->
                 colors.append(IDLE_RGB)
             base = PALETTE[x.version % p]
             rgb = {
-                "decode": base, "prefill": base * (1 - TINT) + TINT, "transfer": TRANSFER_RGB,
-                "migrate": MIGRATE_RGB, "env_wait": ENV_WAIT_RGB,
-            }.get(x.activity, IDLE_RGB)  # fmt: skip
+                "decode": base,
+                "prefill": base * (1 - TINT) + TINT,
+                "transfer": TRANSFER_RGB,
+                "migrate": MIGRATE_RGB,
+                "env_wait": ENV_WAIT_RGB,
+            }.get(x.activity, IDLE_RGB)
             edges.append(b)
             colors.append(rgb)
             t = b
@@ -219,11 +227,25 @@ def plot_timeline(
         a, b = x_at(s.start), x_at(s.end)
         if b <= a:
             continue
-        top.broken_barh([(a, b - a)], (-0.4, 0.8), facecolors=version_color(s.version),
-                        edgecolors="white", linewidth=0.6)  # fmt: skip
+        top.broken_barh(
+            [(a, b - a)],
+            (-0.4, 0.8),
+            facecolors=version_color(s.version),
+            edgecolors="white",
+            linewidth=0.6,
+        )
         if (b - a) / width > 0.018 and x0 <= (a + b) / 2 <= x1:
-            top.text((a + b) / 2, 0.0, f"v{s.version}", ha="center", va="center", fontsize=7,
-                     color="white", fontweight="bold", clip_on=True)  # fmt: skip
+            top.text(
+                (a + b) / 2,
+                0.0,
+                f"v{s.version}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+                fontweight="bold",
+                clip_on=True,
+            )
     if records.migrations:
         mx = [x_at(t) for t, _ in records.migrations]
         ms = [min(10 + 8 * n, 80) for _, n in records.migrations]
@@ -240,8 +262,14 @@ def plot_timeline(
     step = max(1, math.ceil(ngroups / 32))
     gticks = list(range(0, ngroups, step))
     xlabel = "time (s)" if wall or tick_seconds is not None else "tick"
-    ax.set(yticks=gticks, yticklabels=[f"g{g}" for g in gticks], ylim=(ngroups - 0.5, -0.5),
-           xlim=(x0, x1), xlabel=xlabel, ylabel="rollout group")  # fmt: skip
+    ax.set(
+        yticks=gticks,
+        yticklabels=[f"g{g}" for g in gticks],
+        ylim=(ngroups - 0.5, -0.5),
+        xlim=(x0, x1),
+        xlabel=xlabel,
+        ylabel="rollout group",
+    )
     ax.tick_params(axis="y", labelsize=7 if ngroups > 16 else 8)
     head = title or f"{records.mode}: rollout groups by policy version"
     extent = f"{x1 - x0:.1f} s" if wall or tick_seconds is not None else f"{nticks} ticks"
@@ -290,8 +318,13 @@ def phase_fractions(
     keys = ("rollout_only", "overlap", "train_only", "neither")
     if records.clock == "wall":  # seconds, from the spans and the steps' spans
         h = records.horizon() if end is None else end
-        roll = merge_intervals([(g.t0, min(g.t1, h)) for g in records.spans
-                                if g.activity in ("prefill", "decode") and g.t0 < h])  # fmt: skip
+        roll = merge_intervals(
+            [
+                (g.t0, min(g.t1, h))
+                for g in records.spans
+                if g.activity in ("prefill", "decode") and g.t0 < h
+            ]
+        )
         train = merge_intervals([(s.start, min(s.end, h)) for s in records.steps if s.start < h])
         both = intersection_length(roll, train)
         r, t = sum(b - a for a, b in roll), sum(b - a for a, b in train)
@@ -364,8 +397,11 @@ def write_summary(
     hist = dict(sorted(Counter(c.staleness for c in consumed).items()))
     phases = phase_fractions(records, _horizon(summary), tick_seconds)
     per_s = wall_s if wall_s > 0 else math.nan
-    oh = {k: v for k, v in (overheads or {}).items()
-          if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    oh = {
+        k: v
+        for k, v in (overheads or {}).items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
     oh_frac = {f"{k[:-2]}_frac": v / per_s for k, v in oh.items() if k.endswith("_s")}
     mig_events = sum(1 for t, _ in records.migrations if t < _horizon(summary))
     reward = reward_stats(rewards)
@@ -427,8 +463,11 @@ def _short(v: Any) -> str:
 
 def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
     th, ph, rw = d["throughput"], d["phases"], d["reward"]
-    horizon = (f"{_f(s.seconds)} s of run time ({s.ticks} control rounds)" if s.clock == "wall"
-               else f"{s.ticks} ticks")  # fmt: skip
+    horizon = (
+        f"{_f(s.seconds)} s of run time ({s.ticks} control rounds)"
+        if s.clock == "wall"
+        else f"{s.ticks} ticks"
+    )
     rows = [
         ("mode / clock", f"{s.mode} / {s.clock}"),
         ("horizon / train steps / wall time", f"{horizon} / {s.steps} / {_f(d['wall_s'])} s"),
@@ -439,8 +478,10 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
         ("trainer-busy time with rollout decoding", _f(s.overlap, True)),
         ("idle share per group", ", ".join(_f(x, True) for x in s.group_idle)),
         ("rollout-only time", _f(ph["rollout_only"], True)),
-        ("overlap / train-only / neither",
-         " / ".join(_f(ph[k], True) for k in ("overlap", "train_only", "neither"))),
+        (
+            "overlap / train-only / neither",
+            " / ".join(_f(ph[k], True) for k in ("overlap", "train_only", "neither")),
+        ),
         ("decode slot utilisation", _f(s.utilisation, True)),
         ("staleness mean / max", f"{_f(s.staleness_mean)} / {s.staleness_max}"),
         ("max live versions / max version span", f"{s.max_live_versions} / {s.max_version_span}"),
@@ -449,24 +490,36 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
         ("re-prefill tokens", str(s.reprefill_tokens)),
         ("discarded requests", str(s.discarded)),
         ("plans (mean / max ms)", f"{s.plans} ({_f(s.plan_ms_mean)} / {_f(s.plan_ms_max)})"),
-        (f"reward start -> end (mean of {rw['n_avg']} steps)",
-         f"{_f(rw['start'])} -> {_f(rw['end'])}"),
-    ]  # fmt: skip
+        (
+            f"reward start -> end (mean of {rw['n_avg']} steps)",
+            f"{_f(rw['start'])} -> {_f(rw['end'])}",
+        ),
+    ]
     ev = d["held_out_eval"]
     if ev:
         rows.append(
-            (f"held-out solved, step {ev[0]['step']} -> {ev[-1]['step']}",
-             f"{_f(ev[0]['solved'])} -> {_f(ev[-1]['solved'])} "
-             f"(evaluations: {', '.join(_f(e['solved']) for e in ev)})")
-        )  # fmt: skip
+            (
+                f"held-out solved, step {ev[0]['step']} -> {ev[-1]['step']}",
+                f"{_f(ev[0]['solved'])} -> {_f(ev[-1]['solved'])} "
+                f"(evaluations: {', '.join(_f(e['solved']) for e in ev)})",
+            )
+        )
         for name in ev[-1].get("at_k", {}):  # mean@k, pass@j with several samples per problem
             first, last = ev[0]["at_k"].get(name), ev[-1]["at_k"][name]
-            rows.append((f"held-out {name}, step {ev[0]['step']} -> {ev[-1]['step']}",
-                         f"{_f(first)} -> {_f(last)}"))  # fmt: skip
+            rows.append(
+                (
+                    f"held-out {name}, step {ev[0]['step']} -> {ev[-1]['step']}",
+                    f"{_f(first)} -> {_f(last)}",
+                )
+            )
     errors = (d.get("extra") or {}).get("reward_errors_by_kind")
     if errors:
-        rows.append(("reward function failures (reward 0)",
-                     ", ".join(f"{k} {n}" for k, n in errors.items())))  # fmt: skip
+        rows.append(
+            (
+                "reward function failures (reward 0)",
+                ", ".join(f"{k} {n}" for k, n in errors.items()),
+            )
+        )
     rows += [(f"overhead: {k[:-5]}", f"{_f(v, True)} of wall time") for k, v in oh_frac.items()]
     out = [f"# Run summary: {s.mode}", "", "| metric | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
@@ -509,13 +562,13 @@ def window(records: Records, t0: float, t1: float) -> Records:
             g._replace(t0=max(g.t0, t0) - t0, t1=min(g.t1, t1) - t0)
             for g in records.spans
             if g.t1 > t0 and g.t0 < t1
-        ],  # fmt: skip
+        ],
         cluster=[c._replace(time=c.time - t0) for c in records.cluster if cut(c.time)],
         steps=[
             replace(s, start=max(s.start, t0) - t0, end=min(s.end, t1) - t0)
             for s in records.steps
             if s.end > t0 and s.start < t1
-        ],  # fmt: skip
+        ],
         plans=[replace(p, tick=p.tick - t0) for p in records.plans if cut(p.tick)],
         transfers=[(t - t0, g, v) for t, g, v in records.transfers if cut(t)],
         migrations=[(t - t0, n) for t, n in records.migrations if cut(t)],

@@ -147,9 +147,10 @@ def changes(saved: ExperimentConfig, new: ExperimentConfig) -> list[Change]:
             action, why = REFUSE, "turning the KL penalty on or off changes the saved train state"
         if action == REFUSE:
             raise ConfigError(
-                path, f"the checkpoint has {old!r} but the config says {now!r}: cannot change on "
-                      f"resume ({why})",
-            )  # fmt: skip
+                path,
+                f"the checkpoint has {old!r} but the config says {now!r}: cannot change on "
+                f"resume ({why})",
+            )
         if path != "run_dir":
             out.append(Change(path, old, now, why))
     return out
@@ -231,19 +232,28 @@ def check_restored(cfg: ExperimentConfig, runtime, changed: list[Change]) -> Non
     done = runtime.steps_done
     if cfg.train.total_steps < done:
         raise ConfigError(
-            "train.total_steps", f"the checkpoint has done {done} steps; resume with "
-                                 f"train.total_steps >= {done}, not {cfg.train.total_steps}",
-        )  # fmt: skip
+            "train.total_steps",
+            f"the checkpoint has done {done} steps; resume with "
+            f"train.total_steps >= {done}, not {cfg.train.total_steps}",
+        )
     w = runtime.window
     bad = w.bound_violation()
     if bad is None:
         return
     names = {c.path for c in changed}
     field = next(
-        (f for f in ("orchestrator.staleness_k", "orchestrator.train_batch_prompts",
-                     "orchestrator.rollout_batch_prompts", "orchestrator.mode") if f in names),
+        (
+            f
+            for f in (
+                "orchestrator.staleness_k",
+                "orchestrator.train_batch_prompts",
+                "orchestrator.rollout_batch_prompts",
+                "orchestrator.mode",
+            )
+            if f in names
+        ),
         "orchestrator.staleness_k",
-    )  # fmt: skip
+    )
     raise ConfigError(
         field,
         f"under mode {runtime.mode.name} (K={w.k}, {w.per_step} prompt groups per step) the "

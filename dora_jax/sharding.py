@@ -75,8 +75,9 @@ def spec_for(
         if shape is not None and mesh_axes and shape[i] % size != 0:
             if dropped is not None:
                 where = "x".join(mesh_axes)
-                dropped.append(f"dimension {i} ({name}, size {shape[i]}) over mesh axis "
-                               f"'{where}' ({size})")  # fmt: skip
+                dropped.append(
+                    f"dimension {i} ({name}, size {shape[i]}) over mesh axis '{where}' ({size})"
+                )
             mesh_axes = ()
         used.update(mesh_axes)
         if not mesh_axes or size == 1:

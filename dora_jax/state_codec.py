@@ -145,16 +145,20 @@ def encode(obj: Any, inline_bytes: int = INLINE_BYTES) -> tuple[Any, dict[str, n
         if isinstance(x, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in x):
                 return {k: enc(v, f"{where}.{k}") for k, v in x.items()}
-            return {"__dict__": [[enc(k, f"{where} key"), enc(v, f"{where}[{k!r}]")]
-                                 for k, v in x.items()]}  # fmt: skip
+            return {
+                "__dict__": [
+                    [enc(k, f"{where} key"), enc(v, f"{where}[{k!r}]")] for k, v in x.items()
+                ]
+            }
         if isinstance(x, set | frozenset):
             return {"__set__": [enc(v, f"{where} item") for v in sorted(x)]}
         if isinstance(x, bytes):
             return {"__bytes__": base64.b64encode(x).decode("ascii")}
         if isinstance(x, np.generic):
             a = np.asarray(x)
-            return {"__scalar__": [_dtype_name(a.dtype),
-                                   base64.b64encode(a.tobytes()).decode("ascii")]}  # fmt: skip
+            return {
+                "__scalar__": [_dtype_name(a.dtype), base64.b64encode(a.tobytes()).decode("ascii")]
+            }
         if isinstance(x, np.ndarray):
             try:
                 return array(x)
@@ -179,7 +183,7 @@ def decode(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
         if not isinstance(x, dict):
             return x
         if len(x) == 1:
-            (tag, v), = x.items()  # fmt: skip
+            ((tag, v),) = x.items()
             if tag == "__tuple__":
                 return tuple(dec(i) for i in v)
             if tag == "__dict__":

@@ -26,8 +26,9 @@ class WandbLog:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("logging.wandb", "needs the wandb package "
-                              "(pip install 'dora-jax[wandb]')") from None  # fmt: skip
+            raise ConfigError(
+                "logging.wandb", "needs the wandb package (pip install 'dora-jax[wandb]')"
+            ) from None
         self._wandb = wandb
         lg = cfg.logging
         run_dir = Path(run_dir)

@@ -81,9 +81,13 @@ def main(argv: list[str]) -> int:
         )
         t0 = time.perf_counter()
         run = run_fake(
-            cfg, GROUP_SIZE, backend, num_steps=args.steps, step_ticks=args.train_ticks,
+            cfg,
+            GROUP_SIZE,
+            backend,
+            num_steps=args.steps,
+            step_ticks=args.train_ticks,
             prompt_len=PROMPT_LEN,
-        )  # fmt: skip
+        )
         s = run.result.summary
         results[mode] = run
         base = s.traj_per_tick if mode == "sync" else base
@@ -102,8 +106,10 @@ def main(argv: list[str]) -> int:
         "plan ms: mean planning time."
     )
     if args.timeline and "dora" in results:
-        print("\ndora timeline (one char per 100 ticks: version digit decoding, ^ prefill, "
-              "~ weight transfer, . idle):")  # fmt: skip
+        print(
+            "\ndora timeline (one char per 100 ticks: version digit decoding, ^ prefill, "
+            "~ weight transfer, . idle):"
+        )
         for line in results["dora"].result.records.timeline(every=100, end=8000):
             print(line)
     return 0

@@ -195,19 +195,26 @@ def train_section(rec: Recorder, plan: Plan) -> None:
         return statistics.median(times), metrics
 
     def run(seq: int) -> dict:
-        cfg = ModelConfig(**plan.train_model, param_dtype="bfloat16", compute_dtype="bfloat16",
-                          remat="nested")  # fmt: skip
-        tcfg = TrainConfig(lr=1e-6, fp32_master_weights=True, length_buckets=(seq,),
-                           group_size=plan.train_rows)  # fmt: skip
+        cfg = ModelConfig(
+            **plan.train_model, param_dtype="bfloat16", compute_dtype="bfloat16", remat="nested"
+        )
+        tcfg = TrainConfig(
+            lr=1e-6, fp32_master_weights=True, length_buckets=(seq,), group_size=plan.train_rows
+        )
         trainer = Trainer(cfg, tcfg)
         rng = np.random.default_rng(0)
         prompt, resp = seq // 8, seq - seq // 8
         trajs = [
-            Trajectory(rng.integers(1, cfg.vocab_size, prompt).tolist(),
-                       rng.integers(1, cfg.vocab_size, resp).tolist(),
-                       (-rng.random(resp)).tolist(), float(i % 2), 0, 0)
+            Trajectory(
+                rng.integers(1, cfg.vocab_size, prompt).tolist(),
+                rng.integers(1, cfg.vocab_size, resp).tolist(),
+                (-rng.random(resp)).tolist(),
+                float(i % 2),
+                0,
+                0,
+            )
             for i in range(plan.train_rows)
-        ]  # fmt: skip
+        ]
         batch = trainer.pack(trajs)
         step_s, metrics = timed_steps(trainer, batch)
         tokens = batch.num_rows * batch.seq_len
@@ -227,8 +234,7 @@ def train_section(rec: Recorder, plan: Plan) -> None:
         )
 
     for seq in plan.train_lengths:
-        rec.run_case("train", "train", f"train/step/{seq}", lambda seq=seq: run(seq),
-                     seq_len=seq)  # fmt: skip
+        rec.run_case("train", "train", f"train/step/{seq}", lambda seq=seq: run(seq), seq_len=seq)
 
     n, median, longest, buckets = plan.train_mix
     rng = np.random.default_rng(1)
@@ -241,26 +247,41 @@ def train_section(rec: Recorder, plan: Plan) -> None:
     def run_mix(packing: str, attention: str) -> dict:
         """The same long-tailed batch, padded (one trajectory per row) or packed by tokens;
         blockwise or cuDNN attention (cuDNN: one trajectory per row only)."""
-        cfg = ModelConfig(**plan.train_model, param_dtype="bfloat16", compute_dtype="bfloat16",
-                          remat="nested", attention=attention)  # fmt: skip
-        tcfg = TrainConfig(lr=1e-6, fp32_master_weights=True, length_buckets=buckets,
-                           group_size=n, packing=packing)  # fmt: skip
+        cfg = ModelConfig(
+            **plan.train_model,
+            param_dtype="bfloat16",
+            compute_dtype="bfloat16",
+            remat="nested",
+            attention=attention,
+        )
+        tcfg = TrainConfig(
+            lr=1e-6, fp32_master_weights=True, length_buckets=buckets, group_size=n, packing=packing
+        )
         trainer = Trainer(cfg, tcfg)
         trajs = [
-            Trajectory(rng.integers(1, cfg.vocab_size, p).tolist(),
-                       rng.integers(1, cfg.vocab_size, r).tolist(),
-                       (-rng.random(r)).tolist(), float(i % 2), 0, 0)
+            Trajectory(
+                rng.integers(1, cfg.vocab_size, p).tolist(),
+                rng.integers(1, cfg.vocab_size, r).tolist(),
+                (-rng.random(r)).tolist(),
+                float(i % 2),
+                0,
+                0,
+            )
             for i, (p, r) in enumerate(mix)
-        ]  # fmt: skip
+        ]
         batch = trainer.pack(trajs)
         step_s, metrics = timed_steps(trainer, batch)
         real = int(np.count_nonzero(np.asarray(batch.segment_ids)))
         loss = float(metrics["loss"])
         return dict(
-            rows=batch.num_rows, seq_len=batch.seq_len, step_s=step_s,
+            rows=batch.num_rows,
+            seq_len=batch.seq_len,
+            step_s=step_s,
             real_token_share=real / (batch.num_rows * batch.seq_len),
-            real_tokens_per_s=real / step_s, loss=loss, ok=bool(np.isfinite(loss)),
-        )  # fmt: skip
+            real_tokens_per_s=real / step_s,
+            loss=loss,
+            ok=bool(np.isfinite(loss)),
+        )
 
     lens = sorted(p + r for p, r in mix)
     found = {}
@@ -269,17 +290,25 @@ def train_section(rec: Recorder, plan: Plan) -> None:
         variants.insert(1, ("rows", "cudnn"))
     for packing, attention in variants:
         row = rec.run_case(
-            "train", "train_mix", f"train/mix/{packing}/{attention}",
-            lambda p=packing, a=attention: run_mix(p, a), packing=packing, attention=attention,
-            trajectories=n, median_len=lens[n // 2], longest=lens[-1],
-        )  # fmt: skip
+            "train",
+            "train_mix",
+            f"train/mix/{packing}/{attention}",
+            lambda p=packing, a=attention: run_mix(p, a),
+            packing=packing,
+            attention=attention,
+            trajectories=n,
+            median_len=lens[n // 2],
+            longest=lens[-1],
+        )
         if row and not row.get("error"):
             found[(packing, attention)] = row["real_tokens_per_s"]
     packed = found.get(("tokens", "blockwise"))
     for key in (("rows", "blockwise"), ("rows", "cudnn")):
         if packed and key in found:
-            rec.say(f"train mix: packed blockwise / padded {key[1]}: "
-                    f"{packed / found[key]:.2f}x in real tokens/s")  # fmt: skip
+            rec.say(
+                f"train mix: packed blockwise / padded {key[1]}: "
+                f"{packed / found[key]:.2f}x in real tokens/s"
+            )
 
 
 def moe_section(rec: Recorder, plan: Plan) -> None:
@@ -296,13 +325,22 @@ def _moe_cases(rec: Recorder, plan: Plan, E: int) -> None:
     from dora_jax.model.moe import grouped_experts, moe_param_specs, route
 
     D, f, k, N = plan.moe_dims
-    cfg = ModelConfig(family="qwen3_moe", hidden_size=D, num_layers=1, num_heads=4,
-                      num_kv_heads=2, num_experts=E, num_experts_per_tok=k,
-                      moe_intermediate_size=f)  # fmt: skip
+    cfg = ModelConfig(
+        family="qwen3_moe",
+        hidden_size=D,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        num_experts=E,
+        num_experts_per_tok=k,
+        moe_intermediate_size=f,
+    )
     specs = moe_param_specs(cfg)
     keys = jax.random.split(jax.random.key(E), len(specs) + 1)
-    lp32 = {n: 0.05 * jax.random.normal(kk, sp.shape[1:], jnp.float32)
-            for (n, sp), kk in zip(specs.items(), keys, strict=False)}  # fmt: skip
+    lp32 = {
+        n: 0.05 * jax.random.normal(kk, sp.shape[1:], jnp.float32)
+        for (n, sp), kk in zip(specs.items(), keys, strict=False)
+    }
     x32 = jax.random.normal(keys[-1], (N, D), jnp.float32)
 
     def block(lp, x, impl):
@@ -324,8 +362,15 @@ def _moe_cases(rec: Recorder, plan: Plan, E: int) -> None:
         return dict(max_abs_err=err, tol=tol, ok=ok, tokens_per_s=N / seconds)
 
     for impl in ("ragged", "blocked"):
-        rec.run_case("moe", "moe", f"moe/{impl}/E{E}/{label}", partial(check_and_time, impl),
-                     impl=impl, experts=E, shape=label)  # fmt: skip
+        rec.run_case(
+            "moe",
+            "moe",
+            f"moe/{impl}/E{E}/{label}",
+            partial(check_and_time, impl),
+            impl=impl,
+            experts=E,
+            shape=label,
+        )
 
 
 SECTIONS: dict[str, Callable[[Recorder, Plan], None]] = {

@@ -27,18 +27,43 @@ from dora_jax.sim.run import resolve, simulate  # noqa: E402
 DIS, CO = "disaggregated", "colocated"
 # name -> (label, values, quick values, override template, (mode, placement) runs)
 SWEEPS = {
-    "k": ("staleness bound K", [0, 1, 2, 3, 4], [1, 3], "orchestration.staleness_k={v}",
-          [("dora", DIS), ("partial", DIS), ("partial", CO), ("sync", DIS)]),
-    "rbs": ("RBS / TBS", [1.0, 1.25, 1.5, 2.0, 3.0], [1.0, 2.0], "rbs={v}",
-            [("dora", DIS), ("partial", DIS), ("partial", CO), ("oversample", DIS)]),
-    "tail": ("response p99 / median (median fixed, capped)", [2, 5, 10, 20, 40], [2, 20],
-             "response.p99_ratio={v}",
-             [("dora", DIS), ("partial", DIS), ("partial", CO), ("one_step", DIS),
-              ("oversample", DIS), ("sync", DIS), ("sync", CO)]),
-    "cluster": ("GPUs (balanced trainer / rollout split)", [32, 64, 128, 256], [32, 64],
-                "cluster.total_gpus={v}",
-                [("dora", DIS), ("partial", DIS), ("partial", CO), ("sync", DIS), ("sync", CO)]),
-}  # fmt: skip
+    "k": (
+        "staleness bound K",
+        [0, 1, 2, 3, 4],
+        [1, 3],
+        "orchestration.staleness_k={v}",
+        [("dora", DIS), ("partial", DIS), ("partial", CO), ("sync", DIS)],
+    ),
+    "rbs": (
+        "RBS / TBS",
+        [1.0, 1.25, 1.5, 2.0, 3.0],
+        [1.0, 2.0],
+        "rbs={v}",
+        [("dora", DIS), ("partial", DIS), ("partial", CO), ("oversample", DIS)],
+    ),
+    "tail": (
+        "response p99 / median (median fixed, capped)",
+        [2, 5, 10, 20, 40],
+        [2, 20],
+        "response.p99_ratio={v}",
+        [
+            ("dora", DIS),
+            ("partial", DIS),
+            ("partial", CO),
+            ("one_step", DIS),
+            ("oversample", DIS),
+            ("sync", DIS),
+            ("sync", CO),
+        ],
+    ),
+    "cluster": (
+        "GPUs (balanced trainer / rollout split)",
+        [32, 64, 128, 256],
+        [32, 64],
+        "cluster.total_gpus={v}",
+        [("dora", DIS), ("partial", DIS), ("partial", CO), ("sync", DIS), ("sync", CO)],
+    ),
+}
 
 
 COLORS = {

@@ -50,16 +50,29 @@ def main(argv: list[str]) -> int:
         result = exp.runtime.run(steps, drain=True, stall_s=cfg.orchestrator.stall_s)
         rec, s = result.records, result.summary
         # regenerate migrated trajectories alone, never moved, under their version's params
-        engine = Engine(exp.cfg.model, exp.cfg.rollout, make_mesh(jax.local_devices()[-1:], 1, 1),
-                        eos_ids(exp.tokenizer))  # fmt: skip
+        engine = Engine(
+            exp.cfg.model,
+            exp.cfg.rollout,
+            make_mesh(jax.local_devices()[-1:], 1, 1),
+            eos_ids(exp.tokenizer),
+        )
         mismatches, checked = [], 0
         for rid, version, comp in [c for c in consumed if c[2].migrations > 0][:6]:
             engine.load_params(exp.grpo.params_for(version), version)
             if comp.loss_mask is not None:  # a conversation: its environment turns replayed
                 again, fed = replay(engine, exp, cfg, rid, version, comp)
             else:
-                engine.submit([Request(rid, list(comp.prompt.tokens), version,
-                                       request_key(cfg.seed, rid), len(comp.tokens))])  # fmt: skip
+                engine.submit(
+                    [
+                        Request(
+                            rid,
+                            list(comp.prompt.tokens),
+                            version,
+                            request_key(cfg.seed, rid),
+                            len(comp.tokens),
+                        )
+                    ]
+                )
                 again = next(f for _ in range(10_000) for f in engine.step().finished)
                 fed = len(comp.prompt.tokens)
             checked += 1
@@ -84,8 +97,10 @@ def main(argv: list[str]) -> int:
         }
         (run_dir / "result.json").write_text(json.dumps(out))
         params = jax.device_get(exp.grpo.params_for(exp.grpo.version))
-        flat = {jax.tree_util.keystr(k): np.asarray(v)
-                for k, v in jax.tree_util.tree_leaves_with_path(params)}  # fmt: skip
+        flat = {
+            jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(params)
+        }
         np.savez(run_dir / "params.npz", **flat)
     finally:
         exp.close()
@@ -104,9 +119,19 @@ def replay(engine, exp, cfg, rid, version, comp):
     turns = _env_turns(comp.loss_mask, comp.tokens)
     fed = len(comp.prompt.tokens) + sum(1 + len(t) for t in turns)
     budget = comp.prompt.max_new_tokens or cfg.rollout.max_new_tokens
-    engine.submit([Request(rid, list(comp.prompt.tokens), version, request_key(cfg.seed, rid),
-                           budget, multi_turn=True,
-                           stop_seqs=exp.env.driver.stop_sequences)])  # fmt: skip
+    engine.submit(
+        [
+            Request(
+                rid,
+                list(comp.prompt.tokens),
+                version,
+                request_key(cfg.seed, rid),
+                budget,
+                multi_turn=True,
+                stop_seqs=exp.env.driver.stop_sequences,
+            )
+        ]
+    )
     for _ in range(10_000):
         for rec in engine.step().turn_ends:
             if turns:

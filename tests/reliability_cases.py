@@ -36,9 +36,13 @@ def load() -> dict[str, Case]:
         exit_cell = cells[3].strip()
         fragments = tuple(f.replace("\\|", "|") for f in re.findall(r"`([^`]+)`", cells[2]))
         out[case] = Case(
-            case, cells[1], cells[2], fragments,
-            None if exit_cell == "-" else int(exit_cell), cells[4].strip("`"),
-        )  # fmt: skip
+            case,
+            cells[1],
+            cells[2],
+            fragments,
+            None if exit_cell == "-" else int(exit_cell),
+            cells[4].strip("`"),
+        )
     return out
 
 

@@ -45,14 +45,19 @@ def main(argv: list[str]) -> int:
     cfg = load_config(ROOT / "configs" / "default.yaml", argv)
     run_dir = Path(cfg.run_dir)
     meshes = build_meshes(cfg.mesh)
-    layout = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rollout_rules(),
-                            make_mesh(jax.local_devices()[:1], 1, 1))  # fmt: skip
+    layout = tree_shardings(
+        param_axes(cfg.model),
+        abstract_params(cfg.model),
+        rollout_rules(),
+        make_mesh(jax.local_devices()[:1], 1, 1),
+    )
     clock, bus = LogicalClock(), Bus()
     cluster = Cluster(proc)
     cluster.connect(bus.post, clock.now, lambda: layout)
     cluster.start_hosts(to_dict(cfg), [-1], cfg.seed, False)
-    trainer = SpmdTrainer.start(cfg, meshes.trainer, {"hf": None},
-                                cluster.trainer_broadcast(meshes.trainer))  # fmt: skip
+    trainer = SpmdTrainer.start(
+        cfg, meshes.trainer, {"hf": None}, cluster.trainer_broadcast(meshes.trainer)
+    )
     rng = np.random.default_rng(0)
     G = cfg.train.group_size
 
@@ -62,9 +67,16 @@ def main(argv: list[str]) -> int:
             prompt = rng.integers(3, 60, 4).tolist()
             for _ in range(G):
                 n = int(rng.integers(2, max_len))
-                trajs.append(Trajectory(prompt, rng.integers(3, 60, n).tolist(),
-                                        (-rng.random(n)).tolist(), float(rng.random()), version,
-                                        (version, g)))  # fmt: skip
+                trajs.append(
+                    Trajectory(
+                        prompt,
+                        rng.integers(3, 60, n).tolist(),
+                        (-rng.random(n)).tolist(),
+                        float(rng.random()),
+                        version,
+                        (version, g),
+                    )
+                )
         return trainer.pack(trajs, num_groups=groups, version=version)
 
     trainer.export_params()
@@ -84,11 +96,20 @@ def main(argv: list[str]) -> int:
     trainer.step(batch(2, 2, 8))
     final = trainer.host_state()
     w = trainer.worker
-    print("trainer commands: " + json.dumps({
-        "process": 0, "applied": w.applied,
-        "executables": {"x".join(map(str, k)): v for k, v in sorted(w.fingerprints.items())},
-        "version": int(final.version),
-    }), flush=True)  # fmt: skip
+    print(
+        "trainer commands: "
+        + json.dumps(
+            {
+                "process": 0,
+                "applied": w.applied,
+                "executables": {
+                    "x".join(map(str, k)): v for k, v in sorted(w.fingerprints.items())
+                },
+                "version": int(final.version),
+            }
+        ),
+        flush=True,
+    )
     cluster.stop_hosts()
     proc.finish()
     return 0

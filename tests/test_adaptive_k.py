@@ -63,17 +63,38 @@ def test_adaptive_k_config_is_validated():
 )
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_run_invariants_with_k_changing(k, seed, cost, slots):
-    cfg = OrchestratorConfig(mode="dora", clock="logical", staleness_k=k, train_batch_prompts=2,
-                             rollout_batch_prompts=4, plan_period_ticks=4, adaptive_k=True,
-                             adaptive_k_min=0, staleness_cost=cost)  # fmt: skip
-    backend = FakeBackendConfig(num_groups=3, max_slots=slots, max_new_tokens=64,
-                                length_median=6, length_p99_ratio=10.0, weight_transfer_ticks=1,
-                                seed=seed)  # fmt: skip
+    cfg = OrchestratorConfig(
+        mode="dora",
+        clock="logical",
+        staleness_k=k,
+        train_batch_prompts=2,
+        rollout_batch_prompts=4,
+        plan_period_ticks=4,
+        adaptive_k=True,
+        adaptive_k_min=0,
+        staleness_cost=cost,
+    )
+    backend = FakeBackendConfig(
+        num_groups=3,
+        max_slots=slots,
+        max_new_tokens=64,
+        length_median=6,
+        length_p99_ratio=10.0,
+        weight_transfer_ticks=1,
+        seed=seed,
+    )
     out = run_fake(cfg, 2, backend, num_steps=10, step_ticks=2, drain=True, max_ticks=200_000)
     rec = out.result.records
     assert_run_invariants(
-        mode="dora", k=k, group_size=2, num_groups=3, plan_period_ticks=4, runtime=out.runtime,
-        records=rec, ledger=out.result.ledger, trainer_batches=out.trainer.batches,
+        mode="dora",
+        k=k,
+        group_size=2,
+        num_groups=3,
+        plan_period_ticks=4,
+        runtime=out.runtime,
+        records=rec,
+        ledger=out.result.ledger,
+        trainer_batches=out.trainer.batches,
         live_requests=out.backend.live_requests(),
-    )  # fmt: skip
+    )
     assert len(rec.k_log) == len(rec.steps) and all(0 <= x <= k for _, x, _ in rec.k_log)

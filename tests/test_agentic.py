@@ -22,11 +22,19 @@ from dora_jax.pipeline.experiment import build, run
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = Path(__file__).with_name("agentic_envs.py")
 TINY = [
-    "warm_start.steps=0", "orchestrator.train_batch_prompts=2", "train.group_size=4",
-    "orchestrator.rollout_batch_prompts=4", "rollout.max_new_tokens=48", "logging.progress=false",
-    "checkpoint.async_save=false", "eval.num_prompts=0", "orchestrator.clock=logical",
-    f"env.spec={ENVS}:Chatter", "env.workers=2", "env.timeout_s=20",
-]  # fmt: skip
+    "warm_start.steps=0",
+    "orchestrator.train_batch_prompts=2",
+    "train.group_size=4",
+    "orchestrator.rollout_batch_prompts=4",
+    "rollout.max_new_tokens=48",
+    "logging.progress=false",
+    "checkpoint.async_save=false",
+    "eval.num_prompts=0",
+    "orchestrator.clock=logical",
+    f"env.spec={ENVS}:Chatter",
+    "env.workers=2",
+    "env.timeout_s=20",
+]
 
 
 def make(tmp_path, name, *extra):
@@ -185,14 +193,18 @@ def test_a_checkpoint_while_conversations_wait_resumes_exactly(tmp_path):
         run(again, 2)
     finally:
         again.close()
-    chex.assert_trees_all_equal(jax.device_get(straight.trainer.export_params()),
-                                jax.device_get(again.trainer.export_params()))  # fmt: skip
+    chex.assert_trees_all_equal(
+        jax.device_get(straight.trainer.export_params()),
+        jax.device_get(again.trainer.export_params()),
+    )
     ids = [c.request_id for c in straight.runtime.records.consumed]
     assert ids == [c.request_id for c in again.runtime.records.consumed]
     assert len(ids) == len(set(ids)) == 4 * 2 * 4
     assert again.runtime.records.summary().reprefill_tokens == 0
-    chex.assert_trees_all_equal([jax.device_get(s.metrics) for s in straight.grpo.log],
-                                [jax.device_get(s.metrics) for s in again.grpo.log])  # fmt: skip
+    chex.assert_trees_all_equal(
+        [jax.device_get(s.metrics) for s in straight.grpo.log],
+        [jax.device_get(s.metrics) for s in again.grpo.log],
+    )
     assert [s.rewards for s in straight.grpo.log] == [s.rewards for s in again.grpo.log]
 
 
@@ -227,8 +239,19 @@ def test_turn_ends_cross_processes_in_group_events():
     from dora_jax.orchestrator.backend import GroupTick
     from dora_jax.rollout import EngineFinished
 
-    rec = EngineFinished(7, (5, 6), (9, 10, 11, 12, 9), (-0.5, 0.0, 0.0, -0.25, -1.0), 3, "stop",
-                         2, 1, 0.5, turn_start=4, env_spans=((1, 3),))  # fmt: skip
+    rec = EngineFinished(
+        7,
+        (5, 6),
+        (9, 10, 11, 12, 9),
+        (-0.5, 0.0, 0.0, -0.25, -1.0),
+        3,
+        "stop",
+        2,
+        1,
+        0.5,
+        turn_start=4,
+        env_spans=((1, 3),),
+    )
     span = GroupTick(1, 3, "decode", 4, 2, 0, 0, 0.01, 100.0, 100.01)
     sent = GroupEvent(1, span, turn_ends=(rec,))
     got = shift(codec.decode(codec.encode(sent)), 99.0, host=1)

@@ -58,18 +58,24 @@ def test_blockwise_equals_dense_forward_and_gradients(block):
     seg = _packed_segments()
     valid = seg != 0
     mask = segment_causal_mask(seg)
-    od, gd = _loss_and_grads(lambda q, k, v: dense_attention(q, k, v, mask, SCALE), q, k, v, w,
-                             valid)  # fmt: skip
+    od, gd = _loss_and_grads(
+        lambda q, k, v: dense_attention(q, k, v, mask, SCALE), q, k, v, w, valid
+    )
     fn = jax.jit(
         lambda q, k, v: _loss_and_grads(
             lambda q, k, v: blockwise_attention(q, k, v, seg, seg, SCALE, block=block),
-            q, k, v, w, valid,
+            q,
+            k,
+            v,
+            w,
+            valid,
         )
-    )  # fmt: skip
+    )
     ob, gb = fn(q, k, v)
     assert bool(jnp.all(jnp.isfinite(ob)))
-    np.testing.assert_allclose(np.where(valid[..., None, None], ob, 0),
-                               np.where(valid[..., None, None], od, 0), atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        np.where(valid[..., None, None], ob, 0), np.where(valid[..., None, None], od, 0), atol=1e-5
+    )
     for a, b in zip(gb, gd, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -88,8 +94,9 @@ def test_blockwise_equals_jax_reference_attention(block):
     valid = jnp.asarray(seg != 0)
 
     def ref(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask), scale=SCALE,
-                                            implementation="xla")  # fmt: skip
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=jnp.asarray(mask), scale=SCALE, implementation="xla"
+        )
 
     def ours(q, k, v):
         return blockwise_attention(q, k, v, jnp.asarray(seg), jnp.asarray(seg), SCALE, block=block)
@@ -151,15 +158,20 @@ def test_sliding_window_blockwise_equals_dense_and_a_numpy_mask(window, block):
     valid = seg != 0
     mask = _numpy_window_mask(np.asarray(seg), window)
     np.testing.assert_array_equal(segment_causal_mask(seg) & window_band(T, T, window)[None], mask)
-    od, gd = _loss_and_grads(lambda q, k, v: dense_attention(q, k, v, mask, SCALE), q, k, v, w,
-                             valid)  # fmt: skip
+    od, gd = _loss_and_grads(
+        lambda q, k, v: dense_attention(q, k, v, mask, SCALE), q, k, v, w, valid
+    )
     win = jnp.int32(window)
     fn = jax.jit(
         lambda q, k, v, win: _loss_and_grads(
             lambda q, k, v: blockwise_attention(q, k, v, seg, seg, SCALE, block=block, window=win),
-            q, k, v, w, valid,
+            q,
+            k,
+            v,
+            w,
+            valid,
         )
-    )  # fmt: skip
+    )
     ob, gb = fn(q, k, v, win)
     rows = valid[..., None, None]
     np.testing.assert_allclose(np.where(rows, ob, 0), np.where(rows, od, 0), atol=1e-5)
@@ -223,8 +235,15 @@ def test_cudnn_call_matches_dense_for_one_sequence_per_row():
 
 @pytest.mark.slow
 def test_model_forward_and_gradients_blockwise_equal_dense():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=4, num_kv_heads=2, attention="dense")  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        attention="dense",
+    )
     params = init_params(cfg, jax.random.key(0))
     seg = _packed_segments()
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 64)

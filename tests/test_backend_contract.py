@@ -46,14 +46,31 @@ from dora_jax.train import Trainer
 BACKENDS = ("fake", "sim", "real-logical", "real-wall")
 NO_EOS = -1  # real engines: responses run to their drawn length (a long tail by construction)
 REAL = [
-    "model.vocab_size=32", "model.hidden_size=32", "model.intermediate_size=48",
-    "model.num_heads=4", "model.num_kv_heads=2",
-    "rollout.max_slots=4", "rollout.page_size=8", "rollout.num_pages=64",
-    "rollout.max_prompt_len=16", "rollout.max_new_tokens=96", "rollout.prefill_chunk=16",
-    "train.group_size=4", "train.length_buckets=[128]", "train.lr=1e-3",
-]  # fmt: skip
-TOY = ModelSpec("toy", 2e8, 2e8, num_layers=4, hidden=512, kv_bytes_per_token=4096,
-                attn_flops_per_pair=8192.0, allreduces_per_forward=8)  # fmt: skip
+    "model.vocab_size=32",
+    "model.hidden_size=32",
+    "model.intermediate_size=48",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "rollout.max_slots=4",
+    "rollout.page_size=8",
+    "rollout.num_pages=64",
+    "rollout.max_prompt_len=16",
+    "rollout.max_new_tokens=96",
+    "rollout.prefill_chunk=16",
+    "train.group_size=4",
+    "train.length_buckets=[128]",
+    "train.lr=1e-3",
+]
+TOY = ModelSpec(
+    "toy",
+    2e8,
+    2e8,
+    num_layers=4,
+    hidden=512,
+    kv_bytes_per_token=4096,
+    attn_flops_per_pair=8192.0,
+    allreduces_per_forward=8,
+)
 
 
 class LongTailPrompts:
@@ -93,9 +110,16 @@ class Setup:
         self.kind, self.closers = kind, []
         G = 4
         if kind == "fake":
-            fake = FakeBackendConfig(num_groups=4, max_slots=4, max_prompt_len=16,
-                                     max_new_tokens=96, length_median=8, length_p99_ratio=12.0,
-                                     weight_transfer_ticks=1, seed=3)  # fmt: skip
+            fake = FakeBackendConfig(
+                num_groups=4,
+                max_slots=4,
+                max_prompt_len=16,
+                max_new_tokens=96,
+                length_median=8,
+                length_p99_ratio=12.0,
+                weight_transfer_ticks=1,
+                seed=3,
+            )
             self.backend = FakeBackend(fake)
             trainer, prompts, clock = FakeTrainer(step_ticks=3), LongTailPrompts(0), None
             self.batches = lambda: trainer.batches
@@ -104,13 +128,16 @@ class Setup:
             cost = CostModel(
                 TOY, get_hardware("h100"), 1, EfficiencyConfig(train_step_overhead_s=0.01)
             )
-            lengths = ResponseLengths(ResponseConfig(median=8.0, p99_ratio=12.0, max_tokens=96),
-                                      G, 3)  # fmt: skip
-            self.backend = SimBackend(cost, 4, lengths, tick_s=0.005, max_slots=4,
-                                      max_prompt_len=16)  # fmt: skip
+            lengths = ResponseLengths(
+                ResponseConfig(median=8.0, p99_ratio=12.0, max_tokens=96), G, 3
+            )
+            self.backend = SimBackend(
+                cost, 4, lengths, tick_s=0.005, max_slots=4, max_prompt_len=16
+            )
             trainer = SimTrainer(cost, 8, 0.005, clock=self.backend)
-            prompts = SimPrompts(PromptConfig(median=8, p99_ratio=2, min_tokens=1, max_tokens=16),
-                                 3)  # fmt: skip
+            prompts = SimPrompts(
+                PromptConfig(median=8, p99_ratio=2, min_tokens=1, max_tokens=16), 3
+            )
             clock = None
             self.batches = lambda: trainer.batches
         else:
@@ -118,17 +145,25 @@ class Setup:
             wall = kind == "real-wall"
             clock, bus = (WallClock() if wall else LogicalClock()), Bus()
             grpo = GRPOTrainer(
-                Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params), _FixedTok(),
-                lambda response, answer: float(len(response) % 3), train_ticks=3,
-            )  # fmt: skip
+                Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params),
+                _FixedTok(),
+                lambda response, answer: float(len(response) % 3),
+                train_ticks=3,
+            )
             self.grpo = grpo
             self.consumed = []  # (request id, version, completion) of every consumed trajectory
             grpo.on_consume.append(lambda *c: self.consumed.append(c))
             self.backend = EngineBackend(
-                cfg.model, cfg.rollout, meshes.groups, NO_EOS, params,
+                cfg.model,
+                cfg.rollout,
+                meshes.groups,
+                NO_EOS,
+                params,
                 lambda v: grpo.params_for(v) if v in grpo.params else params,
-                seed=cfg.seed, clock=clock, bus=bus,
-            )  # fmt: skip
+                seed=cfg.seed,
+                clock=clock,
+                bus=bus,
+            )
             self.closers.append(self.backend.close)
             trainer = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
             if wall:
@@ -189,26 +224,39 @@ def test_bad_calls_raise_and_change_nothing(kind, real_setup):
 # clocks and sync on the wall clock.
 RUNS = [
     pytest.param(k, m, marks=pytest.mark.slow) if k == "real-logical" and m != "dora" else (k, m)
-    for k in BACKENDS for m in ("dora", "sync", "partial")
+    for k in BACKENDS
+    for m in ("dora", "sync", "partial")
     if not (k == "real-wall" and m == "partial")
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("kind", "mode"), RUNS)
 def test_run_invariants(kind, mode, real_setup):
-    orch = OrchestratorConfig(mode=mode, staleness_k=2, train_batch_prompts=2,
-                              rollout_batch_prompts=4, plan_period_ticks=8, stall_s=120,
-                              kv_pressure_threshold=0.3)  # fmt: skip
+    orch = OrchestratorConfig(
+        mode=mode,
+        staleness_k=2,
+        train_batch_prompts=2,
+        rollout_batch_prompts=4,
+        plan_period_ticks=8,
+        stall_s=120,
+        kv_pressure_threshold=0.3,
+    )
     s = Setup(kind, real_setup, orch)
     try:
         result = s.runtime.run(3, drain=True, max_ticks=100_000, stall_s=orch.stall_s)
         assert result.summary.steps >= 3
         assert_run_invariants(
-            mode=mode, k=s.runtime.mode.k, group_size=4, num_groups=4,
-            plan_period_ticks=orch.plan_period_ticks, runtime=s.runtime, records=result.records,
-            ledger=result.ledger, trainer_batches=s.batches(),
+            mode=mode,
+            k=s.runtime.mode.k,
+            group_size=4,
+            num_groups=4,
+            plan_period_ticks=orch.plan_period_ticks,
+            runtime=s.runtime,
+            records=result.records,
+            ledger=result.ledger,
+            trainer_batches=s.batches(),
             live_requests=s.backend.live_requests(),
-        )  # fmt: skip
+        )
         if mode == "partial":
             assert result.summary.reprefill_tokens > 0  # the baseline re-prefills; dora never
         if kind == "real-logical" and mode == "dora":  # (the wall clock's: test_wall_clock.py)
@@ -225,8 +273,17 @@ def _check_migrated_requests_continue_bit_identically(s: Setup, real_setup) -> N
     for rid, version, comp in migrated[:3]:
         assert comp.prefill_tokens == len(comp.prompt.tokens)  # prefilled once, never again
         engine.load_params(s.grpo.params_for(version), version)
-        engine.submit([Request(rid, list(comp.prompt.tokens), version,
-                               request_key(cfg.seed, rid), len(comp.tokens))])  # fmt: skip
+        engine.submit(
+            [
+                Request(
+                    rid,
+                    list(comp.prompt.tokens),
+                    version,
+                    request_key(cfg.seed, rid),
+                    len(comp.tokens),
+                )
+            ]
+        )
         (again,) = [f for _ in range(200) for f in engine.step().finished][:1]
         assert again.tokens == comp.tokens
         assert again.logprobs == comp.logprobs
@@ -242,8 +299,17 @@ def test_real_backend_ends_a_response_at_any_of_several_eos_ids(kind, real_setup
     runs = {}
     for eos in (NO_EOS, stops):
         clock, bus = (WallClock() if kind == "real-wall" else LogicalClock()), Bus()
-        backend = EngineBackend(cfg.model, cfg.rollout, meshes.groups, eos, params,
-                                lambda v: params, seed=cfg.seed, clock=clock, bus=bus)  # fmt: skip
+        backend = EngineBackend(
+            cfg.model,
+            cfg.rollout,
+            meshes.groups,
+            eos,
+            params,
+            lambda v: params,
+            seed=cfg.seed,
+            clock=clock,
+            bus=bus,
+        )
         done = {}
         try:
             for g in range(4):

@@ -19,13 +19,22 @@ from dora_jax.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "warm_start.steps=0", "mesh.trainer.devices=0:1", "mesh.trainer.data=1",
-    "mesh.trainer.model=1", "mesh.rollout.devices=1:2", "mesh.rollout.groups=1",
-    "orchestrator.clock=logical", "train.total_steps=2", "train.group_size=4",
-    "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
-    "rollout.max_new_tokens=16", "train.length_buckets=[48]", "logging.progress=false",
+    "warm_start.steps=0",
+    "mesh.trainer.devices=0:1",
+    "mesh.trainer.data=1",
+    "mesh.trainer.model=1",
+    "mesh.rollout.devices=1:2",
+    "mesh.rollout.groups=1",
+    "orchestrator.clock=logical",
+    "train.total_steps=2",
+    "train.group_size=4",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "rollout.max_new_tokens=16",
+    "train.length_buckets=[48]",
+    "logging.progress=false",
     "logging.tensorboard=false",
-]  # fmt: skip
+]
 
 REWARD = textwrap.dedent('''
     import os
@@ -44,17 +53,29 @@ REWARD = textwrap.dedent('''
 def run_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("byo")
     (d / "my_reward.py").write_text(REWARD)
-    rows = [{"prompt": f"{10 + i}-{2 + i % 3}=", "answer": str(i), "weight": 0.25, "tag": "mine"}
-            for i in range(12)]  # fmt: skip
+    rows = [
+        {"prompt": f"{10 + i}-{2 + i % 3}=", "answer": str(i), "weight": 0.25, "tag": "mine"}
+        for i in range(12)
+    ]
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = d / "run"
-    cfg = load_config(ROOT / "configs" / "default.yaml", [
-        *TINY, "data.task=jsonl", f"data.path={d / 'rows.jsonl'}",
-        f"data.reward={d / 'my_reward.py'}:score", f"eval.path={d / 'rows.jsonl'}",
-        "eval.num_prompts=3", "eval.samples_per_prompt=4", "eval.every_steps=1",
-        "logging.wandb=true", "logging.wandb_project=byo", "logging.wandb_tags=[test]",
-        f"run_dir={out}",
-    ])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs" / "default.yaml",
+        [
+            *TINY,
+            "data.task=jsonl",
+            f"data.path={d / 'rows.jsonl'}",
+            f"data.reward={d / 'my_reward.py'}:score",
+            f"eval.path={d / 'rows.jsonl'}",
+            "eval.num_prompts=3",
+            "eval.samples_per_prompt=4",
+            "eval.every_steps=1",
+            "logging.wandb=true",
+            "logging.wandb_project=byo",
+            "logging.wandb_tags=[test]",
+            f"run_dir={out}",
+        ],
+    )
     mp = pytest.MonkeyPatch()
     mp.setenv("WANDB_MODE", "offline")
     mp.setenv("WANDB_SILENT", "true")
@@ -76,8 +97,11 @@ def test_file_reward_gets_metadata_and_its_metric_is_logged(run_dir):
         assert m["reward_errors"] == 0 and m["reward_errors/timeout"] == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["extra"]["reward_errors_by_kind"] == {
-        "timeout": 0, "exception": 0, "invalid": 0, "crash": 0,
-    }  # fmt: skip
+        "timeout": 0,
+        "exception": 0,
+        "invalid": 0,
+        "crash": 0,
+    }
 
 
 def test_eval_reports_mean_and_pass_at_4(run_dir):
@@ -117,5 +141,8 @@ def test_wandb_offline_run_has_the_same_steps_and_names(run_dir):
     eval_names = set(read_metrics(run_dir / "eval.jsonl")[0]) - {"step"}
     eval_steps = sorted(r["_step"] for r in rows if "eval/mean@4" in r)
     assert eval_steps == [0, 1, 2]
-    assert all({n for n in _names(r) if n.startswith("eval/")} == eval_names
-               for r in rows if "eval/mean@4" in r)  # fmt: skip
+    assert all(
+        {n for n in _names(r) if n.startswith("eval/")} == eval_names
+        for r in rows
+        if "eval/mean@4" in r
+    )

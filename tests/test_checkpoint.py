@@ -22,11 +22,17 @@ from dora_jax.pipeline.experiment import build, run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "warm_start.steps=5", "warm_start.batch_size=8", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.group_size=4", "rollout.max_new_tokens=48",
-    "logging.progress=false", "checkpoint.async_save=false", "eval.num_prompts=8",
+    "warm_start.steps=5",
+    "warm_start.batch_size=8",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=4",
+    "rollout.max_new_tokens=48",
+    "logging.progress=false",
+    "checkpoint.async_save=false",
+    "eval.num_prompts=8",
     "orchestrator.clock=logical",
-]  # fmt: skip
+]
 
 
 def make(tmp_path, name, *extra):
@@ -47,15 +53,19 @@ def test_stop_resume_equals_uninterrupted(tmp_path):
     RunCheckpointer(tmp_path / "resumed" / "ckpt").restore_latest(again)
     assert again.runtime.steps_done == 2
     run(again, 2)
-    chex.assert_trees_all_equal(jax.device_get(straight.trainer.export_params()),
-                                jax.device_get(again.trainer.export_params()))  # fmt: skip
+    chex.assert_trees_all_equal(
+        jax.device_get(straight.trainer.export_params()),
+        jax.device_get(again.trainer.export_params()),
+    )
     ids = [c.request_id for c in straight.runtime.records.consumed]
     assert ids == [c.request_id for c in again.runtime.records.consumed]
     assert len(ids) == len(set(ids)) == 4 * 2 * 4  # steps x TBS x G, none twice
     assert again.runtime.records.summary().reprefill_tokens == 0  # KV came back with them
     # every step's metrics, the cumulative counters (undecodable_tokens) included
-    chex.assert_trees_all_equal([jax.device_get(s.metrics) for s in straight.grpo.log],
-                                [jax.device_get(s.metrics) for s in again.grpo.log])  # fmt: skip
+    chex.assert_trees_all_equal(
+        [jax.device_get(s.metrics) for s in straight.grpo.log],
+        [jax.device_get(s.metrics) for s in again.grpo.log],
+    )
 
 
 @pytest.mark.slow  # four builds: 31 s (the default suite stays under 15 minutes)
@@ -79,8 +89,11 @@ def test_corrupt_latest_falls_back_and_shape_change_is_refused(tmp_path, caplog)
     assert again.steps() == [first, latest]
 
     bigger = make(tmp_path, "run2", "model.hidden_size=96", "model.intermediate_size=128")
-    with pytest.raises(ConfigError, match=r"^model\.hidden_size: the checkpoint has 64 but the "
-                                          r"config says 96"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.hidden_size: the checkpoint has 64 but the "
+        r"config says 96",
+    ):
         RunCheckpointer(tmp_path / "run" / "ckpt").restore_latest(bigger)
     with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
         RunCheckpointer(tmp_path / "empty").restore_latest(resumed)
@@ -93,11 +106,18 @@ def test_sigterm_mid_rollout_then_resume(tmp_path, clock):
     # the run could end before the signal reached it (the test raced), so it runs 40
     total = 6 if clock == "logical" else 40
     run_dir = tmp_path / "run"
-    args = [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *TINY,
-            f"train.total_steps={total}", "logging.tensorboard=false",
-            f"orchestrator.clock={clock}"]  # fmt: skip
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    args = [
+        sys.executable,
+        str(ROOT / "launch" / "train.py"),
+        f"run_dir={run_dir}",
+        *TINY,
+        f"train.total_steps={total}",
+        "logging.tensorboard=false",
+        f"orchestrator.clock={clock}",
+    ]
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
@@ -115,8 +135,9 @@ def test_sigterm_mid_rollout_then_resume(tmp_path, clock):
     # the command it printed, as printed: the checkpoint's config needs no repeated overrides
     hint = shlex.split(re.search(r"continue with: (.+)", out).group(1))
     assert hint[:3] == ["python", "launch/train.py", "--resume"]
-    resumed = subprocess.run([sys.executable, *hint[1:]], cwd=ROOT, capture_output=True,
-                             text=True, timeout=400)  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, *hint[1:]], cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
     final = json.loads((run_dir / "summary.json").read_text())

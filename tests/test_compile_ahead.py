@@ -63,8 +63,9 @@ def _long_group(seed, n_tokens):
         prompt = rng.integers(0, MODEL.vocab_size, 4).tolist()
         R = n_tokens - 4
         lp = (-rng.random(R) * 3).tolist()
-        out.append(Trajectory(prompt, rng.integers(0, 64, R).tolist(), lp, float(i % 2), 0,
-                              (seed, "long")))  # fmt: skip
+        out.append(
+            Trajectory(prompt, rng.integers(0, 64, R).tolist(), lp, float(i % 2), 0, (seed, "long"))
+        )
     return out
 
 
@@ -93,8 +94,9 @@ def test_a_batch_runs_in_a_compiled_bigger_shape_while_its_own_compiles():
     # the same samples in another shape: the same update, up to float32 summation order
     for k in ("loss", "pg_loss", "grad_norm", "num_tokens", "real_tokens", "entropy"):
         np.testing.assert_allclose(float(m_ahead[k]), float(m_inline[k]), rtol=1e-5, err_msg=k)
-    for a, b in zip(jax.tree.leaves(ahead.state.params), jax.tree.leaves(inline.state.params),
-                    strict=True):  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves(ahead.state.params), jax.tree.leaves(inline.state.params), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     # once compiled, the small batch gets its own shape
     ahead._ahead.wait_idle()

@@ -112,14 +112,20 @@ def test_bad_values_name_the_field(override, message):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.family=llama", "model.sliding_window=8"],
-         r"^model\.sliding_window: is not part of the llama architecture"),
-        (["model.sliding_window=8", "model.attention=cudnn", "model.compute_dtype=bfloat16"],
-         r"^model\.attention: cudnn does not support sliding_window"),
-        (["model.family=mistral", "model.sliding_window=8", "model.full_attention_layers=1"],
-         r"^model\.full_attention_layers: must be 0 for family mistral"),
+        (
+            ["model.family=llama", "model.sliding_window=8"],
+            r"^model\.sliding_window: is not part of the llama architecture",
+        ),
+        (
+            ["model.sliding_window=8", "model.attention=cudnn", "model.compute_dtype=bfloat16"],
+            r"^model\.attention: cudnn does not support sliding_window",
+        ),
+        (
+            ["model.family=mistral", "model.sliding_window=8", "model.full_attention_layers=1"],
+            r"^model\.full_attention_layers: must be 0 for family mistral",
+        ),
     ],
-)  # fmt: skip
+)
 def test_sliding_window_rules_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
@@ -128,8 +134,9 @@ def test_sliding_window_rules_name_the_field(overrides, message):
 def test_qwen3_and_mistral_configs_load():
     cfg = load_config(None, ["model.family=qwen3", "model.head_dim=32"]).model
     assert cfg.qk_norm and not cfg.qkv_bias and cfg.layer_windows() == (0, 0)
-    cfg = load_config(None, ["model.family=qwen2", "model.sliding_window=8",
-                             "model.full_attention_layers=1"]).model  # fmt: skip
+    cfg = load_config(
+        None, ["model.family=qwen2", "model.sliding_window=8", "model.full_attention_layers=1"]
+    ).model
     assert cfg.layer_windows() == (0, 8) and not cfg.qk_norm
 
 
@@ -197,8 +204,11 @@ def test_env_section_loads_kwargs_and_keeps_the_config_hashable(tmp_path):
     # the config is hashed (sections as jit static arguments, cache keys): kwargs are left out
     # of the hash, equality still sees them
     other = load_config(p, ["env.reward=last"])
-    assert hash(cfg) == hash(other) and cfg != other and cfg == load_config(p, [
-        "env.kwargs.max_steps=9", "env.reward=last"])  # fmt: skip
+    assert (
+        hash(cfg) == hash(other)
+        and cfg != other
+        and cfg == load_config(p, ["env.kwargs.max_steps=9", "env.reward=last"])
+    )
     dump_yaml(cfg, tmp_path / "again.yaml")
     assert load_config(tmp_path / "again.yaml") == cfg
     assert cfg.env.resolved_max_tokens(64, 128) == 192

@@ -19,8 +19,23 @@ from dora_jax.pipeline.experiment import load_examples
 from dora_jax.pipeline.grpo import TokenizedPrompts
 
 SYSTEM = "you are a careful solver"
-WORDS = ["you", "are", "a", "careful", "solver", "what", "is", "plus", "?", "system", "user",
-         "assistant", "answer", "briefly", "."] + [str(i) for i in range(40)]  # fmt: skip
+WORDS = [
+    "you",
+    "are",
+    "a",
+    "careful",
+    "solver",
+    "what",
+    "is",
+    "plus",
+    "?",
+    "system",
+    "user",
+    "assistant",
+    "answer",
+    "briefly",
+    ".",
+] + [str(i) for i in range(40)]
 N = 20
 
 
@@ -44,7 +59,7 @@ def files(tmp_path_factory):
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
             "extra_info": {"index": i, "split": "train"},
-        }  # fmt: skip
+        }
         for i in range(N)
     ]
     pq.write_table(pa.Table.from_pylist(verl), d / "verl.parquet")
@@ -56,12 +71,25 @@ def files(tmp_path_factory):
 
 
 def _ids(tok, task, path, *over):
-    cfg = load_config(None, [f"data.task={task}", f"data.path={path}", "data.shuffle=false",
-                             "rollout.max_prompt_len=64", *over])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"data.task={task}",
+            f"data.path={path}",
+            "data.shuffle=false",
+            "rollout.max_prompt_len=64",
+            *over,
+        ],
+    )
     examples = load_examples(cfg, str(path))
     d = cfg.data
-    prompts = TokenizedPrompts(PromptSource(shuffled_epochs(examples, 0, False), "t"), tok, 64,
-                               d.system_prompt, d.prompt_template)  # fmt: skip
+    prompts = TokenizedPrompts(
+        PromptSource(shuffled_epochs(examples, 0, False), "t"),
+        tok,
+        64,
+        d.system_prompt,
+        d.prompt_template,
+    )
     specs = [prompts.next_prompt() for _ in range(N)]
     return [s.payload.tokens for s in specs], [s.payload.answer for s in specs], specs
 
@@ -116,8 +144,14 @@ def test_shuffled_epochs_resume_exactly():
 
 def test_bad_rows_name_the_file_row_and_field(files, tmp_path):
     d, _ = files
-    cfg = load_config(None, ["data.task=parquet", f"data.path={d / 'verl.parquet'}",
-                             "data.answer_field=reward_model.truth"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "data.task=parquet",
+            f"data.path={d / 'verl.parquet'}",
+            "data.answer_field=reward_model.truth",
+        ],
+    )
     with pytest.raises(
         DataError,
         match=r"verl\.parquet:1: missing field 'reward_model\.truth' "
@@ -125,8 +159,10 @@ def test_bad_rows_name_the_file_row_and_field(files, tmp_path):
     ):
         load_examples(cfg, cfg.data.path)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": [{"role": "robot", '
-                   '"content": "x"}], "answer": "2"}\n')  # fmt: skip
+    bad.write_text(
+        '{"prompt": "a", "answer": "1"}\n{"prompt": [{"role": "robot", '
+        '"content": "x"}], "answer": "2"}\n'
+    )
     cfg = load_config(None, ["data.task=jsonl", f"data.path={bad}"])
     with pytest.raises(DataError, match=r"bad\.jsonl:2: field 'prompt'\[0\]: role must be"):
         load_examples(cfg, str(bad))

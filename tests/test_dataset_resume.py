@@ -35,18 +35,29 @@ def test_dataset_run_with_file_reward_resumes_exactly(tmp_path):
             "extra_info": {"level": i},
         }
         for i in range(5)
-    ]  # fmt: skip  (4 steps x 2 prompts: past the first epoch)
+    ]  # 4 steps x 2 prompts: past the first epoch
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     over = [
-        "warm_start.steps=0", "eval.num_prompts=0", "mesh.trainer.devices=0:1",
-        "mesh.trainer.data=1", "mesh.trainer.model=1", "mesh.rollout.devices=1:2",
-        "mesh.rollout.groups=1", "orchestrator.clock=logical", "train.group_size=4",
-        "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
-        "rollout.max_new_tokens=16", "train.length_buckets=[48]", "logging.progress=false",
-        "checkpoint.async_save=false", "data.task=parquet",
+        "warm_start.steps=0",
+        "eval.num_prompts=0",
+        "mesh.trainer.devices=0:1",
+        "mesh.trainer.data=1",
+        "mesh.trainer.model=1",
+        "mesh.rollout.devices=1:2",
+        "mesh.rollout.groups=1",
+        "orchestrator.clock=logical",
+        "train.group_size=4",
+        "orchestrator.train_batch_prompts=2",
+        "orchestrator.rollout_batch_prompts=4",
+        "rollout.max_new_tokens=16",
+        "train.length_buckets=[48]",
+        "logging.progress=false",
+        "checkpoint.async_save=false",
+        "data.task=parquet",
         f"data.path={tmp_path / 'rows.parquet'}",
-        "data.answer_field=reward_model.ground_truth", f"data.reward={tmp_path / 'r.py'}:score",
-    ]  # fmt: skip
+        "data.answer_field=reward_model.ground_truth",
+        f"data.reward={tmp_path / 'r.py'}:score",
+    ]
     cfg = load_config(ROOT / "configs" / "default.yaml", over)
 
     def make(name):
@@ -68,8 +79,10 @@ def test_dataset_run_with_file_reward_resumes_exactly(tmp_path):
         for exp in (straight, first, again):
             if exp is not None:
                 exp.close()
-    chex.assert_trees_all_equal(jax.device_get(straight.trainer.export_params()),
-                                jax.device_get(again.trainer.export_params()))  # fmt: skip
+    chex.assert_trees_all_equal(
+        jax.device_get(straight.trainer.export_params()),
+        jax.device_get(again.trainer.export_params()),
+    )
     ids = [c.request_id for c in straight.runtime.records.consumed]
     assert ids == [c.request_id for c in again.runtime.records.consumed]
     assert [s.reward_metrics for s in straight.grpo.log] == [

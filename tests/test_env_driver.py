@@ -205,8 +205,11 @@ def test_failing_calls_end_their_conversation_with_reward_zero_counted_once(scri
     assert [o.request_id for o in outs] == list(kinds)  # in the order the turns ended
     ended = {o.request_id: o for o in outs if o.over}
     assert set(ended) == {1, 2, 3}
-    for rid, kind, reason in ((1, "exception", "env_error"), (2, "timeout", "env_timeout"),
-                              (3, "invalid", "env_error")):  # fmt: skip
+    for rid, kind, reason in (
+        (1, "exception", "env_error"),
+        (2, "timeout", "env_timeout"),
+        (3, "invalid", "env_error"),
+    ):
         o = ended[rid]
         assert o.reward == 0.0 and o.figures["error"] == kind
         assert o.figures["end_reason"] == reason and o.loss_mask == (True,) * len(kinds[rid])
@@ -305,8 +308,11 @@ def test_drop_drift_and_budget(arith_pool):
     engine.turn(1, "<call>1-1</call>")
     engine.settle(wait=True)
     engine.tokens[1][0] += 1
-    with pytest.raises(ValueError, match=r"request 1: the engine's \d+ tokens before this turn "
-                                         r"are not .*\(first difference at 0\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"request 1: the engine's \d+ tokens before this turn "
+        r"are not .*\(first difference at 0\)",
+    ):
         engine.turn(1, "#0")
     with pytest.raises(ValueError, match="request 5 has no conversation"):
         driver.turn_ended(5, [3], [0.0], 0)
@@ -352,8 +358,10 @@ def test_prompt_source_failures_and_long_prompts(scripted_spec, scripted_pool):
     broken = EnvPool(scripted_spec, {"fail_all": True}, workers=1, timeout_s=5.0)
     try:
         hopeless = EnvPrompts(broken, TOK, LIMITS, MAX_PROMPT, MAX_NEW, seed=0)
-        line = (r"^env: .*scripted_env\.py:Scripted: 20 resets failed in a row \(tasks "
-                r"0\.\.19\), the last exception: KeyError: 'no task here'$")  # fmt: skip
+        line = (
+            r"^env: .*scripted_env\.py:Scripted: 20 resets failed in a row \(tasks "
+            r"0\.\.19\), the last exception: KeyError: 'no task here'$"
+        )
         with pytest.raises(EnvPoolError, match=line):
             hopeless.next_prompt()
         assert hopeless.failures == {"exception": 20}
@@ -363,8 +371,13 @@ def test_prompt_source_failures_and_long_prompts(scripted_spec, scripted_pool):
 
 def test_build_env_from_the_config(tmp_path):
     assert build_env(load_config(), TOK) is None  # no env.spec: single-turn
-    overrides = ["env.spec=tool_arithmetic", "env.workers=1", "env.max_turns=4",
-                 "env.kwargs.median_steps=2", "rollout.max_new_tokens=100"]  # fmt: skip
+    overrides = [
+        "env.spec=tool_arithmetic",
+        "env.workers=1",
+        "env.max_turns=4",
+        "env.kwargs.median_steps=2",
+        "rollout.max_new_tokens=100",
+    ]
     cfg = load_config(None, overrides)
     run = build_env(cfg, TOK)
     try:
@@ -373,8 +386,12 @@ def test_build_env_from_the_config(tmp_path):
         assert run.driver.env_rewards and run.pool.timeout_s == 30.0
         spec = run.prompts.next_prompt()
         assert spec.payload.max_new_tokens == 100
-        names = {"env/conversations", "env/failures/timeout", "env/reset_failures/crash",
-                 "env/prompts_skipped"}  # fmt: skip
+        names = {
+            "env/conversations",
+            "env/failures/timeout",
+            "env/reset_failures/crash",
+            "env/prompts_skipped",
+        }
         assert set(run.figures()) >= names
         state = run.state_dict()
         assert state["prompts"]["cursor"] == 1 and state["driver"]["conversations"] == []
@@ -382,6 +399,9 @@ def test_build_env_from_the_config(tmp_path):
         run.close()
     bad = tmp_path / "nothing.py"
     bad.write_text("x = 1\n")
-    with pytest.raises(EnvPoolError, match=r"^environment workers cannot start: env: .*nothing"
-                                           r"\.py has no class 'Nope'$"):  # fmt: skip
+    with pytest.raises(
+        EnvPoolError,
+        match=r"^environment workers cannot start: env: .*nothing"
+        r"\.py has no class 'Nope'$",
+    ):
         build_env(load_config(None, [f"env.spec={bad}:Nope", "env.workers=1"]), TOK)

@@ -40,8 +40,13 @@ def test_calculator_answers_calls_and_judges_the_final_answer():
     env.reset(0, {"index": 3})
     assert env.step("no answer at all")[1:3] == (0.0, True)
     assert [calculate(e) for e in ("23-5", " 7 * 6 ", "9/2", "1/0", "2**8", "x")] == [
-        "18", "42", "4", "error", "error", "error",
-    ]  # fmt: skip
+        "18",
+        "42",
+        "4",
+        "error",
+        "error",
+        "error",
+    ]
 
 
 def test_calculator_truncates_past_max_calls():

@@ -105,8 +105,9 @@ def test_loss_mask_and_logprobs_cover_model_tokens_only(hf_dir):
     assert mask.shape == ids.shape and not mask[: conv.prompt_len].any()
     model_ids = np.concatenate([np.asarray(i) for i, _ in sent])
     np.testing.assert_array_equal(ids[mask], model_ids)  # the sampled ids, verbatim
-    np.testing.assert_allclose(conv.model_logprobs, np.concatenate([lp for _, lp in sent]),
-                               rtol=0, atol=1e-7)  # fmt: skip
+    np.testing.assert_allclose(
+        conv.model_logprobs, np.concatenate([lp for _, lp in sent]), rtol=0, atol=1e-7
+    )
     assert (conv.behavior_logprobs[~mask] == 0).all()
     # every environment turn lies between model turns: the mask switches at each boundary
     switches = np.flatnonzero(np.diff(mask.astype(int)))
@@ -211,11 +212,13 @@ def test_reward_modes_failures_and_the_token_budget():
     assert conv.tokens_left == 10 - len("go:")
     with pytest.raises(ValueError, match="only 7 are left"):
         conv.add_model_turn(list(range(3, 11)), [0.0] * 8)
-    bad_reset = Conversation.start(TurnRenderer(CharTokenizer()),
-                                   EnvOutcome(None, "exception", "boom"), Limits())  # fmt: skip
+    bad_reset = Conversation.start(
+        TurnRenderer(CharTokenizer()), EnvOutcome(None, "exception", "boom"), Limits()
+    )
     assert bad_reset.end_reason == "env_error" and bad_reset.ids == []
-    long_prompt = Conversation.start(TurnRenderer(CharTokenizer()), EnvOutcome(Step("x" * 10)),
-                                     Limits(max_tokens=10))  # fmt: skip
+    long_prompt = Conversation.start(
+        TurnRenderer(CharTokenizer()), EnvOutcome(Step("x" * 10)), Limits(max_tokens=10)
+    )
     assert long_prompt.end_reason == "max_tokens"
 
 

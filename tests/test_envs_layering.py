@@ -9,8 +9,13 @@ from pathlib import Path
 
 import dora_jax.envs
 
-ALLOWED = ("dora_jax.envs", "dora_jax.config", "dora_jax.model.tokenizer", "dora_jax.user_code",
-           "dora_jax.worker_process")  # fmt: skip
+ALLOWED = (
+    "dora_jax.envs",
+    "dora_jax.config",
+    "dora_jax.model.tokenizer",
+    "dora_jax.user_code",
+    "dora_jax.worker_process",
+)
 
 
 def test_envs_imports_only_what_the_rule_allows():

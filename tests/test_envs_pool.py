@@ -75,9 +75,13 @@ def test_every_failure_ends_only_its_episode_and_is_counted_once(flaky):
         assert time.monotonic() - t0 < 0.5, "submitting a call waited for the environment"
         outs = {name: f.result(timeout=30) for name, f in futs.items()}
         assert {n: o.error for n, o in outs.items()} == {
-            "a": None, "hang": "timeout", "raise": "exception", "junk": "invalid",
-            "die": "crash", "f": None,
-        }  # fmt: skip
+            "a": None,
+            "hang": "timeout",
+            "raise": "exception",
+            "junk": "invalid",
+            "die": "crash",
+            "f": None,
+        }
         assert "the tool broke" in outs["raise"].message and "nan" in outs["junk"].message
         assert outs["hang"].seconds >= 1.0 and outs["a"].step.observation == "ok 1"
         assert outs["a"].step.info["pid"] != os.getpid()

@@ -12,8 +12,9 @@ from dora_jax.pipeline.evaluation import EvalResult, Evaluator
 from dora_jax.pipeline.warm_start import warm_start
 
 TOK = CharTokenizer()
-MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                    num_heads=2, num_kv_heads=1)  # fmt: skip
+MODEL = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1
+)
 ROLLOUT = RolloutConfig(max_slots=4, num_pages=64, max_prompt_len=16, max_new_tokens=24)
 TASK = ArithmeticTask(seed=5, median_steps=1, max_steps=3)
 
@@ -53,8 +54,9 @@ def test_a_warm_started_policy_scores_higher():
         return TASK.demonstration(i + 10_000, 0.0)
 
     random = init_params(MODEL, jax.random.key(0))
-    trained, _ = warm_start(random, MODEL, WarmStartConfig(steps=150, batch_size=4, seq_len=64,
-                                                           lr=1e-2), demo, TOK)  # fmt: skip
+    trained, _ = warm_start(
+        random, MODEL, WarmStartConfig(steps=150, batch_size=4, seq_len=64, lr=1e-2), demo, TOK
+    )
     ev = evaluator(n=32)
     before, after = ev(random, 0), ev(trained, 1)
     assert after.reward > before.reward + 0.2, (before, after)
@@ -80,8 +82,9 @@ def test_samples_per_prompt_gives_mean_and_pass_at_k():
         return reward
 
     problems = [TASK.problem(i) for i in range(10)]
-    ev = Evaluator(MODEL, ROLLOUT, jax.devices()[0], TOK, problems, recording, seed=0,
-                   samples_per_prompt=4)  # fmt: skip
+    ev = Evaluator(
+        MODEL, ROLLOUT, jax.devices()[0], TOK, problems, recording, seed=0, samples_per_prompt=4
+    )
     r = ev(init_params(MODEL, jax.random.key(0)), 3)
     assert len(seen) == 40
     # calls are problem-major: problem i's four samples, then problem i + 1's

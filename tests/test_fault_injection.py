@@ -19,11 +19,17 @@ from reliability_cases import expect  # tests/reliability_cases.py
 
 ROOT = Path(__file__).resolve().parents[1]
 T = [
-    "warm_start.steps=0", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.group_size=2", "model.num_layers=1",
-    "orchestrator.clock=logical", "logging.progress=false", "logging.tensorboard=false",
-    "rollout.max_new_tokens=48", "checkpoint.every_steps=1",
-]  # fmt: skip
+    "warm_start.steps=0",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=2",
+    "model.num_layers=1",
+    "orchestrator.clock=logical",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "rollout.max_new_tokens=48",
+    "checkpoint.every_steps=1",
+]
 
 
 def train(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -32,8 +38,12 @@ def train(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
         env["DORA_FAULT"] = fault
     return subprocess.run(
         [sys.executable, str(ROOT / "launch" / "train.py"), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
 
 
 def steps(path: Path) -> list[int]:

@@ -32,13 +32,17 @@ def test_final_number(text, want):
 
 def test_full_credit_needs_the_right_number_and_an_ending():
     assert final_number_reward("13 + 14 = 27", "27", EOS) == {
-        "score": 1.0, "correct": 1.0, "ended": 1.0,
-    }  # fmt: skip
+        "score": 1.0,
+        "correct": 1.0,
+        "ended": 1.0,
+    }
     # right number, but the response ran into the token limit: no credit, counted as correct
     assert final_number_reward("13 + 14 = 27 and so", "27", CUT)["score"] == 0.0
     assert final_number_reward("27 and so 3", "27", EOS) == {
-        "score": 0.0, "correct": 0.0, "ended": 1.0,
-    }  # fmt: skip
+        "score": 0.0,
+        "correct": 0.0,
+        "ended": 1.0,
+    }
     assert final_number_reward("2.5 + 0.5 = 3.0", "3", EOS)["score"] == 1.0  # numerically
     assert final_number_reward("nothing", "3", EOS)["score"] == 0.0
 
@@ -47,11 +51,18 @@ def test_configured_on_a_file_task_and_refused_on_the_built_in_one(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "what is 13 + 14?", "answer": "27"}) + "\n")
     small = [
-        "warm_start.steps=0", "eval.num_prompts=0", "mesh.trainer.devices=0:1",
-        "mesh.trainer.data=1", "mesh.trainer.model=1", "mesh.rollout.devices=1:2",
-        "mesh.rollout.groups=1", "data.task=jsonl", f"data.path={rows}",
-        "data.reward=final_number", f"run_dir={tmp_path / 'run'}",
-    ]  # fmt: skip
+        "warm_start.steps=0",
+        "eval.num_prompts=0",
+        "mesh.trainer.devices=0:1",
+        "mesh.trainer.data=1",
+        "mesh.trainer.model=1",
+        "mesh.rollout.devices=1:2",
+        "mesh.rollout.groups=1",
+        "data.task=jsonl",
+        f"data.path={rows}",
+        "data.reward=final_number",
+        f"run_dir={tmp_path / 'run'}",
+    ]
     exp = build(load_config(ROOT / "configs" / "default.yaml", small), tmp_path / "run")
     assert exp.reward("13 + 14 = 27", "27", EOS) == 1.0
     assert exp.reward("13 + 14 = 27", "27", CUT) == 0.0

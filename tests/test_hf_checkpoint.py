@@ -21,8 +21,15 @@ from dora_jax.model.hf_checkpoint import (
 )
 from dora_jax.model.hf_mapping import UnsupportedModelError
 
-CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
-                  num_kv_heads=2, tie_word_embeddings=False)  # fmt: skip
+CFG = ModelConfig(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture
@@ -121,23 +128,38 @@ def test_index_pointing_to_missing_shard(ckpt):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
-         r"architecture MixtralForCausalLM is not supported \(supported: Qwen2ForCausalLM, "
-         r"LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM"),
-        ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
-         r"architecture Gemma2ForCausalLM is not supported \(supported: Qwen2ForCausalLM"),
-        ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
-         r"architecture Gemma3ForCausalLM is not supported \(supported: Qwen2ForCausalLM"),
-        ({"architectures": [], "model_type": "gemma2"},
-         r"model_type 'gemma2' is not supported \(supported: Qwen2ForCausalLM"),
+        (
+            {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
+            r"architecture MixtralForCausalLM is not supported \(supported: Qwen2ForCausalLM, "
+            r"LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM",
+        ),
+        (
+            {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
+            r"architecture Gemma2ForCausalLM is not supported \(supported: Qwen2ForCausalLM",
+        ),
+        (
+            {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
+            r"architecture Gemma3ForCausalLM is not supported \(supported: Qwen2ForCausalLM",
+        ),
+        (
+            {"architectures": [], "model_type": "gemma2"},
+            r"model_type 'gemma2' is not supported \(supported: Qwen2ForCausalLM",
+        ),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
-         r"rope type 'yarn' is not supported"),
-        ({"use_sliding_window": True, "sliding_window": 4,
-          "layer_types": ["sliding_attention", "full_attention"]},
-         r"full-attention layers must all come before the sliding-window ones"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+            r"rope type 'yarn' is not supported",
+        ),
+        (
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            r"full-attention layers must all come before the sliding-window ones",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unsupported_architecture(ckpt, change, message):
     path, _ = ckpt
     hf = json.loads((path / "config.json").read_text())

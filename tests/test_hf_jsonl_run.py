@@ -18,26 +18,63 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def hf_dir(tmp_path):
-    words = ["what", "is", "7", "times", "8", "?", "put", "the", "final", "answer", "in",
-             "\\", "boxed", "{", "}", ".", "user", "assistant", "56", "2"]  # fmt: skip
+    words = [
+        "what",
+        "is",
+        "7",
+        "times",
+        "8",
+        "?",
+        "put",
+        "the",
+        "final",
+        "answer",
+        "in",
+        "\\",
+        "boxed",
+        "{",
+        "}",
+        ".",
+        "user",
+        "assistant",
+        "56",
+        "2",
+    ]
     write_word_tokenizer(tmp_path, words)
-    config = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    config = transformers.Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     return tmp_path
 
 
 @pytest.mark.slow  # long: the default run stays under its time limit
 def test_hf_checkpoint_jsonl_prompts_boxed_reward(hf_dir, tmp_path):
-    cfg = load_config(ROOT / "configs" / "default.yaml", [
-        f"model.hf_path={hf_dir}", "data.tokenizer=hf", "data.task=jsonl",
-        f"data.path={ROOT / 'configs' / 'examples' / 'math.jsonl'}", "data.reward=boxed_math",
-        "rollout.max_prompt_len=64", "rollout.max_new_tokens=16", "train.group_size=4",
-        "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
-        "train.length_buckets=[96]", f"run_dir={tmp_path / 'run'}",
-        f"eval.path={ROOT / 'configs' / 'examples' / 'math.jsonl'}", "eval.num_prompts=2",
-    ])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs" / "default.yaml",
+        [
+            f"model.hf_path={hf_dir}",
+            "data.tokenizer=hf",
+            "data.task=jsonl",
+            f"data.path={ROOT / 'configs' / 'examples' / 'math.jsonl'}",
+            "data.reward=boxed_math",
+            "rollout.max_prompt_len=64",
+            "rollout.max_new_tokens=16",
+            "train.group_size=4",
+            "orchestrator.train_batch_prompts=2",
+            "orchestrator.rollout_batch_prompts=4",
+            "train.length_buckets=[96]",
+            f"run_dir={tmp_path / 'run'}",
+            f"eval.path={ROOT / 'configs' / 'examples' / 'math.jsonl'}",
+            "eval.num_prompts=2",
+        ],
+    )
     exp = build(cfg, tmp_path / "run")
     # the configured reward is boxed_math: the last \\boxed{} counts, a bare answer does not
     # (the exact-match reward would give 0 and 1 here)

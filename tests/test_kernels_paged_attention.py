@@ -339,9 +339,16 @@ def test_tokens_before_the_window_are_ignored_even_if_nan(impl):
     clean = numpy_oracle(q, k, v, tables, lengths, window=window)
     tuning = PagedAttentionTuning(pages_per_compute_block=1, block_h=4)
     out = paged_decode_attention(
-        q, jnp.asarray(k_np), jnp.asarray(v_np), tables, lengths,
-        impl=impl, interpret=True, tuning=tuning, window=jnp.int32(window),
-    )  # fmt: skip
+        q,
+        jnp.asarray(k_np),
+        jnp.asarray(v_np),
+        tables,
+        lengths,
+        impl=impl,
+        interpret=True,
+        tuning=tuning,
+        window=jnp.int32(window),
+    )
     assert np.isfinite(np.asarray(out)).all()
     assert_close(out, clean, jnp.float32)
 

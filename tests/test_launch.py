@@ -8,11 +8,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "warm_start.steps=10", "warm_start.batch_size=8", "train.total_steps=3",
-    "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
-    "train.group_size=4", "rollout.max_new_tokens=48", "logging.progress=false",
-    "eval.num_prompts=8", "eval.every_steps=2",
-]  # fmt: skip
+    "warm_start.steps=10",
+    "warm_start.batch_size=8",
+    "train.total_steps=3",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=4",
+    "rollout.max_new_tokens=48",
+    "logging.progress=false",
+    "eval.num_prompts=8",
+    "eval.every_steps=2",
+]
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -56,8 +62,9 @@ def test_bad_input_is_a_clear_error(tmp_path):
     assert "mesh.trainer.devices: device slice '0:9' is out of range for 8" in out.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
-    out = run("data.task=jsonl", f"data.path={bad}", f"run_dir={tmp_path / 'r'}", *TINY,
-              cwd=tmp_path)  # fmt: skip
+    out = run(
+        "data.task=jsonl", f"data.path={bad}", f"run_dir={tmp_path / 'r'}", *TINY, cwd=tmp_path
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "bad.jsonl:2: missing field 'answer'" in out.stderr
 
@@ -69,10 +76,15 @@ def test_unsupported_architecture_is_one_error_line(tmp_path):
 
     ckpt = tmp_path / "gemma2"
     transformers.Gemma2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
         architectures=["Gemma2ForCausalLM"],
-    ).save_pretrained(ckpt)  # fmt: skip
+    ).save_pretrained(ckpt)
     out = run(f"model.hf_path={ckpt}", f"run_dir={tmp_path / 'r'}", *TINY, cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
@@ -85,8 +97,9 @@ def test_unsupported_architecture_is_one_error_line(tmp_path):
 def test_local_launcher_keeps_gloo_notes_out_of_the_terminal():
     from dora_jax.distributed.launcher import terminal_line
 
-    note = ("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
-            "ranks is : 1")  # fmt: skip
+    note = (
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    )
     assert terminal_line(note + "\n") == ""
     assert terminal_line(note + note + "\n") == ""  # two notes run together
     assert terminal_line(note + "step 1: reward 0.5\n") == "step 1: reward 0.5\n"

@@ -19,13 +19,24 @@ from dora_jax.pipeline.memory_plan import (
 from dora_jax.train import Trainer, Trajectory
 
 SMALL = [
-    "model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=48",
-    "model.num_layers=2", "train.group_size=4", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.length_buckets=[16,48,512]",
-    "rollout.max_prompt_len=16", "rollout.max_new_tokens=24", "rollout.max_slots=4",
-    "rollout.num_pages=40", "rollout.page_size=8", "rollout.prefill_chunk=8",
-    "warm_start.steps=0", "eval.num_prompts=0", "logging.progress=false",
-]  # fmt: skip
+    "model.vocab_size=64",
+    "model.hidden_size=32",
+    "model.intermediate_size=48",
+    "model.num_layers=2",
+    "train.group_size=4",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.length_buckets=[16,48,512]",
+    "rollout.max_prompt_len=16",
+    "rollout.max_new_tokens=24",
+    "rollout.max_slots=4",
+    "rollout.num_pages=40",
+    "rollout.page_size=8",
+    "rollout.prefill_chunk=8",
+    "warm_start.steps=0",
+    "eval.num_prompts=0",
+    "logging.progress=false",
+]
 GiB = 1 << 30
 
 
@@ -50,8 +61,9 @@ def test_plan_counts_state_exports_engines_kv_and_compiled_temporaries():
     assert t0["train step temporaries"].kind == TRANSIENT
     # the longest bucket a sample can need: 16 + 24 = 40 tokens -> 48, not the largest (512)
     assert longest_bucket(cfg) == 48 and plan.train_bucket == (8, 48)
-    ma = compiled_train_step(cfg.model, cfg.train, build_meshes(cfg.mesh).trainer,
-                             cfg.mesh.trainer, 8, 8, 48).memory_analysis()  # fmt: skip
+    ma = compiled_train_step(
+        cfg.model, cfg.train, build_meshes(cfg.mesh).trainer, cfg.mesh.trainer, 8, 8, 48
+    ).memory_analysis()
     assert t0["train step temporaries"].bytes >= ma.temp_size_in_bytes > 0
     g = by_what(plan, 4)  # one rollout group per device 4..7
     page = 2 * 2 * 8 * 2 * 8 * 4  # K, V x layers x page size x kv heads x head dim x float32
@@ -76,20 +88,27 @@ def test_multiprocess_exports_are_counted_in_the_groups_layout(monkeypatch):
     before = by_what(plan_memory(cfg), 1)["exports"].bytes
     monkeypatch.setattr(memory_plan, "exports_in_group_layout", lambda: True)
     plan = plan_memory(cfg)
-    on = {d: [i for i in plan.items if i.device == d and i.what.startswith("exports")]
-          for d in (0, 1)}  # fmt: skip
+    on = {
+        d: [i for i in plan.items if i.device == d and i.what.startswith("exports")] for d in (0, 1)
+    }
     v0, later = (i.bytes for i in on[0])
     assert later == 3 * 4 * n  # K + 1 = 3 whole float32 models on device 0
     assert v0 == before // 3 and [i.bytes for i in on[1]] == [before // 3]  # version 0 only
 
 
 def test_colocated_engines_alias_the_trainer_exports():
-    cfg = small("mesh.trainer.devices=0:1", "mesh.trainer.data=1", "mesh.trainer.model=1",
-                "mesh.rollout.devices=0:1", "mesh.rollout.groups=3")  # fmt: skip
+    cfg = small(
+        "mesh.trainer.devices=0:1",
+        "mesh.trainer.data=1",
+        "mesh.trainer.model=1",
+        "mesh.rollout.devices=0:1",
+        "mesh.rollout.groups=3",
+    )
     plan = plan_memory(cfg)
     mine = by_what(plan, 0)
-    assert "engine params" not in mine and any("share the trainer's exports" in n
-                                               for n in plan.notes)  # fmt: skip
+    assert "engine params" not in mine and any(
+        "share the trainer's exports" in n for n in plan.notes
+    )
     assert "3 engine(s) x 40 pages" in mine["KV caches"].what
     assert plan.devices() == [0]
 
@@ -98,10 +117,16 @@ def test_wall_clock_counts_the_trainer_and_every_engine_step_at_once():
     """A trainer and three engines on one device: the logical clock steps them one after another
     (the largest transient counts); the wall clock steps each on its own worker thread, so the
     train step's and all three engines' temporaries count together."""
-    colocated = ["mesh.trainer.devices=0:1", "mesh.trainer.data=1", "mesh.trainer.model=1",
-                 "mesh.rollout.devices=0:1", "mesh.rollout.groups=3"]  # fmt: skip
-    plans = {c: plan_memory(small(*colocated, f"orchestrator.clock={c}"))
-             for c in ("logical", "wall")}  # fmt: skip
+    colocated = [
+        "mesh.trainer.devices=0:1",
+        "mesh.trainer.data=1",
+        "mesh.trainer.model=1",
+        "mesh.rollout.devices=0:1",
+        "mesh.rollout.groups=3",
+    ]
+    plans = {
+        c: plan_memory(small(*colocated, f"orchestrator.clock={c}")) for c in ("logical", "wall")
+    }
     mine = {c: by_what(p, 0) for c, p in plans.items()}
     train = mine["logical"]["train step temporaries"].bytes
     engine = mine["logical"]["engine step temporaries"].bytes
@@ -150,14 +175,20 @@ def test_build_refuses_before_loading_anything(tmp_path):
 def test_trainer_runs_the_plans_compiled_step_without_compiling_again():
     cfg = small()
     meshes = build_meshes(cfg.mesh)
-    compiled = compiled_train_step(cfg.model, cfg.train, meshes.trainer, cfg.mesh.trainer,
-                                   8, 8, 48)  # fmt: skip
+    compiled = compiled_train_step(cfg.model, cfg.train, meshes.trainer, cfg.mesh.trainer, 8, 8, 48)
     rng = np.random.default_rng(0)
     trajs = [
-        Trajectory(rng.integers(3, 64, 5).tolist(), rng.integers(3, 64, 30).tolist(),
-                   (-rng.random(30)).tolist(), float(rng.random()), 0, g)
-        for g in range(2) for _ in range(4)
-    ]  # fmt: skip
+        Trajectory(
+            rng.integers(3, 64, 5).tolist(),
+            rng.integers(3, 64, 30).tolist(),
+            (-rng.random(30)).tolist(),
+            float(rng.random()),
+            0,
+            g,
+        )
+        for g in range(2)
+        for _ in range(4)
+    ]
     params = jax.device_get(Trainer(cfg.model, cfg.train).state.params)
     plain = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params)
     adopted = Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params)
@@ -167,8 +198,9 @@ def test_trainer_runs_the_plans_compiled_step_without_compiling_again():
     m_plain, m_adopted = plain.step(batch), adopted.step(batch)
     assert adopted.num_compiles == 0 and plain.num_compiles == 1
     np.testing.assert_allclose(float(m_adopted["loss"]), float(m_plain["loss"]), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(adopted.state.params), jax.tree.leaves(plain.state.params),
-                    strict=True):  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves(adopted.state.params), jax.tree.leaves(plain.state.params), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 

@@ -26,9 +26,17 @@ def test_default_meshes_are_disjoint():
 
 
 def test_expert_axes_widen_the_trainer_and_each_rollout_group():
-    cfg = load_config(None, ["mesh.trainer.devices=0:8", "mesh.trainer.expert=2",
-                             "mesh.rollout.devices=0:8", "mesh.rollout.groups=2",
-                             "mesh.rollout.expert=2", "mesh.rollout.tp=2"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "mesh.trainer.devices=0:8",
+            "mesh.trainer.expert=2",
+            "mesh.rollout.devices=0:8",
+            "mesh.rollout.groups=2",
+            "mesh.rollout.expert=2",
+            "mesh.rollout.tp=2",
+        ],
+    )
     ms = build_meshes(cfg.mesh)
     assert dict(ms.trainer.shape) == {"data": 2, "expert": 2, "model": 2}
     assert [dict(m.shape) for m in ms.groups] == [{"data": 1, "expert": 2, "model": 2}] * 2
@@ -38,8 +46,9 @@ def test_expert_axes_widen_the_trainer_and_each_rollout_group():
     assert sh.spec_for(("batch", "seq"), rules, ms.trainer, (8, 4)) == PartitionSpec(
         ("data", "expert"), None
     )
-    spec = sh.spec_for(("layers", "experts", "embed", "mlp"), sh.rollout_rules(), ms.groups[0],
-                       (2, 8, 16, 32))  # fmt: skip
+    spec = sh.spec_for(
+        ("layers", "experts", "embed", "mlp"), sh.rollout_rules(), ms.groups[0], (2, 8, 16, 32)
+    )
     assert spec == PartitionSpec(None, "expert", None, "model")
     with pytest.raises(ConfigError, match=r"needs groups x expert x tp = 2 x 2 x 2 = 8"):
         build_meshes(
@@ -96,8 +105,9 @@ def test_tree_shardings_warn_naming_the_parameter_and_axis():
     cfg = load_config(None, ["model.num_heads=6", "model.num_kv_heads=2", "model.hidden_size=48"])
     rules = sh.trainer_rules(cfg.mesh.trainer)
     with pytest.warns(sh.ShardingWarning) as record:
-        out = sh.tree_shardings(param_axes(cfg.model), abstract_params(cfg.model), rules,
-                                ms.trainer)  # fmt: skip
+        out = sh.tree_shardings(
+            param_axes(cfg.model), abstract_params(cfg.model), rules, ms.trainer
+        )
     message = str(record[0].message)
     assert "layers/wq: dimension 2 (q_heads, size 6) over mesh axis 'model' (4)" in message
     assert "layers/wk: dimension 2 (kv_heads, size 2)" in message

@@ -14,8 +14,9 @@ from reference_model import as_float64, reference_logits  # tests/reference_mode
 from dora_jax.config import ModelConfig
 from dora_jax.model import count_params, default_positions, forward, init_params, param_specs
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                  num_kv_heads=2)  # fmt: skip
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2
+)
 
 
 def batch(B=2, T=12, seed=0):
@@ -62,9 +63,13 @@ SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize(
     "remat, seq_chunk",
-    [pytest.param("full", 0, marks=SLOW), pytest.param("dots", 0, marks=SLOW), ("none", 5),
-     ("nested", 5)],
-)  # fmt: skip
+    [
+        pytest.param("full", 0, marks=SLOW),
+        pytest.param("dots", 0, marks=SLOW),
+        ("none", 5),
+        ("nested", 5),
+    ],
+)
 def test_remat_policies_change_nothing_numerically(remat, seq_chunk):
     params = init_params(CFG, jax.random.key(0))
     args = batch()
@@ -78,8 +83,9 @@ def test_remat_policies_change_nothing_numerically(remat, seq_chunk):
     assert policies.count(None) == (2 if seq_chunk else 0)
     assert not [e for e in all_eqns(plain) if e.primitive is REMAT]
     assert custom_vjps(jaxpr) == custom_vjps(plain) + (2 if remat == "nested" else 0)
-    np.testing.assert_allclose(forward(params, *args, cfg_r), forward(params, *args, CFG),
-                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        forward(params, *args, cfg_r), forward(params, *args, CFG), atol=1e-6
+    )
     g0 = jax.grad(loss_fn)(params, CFG, *args)
     g1 = jax.grad(loss_fn)(params, cfg_r, *args)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
@@ -96,8 +102,9 @@ def test_nested_remat_keeps_16_bit_layer_inputs_exactly():
     g0 = grad(params, cfg, *batch())
     g1 = grad(params, dataclasses.replace(cfg, remat="nested"), *batch())
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=2e-2, atol=1e-5)  # fmt: skip
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=1e-5
+        )
 
 
 def test_bf16_params_and_compute():
@@ -110,8 +117,9 @@ def test_bf16_params_and_compute():
     params = init_params(cfg, jax.random.key(0))
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
     args = batch()
-    dots = [e for e in all_eqns(forward_jaxpr(params, cfg, args))
-            if e.primitive.name == "dot_general"]  # fmt: skip
+    dots = [
+        e for e in all_eqns(forward_jaxpr(params, cfg, args)) if e.primitive.name == "dot_general"
+    ]
     # q, k, v, o, gate, up, down, scores, probs @ v per layer, and the unembedding
     assert len(dots) == 10
     assert {str(v.aval.dtype) for e in dots for v in e.invars} == {"bfloat16"}
@@ -142,9 +150,9 @@ def test_packed_segments_equal_separate_sequences():
 
 def test_param_count_and_no_qkv_bias_for_llama():
     assert count_params(CFG) == sum(
-        int(np.prod(s.shape)) for s in jax.tree.leaves(
-            param_specs(CFG), is_leaf=lambda x: hasattr(x, "axes"))
-    )  # fmt: skip
+        int(np.prod(s.shape))
+        for s in jax.tree.leaves(param_specs(CFG), is_leaf=lambda x: hasattr(x, "axes"))
+    )
     llama = dataclasses.replace(CFG, family="llama")
     assert "bq" not in param_specs(llama)["layers"] and "bq" in param_specs(CFG)["layers"]
     assert "lm_head" in param_specs(dataclasses.replace(CFG, tie_word_embeddings=False))

@@ -24,40 +24,102 @@ TOL = 1e-4
 
 CASES = {
     # name: (family, config kwargs)
-    "qwen2-gqa1-untied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=4,
-                                        tie_word_embeddings=False)),
-    "qwen2-gqa4-tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1,
-                                      tie_word_embeddings=True)),
-    "llama-gqa4-rope-llama3-untied": ("llama", dict(
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "llama-gqa1-headdim-tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4,
-                                              head_dim=16, tie_word_embeddings=True)),
+    "qwen2-gqa1-untied": (
+        "qwen2",
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    ),
+    "qwen2-gqa4-tied": (
+        "qwen2",
+        dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    ),
+    "llama-gqa4-rope-llama3-untied": (
+        "llama",
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "llama-gqa1-headdim-tied": (
+        "llama",
+        dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True),
+    ),
     # Qwen3: per-head q/k RMSNorm, head_dim != hidden / heads (48 / 4 = 12, 48 / 8 = 6)
-    "qwen3-gqa2-headdim-untied": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2,
-                                                head_dim=16, tie_word_embeddings=False)),
-    "qwen3-gqa4-headdim-tied": ("qwen3", dict(num_attention_heads=8, num_key_value_heads=2,
-                                              head_dim=8, tie_word_embeddings=True)),
+    "qwen3-gqa2-headdim-untied": (
+        "qwen3",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    ),
+    "qwen3-gqa4-headdim-tied": (
+        "qwen3",
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True),
+    ),
     # Mistral: a sliding window of 5 over rows of up to 40 tokens, and no window
-    "mistral-window5-gqa2-untied": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2,
-                                                    sliding_window=5, tie_word_embeddings=False)),
-    "mistral-nowindow-gqa3-tied": ("mistral", dict(num_attention_heads=6, num_key_value_heads=2,
-                                                   sliding_window=None, tie_word_embeddings=True)),
+    "mistral-window5-gqa2-untied": (
+        "mistral",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral-nowindow-gqa3-tied": (
+        "mistral",
+        dict(
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            sliding_window=None,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Qwen2 with use_sliding_window: layer 0 attends fully, layers 1 and 2 through a window of 7
-    "qwen2-window7-after-1-layer-tied": ("qwen2", dict(
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    "qwen2-window7-after-1-layer-tied": (
+        "qwen2",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=7,
+            max_window_layers=1,
+        ),
+    ),
     # mixture of experts: 8 experts, top-2 (Qwen3-MoE: q/k norms, renormalised top-k; Qwen2-MoE:
     # q/k/v biases, raw top-k probabilities, the sigmoid-gated shared expert)
-    "qwen3_moe-e8-top2-untied": ("qwen3_moe", dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
-    "qwen2_moe-e8-top2-shared-tied": ("qwen2_moe", dict(
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
-        shared_expert_intermediate_size=56)),
-}  # fmt: skip
+    "qwen3_moe-e8-top2-untied": (
+        "qwen3_moe",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen2_moe-e8-top2-shared-tied": (
+        "qwen2_moe",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=56,
+        ),
+    ),
+}
 
 HF_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

@@ -17,18 +17,27 @@ from dora_jax.model.moe import moe_mlp
 from dora_jax.model.transformer import default_positions, hidden_states, logits_from_hidden
 from dora_jax.train import Trainer, Trajectory, pack_batch
 
-QWEN3 = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
-                    num_heads=4, num_kv_heads=2, family="qwen3_moe",
-                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
-QWEN2 = dataclasses.replace(QWEN3, family="qwen2_moe",
-                            shared_expert_intermediate_size=24)  # fmt: skip
+QWEN3 = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    family="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
+QWEN2 = dataclasses.replace(QWEN3, family="qwen2_moe", shared_expert_intermediate_size=24)
 
 
 @jax.jit
 def run(params, tokens, positions, seg, routes, cfg):
     """``(logits, chosen routes)``, jitted like the train and rollout paths."""
-    h, chosen = hidden_states(params, tokens, positions, seg, cfg, routes=routes,
-                              return_routes=True)  # fmt: skip
+    h, chosen = hidden_states(
+        params, tokens, positions, seg, cfg, routes=routes, return_routes=True
+    )
     return logits_from_hidden(params, h, cfg), chosen
 
 
@@ -77,9 +86,13 @@ def test_grouped_block_equals_per_expert_loop(cfg, impl, monkeypatch):
 
 @pytest.mark.parametrize(
     "N, E, k",
-    [(1, 8, 2), (40, 8, 2), pytest.param(300, 64, 4, marks=pytest.mark.slow),
-     pytest.param(2048, 8, 1, marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        (1, 8, 2),
+        (40, 8, 2),
+        pytest.param(300, 64, 4, marks=pytest.mark.slow),
+        pytest.param(2048, 8, 1, marks=pytest.mark.slow),
+    ],
+)
 def test_blocked_path_handles_any_load(N, E, k):
     """Empty experts, one expert taking every token, blocks of 8 to 128 rows: the blocked path
     equals ragged_dot (its dense CPU lowering is the reference here), gradients too."""
@@ -113,8 +126,9 @@ def test_forced_routes_replay_bit_identically_and_others_change_logits(cfg):
     L, k = cfg.num_layers, cfg.num_experts_per_tok
     assert chosen.shape == (3, 10, L, k) and chosen.dtype == jnp.int32
     assert np.all((np.asarray(chosen) >= 0) & (np.asarray(chosen) < cfg.num_experts))
-    np.testing.assert_array_equal(np.asarray(forward(params, tokens, positions, seg, cfg)),
-                                  np.asarray(h))  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(forward(params, tokens, positions, seg, cfg)), np.asarray(h)
+    )
 
     # the router's own choice, forced: bit for bit the same, and the same routes come out
     h2, chosen2 = run(params, tokens, positions, seg, chosen, cfg)
@@ -157,8 +171,9 @@ def test_dense_models_refuse_routes():
     cfg = ModelConfig()
     tokens, positions, seg = batch()
     with pytest.raises(ValueError, match="routes are for mixture-of-experts models"):
-        hidden_states(init_params(cfg, jax.random.key(0)), tokens, positions, seg, cfg,
-                      return_routes=True)  # fmt: skip
+        hidden_states(
+            init_params(cfg, jax.random.key(0)), tokens, positions, seg, cfg, return_routes=True
+        )
 
 
 @pytest.mark.parametrize(
@@ -189,18 +204,35 @@ def test_dense_families_ignore_the_moe_fields():
     ],
 )
 def test_hf_configs_with_dense_layers_are_refused(key, value, message):
-    hf = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-          "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
-          "moe_intermediate_size": 16, "router_aux_loss_coef": 0.001, key: value}  # fmt: skip
+    hf = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "router_aux_loss_coef": 0.001,
+        key: value,
+    }
     with pytest.raises(UnsupportedModelError, match=message):
         model_config_from_hf(hf)
 
 
 # ------------------------------------------------------------------------------ train step
 
-TRAIN = TrainConfig(lr=1e-3, group_size=4, length_buckets=(16,), logprob_chunk=16,
-                    total_steps=10, adam_eps=1e-3, max_grad_norm=10.0)  # fmt: skip
+TRAIN = TrainConfig(
+    lr=1e-3,
+    group_size=4,
+    length_buckets=(16,),
+    logprob_chunk=16,
+    total_steps=10,
+    adam_eps=1e-3,
+    max_grad_norm=10.0,
+)
 
 
 def trajectories(seed=0):
@@ -210,9 +242,16 @@ def trajectories(seed=0):
         prompt = rng.integers(0, 64, int(rng.integers(2, 6))).tolist()
         for _ in range(4):
             R = int(rng.integers(2, 9))
-            out.append(Trajectory(prompt, rng.integers(0, 64, R).tolist(),
-                                  (-rng.random(R) * 3).tolist(), float(rng.random()), 0,
-                                  (seed, g)))  # fmt: skip
+            out.append(
+                Trajectory(
+                    prompt,
+                    rng.integers(0, 64, R).tolist(),
+                    (-rng.random(R) * 3).tolist(),
+                    float(rng.random()),
+                    0,
+                    (seed, g),
+                )
+            )
     return out
 
 
@@ -251,11 +290,25 @@ def test_rollout_steps_return_the_routes_of_every_fed_token():
     cfg = QWEN3
     params = init_params(cfg, jax.random.key(0))
     params["layers"]["router"] = params["layers"]["router"] * 30  # decisive routing
-    rcfg = RolloutConfig(page_size=8, num_pages=8, max_slots=2, max_prompt_len=16,
-                         max_new_tokens=8, prefill_chunk=8, temperature=0.0)  # fmt: skip
+    rcfg = RolloutConfig(
+        page_size=8,
+        num_pages=8,
+        max_slots=2,
+        max_prompt_len=16,
+        max_new_tokens=8,
+        prefill_chunk=8,
+        temperature=0.0,
+    )
     mesh = make_mesh(jax.devices()[:1], 1, 1)
-    st = StepStatic(cfg=cfg, sampling=SamplingParams(0.0), mesh=mesh, impl="reference",
-                    interpret=False, decode_steps=3, eos_ids=(-1,))  # fmt: skip
+    st = StepStatic(
+        cfg=cfg,
+        sampling=SamplingParams(0.0),
+        mesh=mesh,
+        impl="reference",
+        interpret=False,
+        decode_steps=3,
+        eos_ids=(-1,),
+    )
     cache = init_cache(cfg, rcfg, mesh)
     prefill = jax.jit(prefill_step, static_argnames=("st",))
     decode = jax.jit(decode_step, static_argnames=("st",))
@@ -268,22 +321,41 @@ def test_rollout_steps_return_the_routes_of_every_fed_token():
         chunk = np.zeros((2, 8), np.int32)
         chunk[0, : len(piece)] = piece
         cache, nxt, _, _, routes = prefill(
-            params, cache, jnp.asarray(chunk), jnp.asarray([start, 0], jnp.int32),
-            jnp.asarray([len(piece), 0], jnp.int32), tables, keys, st=st,
-        )  # fmt: skip
+            params,
+            cache,
+            jnp.asarray(chunk),
+            jnp.asarray([start, 0], jnp.int32),
+            jnp.asarray([len(piece), 0], jnp.int32),
+            tables,
+            keys,
+            st=st,
+        )
         assert routes.shape == (2, 8, cfg.num_layers, 2) and routes.dtype == jnp.int32
         got.append(np.asarray(routes)[0, : len(piece)])
     first = int(nxt[0])
     cache, toks, _, _, routes = decode(
-        params, cache, jnp.asarray([first, 0], jnp.int32), jnp.asarray([12, 0], jnp.int32),
-        tables, jnp.asarray([True, False]), keys, jnp.asarray([3, 0], jnp.int32), st=st,
-    )  # fmt: skip
+        params,
+        cache,
+        jnp.asarray([first, 0], jnp.int32),
+        jnp.asarray([12, 0], jnp.int32),
+        tables,
+        jnp.asarray([True, False]),
+        keys,
+        jnp.asarray([3, 0], jnp.int32),
+        st=st,
+    )
     assert routes.shape == (3, 2, cfg.num_layers, 2) and toks.shape == (3, 2)
     got.append(np.asarray(routes)[:, 0])  # fed: first, toks[0], toks[1]
     seq = prompt + [first] + [int(t) for t in np.asarray(toks)[:2, 0]]
     T = len(seq)
-    _, want = run(params, jnp.asarray([seq], jnp.int32), jnp.arange(T)[None],
-                  jnp.ones((1, T), jnp.int32), None, cfg)  # fmt: skip
+    _, want = run(
+        params,
+        jnp.asarray([seq], jnp.int32),
+        jnp.arange(T)[None],
+        jnp.ones((1, T), jnp.int32),
+        None,
+        cfg,
+    )
     np.testing.assert_array_equal(np.concatenate(got), np.asarray(want)[0])
 
 
@@ -293,15 +365,23 @@ def test_dense_rollout_steps_return_no_routes():
     from dora_jax.rollout.steps import StepStatic, init_cache, prefill_step
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1)
-    rcfg = RolloutConfig(page_size=8, num_pages=4, max_slots=1, max_prompt_len=8,
-                         max_new_tokens=8, prefill_chunk=8)  # fmt: skip
+    rcfg = RolloutConfig(
+        page_size=8, num_pages=4, max_slots=1, max_prompt_len=8, max_new_tokens=8, prefill_chunk=8
+    )
     mesh = make_mesh(jax.devices()[:1], 1, 1)
-    st = StepStatic(cfg=cfg, sampling=SamplingParams(0.0), mesh=mesh, impl="reference",
-                    interpret=False)  # fmt: skip
-    out = prefill_step(init_params(cfg, jax.random.key(0)), init_cache(cfg, rcfg, mesh),
-                       jnp.ones((1, 8), jnp.int32), jnp.zeros(1, jnp.int32),
-                       jnp.full(1, 8, jnp.int32), jnp.asarray([[1]], jnp.int32),
-                       jnp.zeros((1, 2), jnp.uint32), st)  # fmt: skip
+    st = StepStatic(
+        cfg=cfg, sampling=SamplingParams(0.0), mesh=mesh, impl="reference", interpret=False
+    )
+    out = prefill_step(
+        init_params(cfg, jax.random.key(0)),
+        init_cache(cfg, rcfg, mesh),
+        jnp.ones((1, 8), jnp.int32),
+        jnp.zeros(1, jnp.int32),
+        jnp.full(1, 8, jnp.int32),
+        jnp.asarray([[1]], jnp.int32),
+        jnp.zeros((1, 2), jnp.uint32),
+        st,
+    )
     assert len(out) == 5 and out[4] is None
 
 
@@ -316,14 +396,29 @@ def test_engine_records_every_tokens_routes(decode_steps, num_pages):
     cfg = QWEN3
     params = init_params(cfg, jax.random.key(0))
     params["layers"]["router"] = params["layers"]["router"] * 30  # decisive routing
-    rcfg = RolloutConfig(page_size=8, num_pages=num_pages, max_slots=4, max_prompt_len=16,
-                         max_new_tokens=24, prefill_chunk=8, temperature=1.0,
-                         decode_steps=decode_steps)  # fmt: skip
+    rcfg = RolloutConfig(
+        page_size=8,
+        num_pages=num_pages,
+        max_slots=4,
+        max_prompt_len=16,
+        max_new_tokens=24,
+        prefill_chunk=8,
+        temperature=1.0,
+        decode_steps=decode_steps,
+    )
     engine = Engine(cfg, rcfg, make_mesh(jax.devices()[:1], 1, 1), eos_id=2)
     engine.load_params(params, 0)
     rng = np.random.default_rng(7)
-    reqs = [Request(i, [int(t) for t in rng.integers(3, 64, int(rng.integers(2, 17)))], 0,
-                    request_key(7, i), int(rng.integers(1, 25))) for i in range(8)]  # fmt: skip
+    reqs = [
+        Request(
+            i,
+            [int(t) for t in rng.integers(3, 64, int(rng.integers(2, 17)))],
+            0,
+            request_key(7, i),
+            int(rng.integers(1, 25)),
+        )
+        for i in range(8)
+    ]
     engine.submit(reqs)
     finished, parked = [], 0
     for _ in range(500):
@@ -343,8 +438,7 @@ def test_engine_records_every_tokens_routes(decode_steps, num_pages):
         tokens = np.zeros((1, W), np.int32)
         tokens[0, :T] = seq
         seg = (np.arange(W) < T).astype(np.int32)[None]
-        _, want = run(params, jnp.asarray(tokens), jnp.arange(W)[None], jnp.asarray(seg), None,
-                      cfg)  # fmt: skip
+        _, want = run(params, jnp.asarray(tokens), jnp.arange(W)[None], jnp.asarray(seg), None, cfg)
         np.testing.assert_array_equal(f.routes[:-1], np.asarray(want)[0, : T - 1])
 
 
@@ -353,8 +447,9 @@ def test_dense_engines_record_no_routes():
     from dora_jax.rollout import Engine, Request, request_key
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1)
-    rcfg = RolloutConfig(page_size=8, num_pages=8, max_slots=2, max_prompt_len=8,
-                         max_new_tokens=4, prefill_chunk=8)  # fmt: skip
+    rcfg = RolloutConfig(
+        page_size=8, num_pages=8, max_slots=2, max_prompt_len=8, max_new_tokens=4, prefill_chunk=8
+    )
     engine = Engine(cfg, rcfg, make_mesh(jax.devices()[:1], 1, 1), eos_id=-1)
     engine.load_params(init_params(cfg, jax.random.key(0)), 0)
     engine.submit([Request(0, [5, 6, 7], 0, request_key(0, 0), 4)])

@@ -19,11 +19,29 @@ from dora_jax.rollout import Engine, Request, request_key
 from dora_jax.train.batch import Trajectory, pack_batch
 from dora_jax.train.trainer import Trainer
 
-CFG = ModelConfig(family="qwen3_moe", attention_bias=False, vocab_size=64,
-                  hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)  # fmt: skip
-RCFG = RolloutConfig(page_size=8, num_pages=40, max_slots=4, max_prompt_len=24,
-                     max_new_tokens=40, prefill_chunk=8, temperature=1.0, top_k=20)  # fmt: skip
+CFG = ModelConfig(
+    family="qwen3_moe",
+    attention_bias=False,
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+)
+RCFG = RolloutConfig(
+    page_size=8,
+    num_pages=40,
+    max_slots=4,
+    max_prompt_len=24,
+    max_new_tokens=40,
+    prefill_chunk=8,
+    temperature=1.0,
+    top_k=20,
+)
 L, K = CFG.num_layers, CFG.num_experts_per_tok
 
 
@@ -42,10 +60,15 @@ def engine_on(params, *ids, **rcfg):
 def requests(n=3, seed=5):
     rng = np.random.default_rng(seed)
     return [
-        Request(id=f"q{i}", prompt=[int(t) for t in rng.integers(3, 64, rng.integers(9, 20))],
-                version=0, key=request_key(seed, i), max_new_tokens=int(rng.integers(20, 41)))
+        Request(
+            id=f"q{i}",
+            prompt=[int(t) for t in rng.integers(3, 64, rng.integers(9, 20))],
+            version=0,
+            key=request_key(seed, i),
+            max_new_tokens=int(rng.integers(20, 41)),
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def drain(*engines):
@@ -59,8 +82,9 @@ def drain(*engines):
 def full_forward_routes(params, seq):
     T = len(seq)
     tokens = jnp.asarray(np.asarray(seq, np.int32)[None])
-    _, chosen = hidden_states(params, tokens, jnp.arange(T)[None], jnp.ones((1, T), jnp.int32),
-                              CFG, return_routes=True)  # fmt: skip
+    _, chosen = hidden_states(
+        params, tokens, jnp.arange(T)[None], jnp.ones((1, T), jnp.int32), CFG, return_routes=True
+    )
     return np.asarray(chosen[0])
 
 
@@ -118,8 +142,10 @@ def test_train_step_replays_recorded_routes(params):
     """Replaying the router's own choice changes nothing; replaying other experts changes the
     loss; without replay the step reports how many recorded tokens its router disagrees on.
     The experts' weights are scaled up so that which experts run shows clearly in the loss."""
-    params = {**params, "layers": {k: (w * 10 if k.startswith("moe_") else w)
-                                   for k, w in params["layers"].items()}}  # fmt: skip
+    params = {
+        **params,
+        "layers": {k: (w * 10 if k.startswith("moe_") else w) for k, w in params["layers"].items()},
+    }
     tcfg = TrainConfig(group_size=2, length_buckets=(24,))
     rng = np.random.default_rng(0)
     seqs = [[int(t) for t in rng.integers(3, 64, n)] for n in (14, 11)]
@@ -127,17 +153,24 @@ def test_train_step_replays_recorded_routes(params):
     other = [(r + 1) % CFG.num_experts for r in own]  # every token, every layer: other experts
 
     def trajectories(routes):
-        return [Trajectory(s[:6], s[6:], [-2.0] * (len(s) - 6), float(i), 0, "g", routes=r)
-                for i, (s, r) in enumerate(zip(seqs, routes, strict=True))]  # fmt: skip
+        return [
+            Trajectory(s[:6], s[6:], [-2.0] * (len(s) - 6), float(i), 0, "g", routes=r)
+            for i, (s, r) in enumerate(zip(seqs, routes, strict=True))
+        ]
 
-    trainers = {r: Trainer(CFG, dataclasses.replace(tcfg, routing_replay=r), params=params)
-                for r in (False, True)}  # fmt: skip
+    trainers = {
+        r: Trainer(CFG, dataclasses.replace(tcfg, routing_replay=r), params=params)
+        for r in (False, True)
+    }
 
     def step(replay, routes):  # the loss of the params before the update: reset each time
         tr = trainers[replay]
         tr.reset(params)
-        return {k: float(v) for k, v in tr.step(tr.pack(trajectories(routes))).items()
-                if np.ndim(v) == 0}  # fmt: skip
+        return {
+            k: float(v)
+            for k, v in tr.step(tr.pack(trajectories(routes))).items()
+            if np.ndim(v) == 0
+        }
 
     free_own, replay_own = step(False, own), step(True, own)
     free_other, replay_other = step(False, other), step(True, other)

@@ -33,32 +33,49 @@ from dora_jax.distributed.launcher import launch_local
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "multiprocess_driver.py"
 TINY = [
-    "warm_start.steps=20", "eval.num_prompts=0", "logging.progress=false",
-    "orchestrator.staleness_k=2", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.group_size=4", "rollout.max_new_tokens=64",
-    "mesh.trainer.devices=0:2", "mesh.trainer.data=1", "mesh.trainer.model=2",
-    "mesh.rollout.devices=2:8", "mesh.rollout.groups=6", "orchestrator.kv_pressure_threshold=0.3",
+    "warm_start.steps=20",
+    "eval.num_prompts=0",
+    "logging.progress=false",
+    "orchestrator.staleness_k=2",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=4",
+    "rollout.max_new_tokens=64",
+    "mesh.trainer.devices=0:2",
+    "mesh.trainer.data=1",
+    "mesh.trainer.model=2",
+    "mesh.rollout.devices=2:8",
+    "mesh.rollout.groups=6",
+    "orchestrator.kv_pressure_threshold=0.3",
     # host ignored by the planner: the 2-process run decides as the 1-process run does, and its
     # moves cross processes (the preference for local moves is tested on the planner)
     "orchestrator.prefer_local_moves=false",
-]  # fmt: skip
+]
 
 # the trainer mesh spans both processes (devices 2-3 of process 0, 4-5 of process 1; data
 # parallel across them), the two rollout groups live on process 1
 SPANNING = [
-    "mesh.trainer.devices=2:6", "mesh.trainer.data=2", "mesh.trainer.model=2",
-    "mesh.rollout.devices=6:8", "mesh.rollout.groups=2",
-]  # fmt: skip
+    "mesh.trainer.devices=2:6",
+    "mesh.trainer.data=2",
+    "mesh.trainer.model=2",
+    "mesh.rollout.devices=6:8",
+    "mesh.rollout.groups=2",
+]
 
 pytestmark = pytest.mark.slow
 
 
-def drive(tmp_path: Path, name: str, processes: int, clock: str, steps: int = 5,
-          extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
+def drive(
+    tmp_path: Path,
+    name: str,
+    processes: int,
+    clock: str,
+    steps: int = 5,
+    extra: tuple[str, ...] = (),
+) -> dict:
     run_dir = tmp_path / name
     args = [str(steps), *TINY, *extra, f"orchestrator.clock={clock}", f"run_dir={run_dir}"]
-    code = launch_local(processes, args, run_dir, devices_per_process=8 // processes,
-                        entry=DRIVER)  # fmt: skip
+    code = launch_local(processes, args, run_dir, devices_per_process=8 // processes, entry=DRIVER)
     logs = "".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log")))
     assert code == 0, logs
     result = json.loads((run_dir / "result.json").read_text())
@@ -118,19 +135,30 @@ def test_every_trainer_command_runs_on_every_trainer_process(tmp_path):
     before running it itself, and both compile the same executable for each batch shape."""
     run_dir = tmp_path / "spmd"
     args = [*TINY, *SPANNING, "train.length_buckets=[32,64]", f"run_dir={run_dir}"]
-    code = launch_local(2, args, run_dir, devices_per_process=4,
-                        entry=ROOT / "tests" / "spmd_trainer_driver.py")  # fmt: skip
+    code = launch_local(
+        2, args, run_dir, devices_per_process=4, entry=ROOT / "tests" / "spmd_trainer_driver.py"
+    )
     logs = {p.name: p.read_text() for p in sorted((run_dir / "logs").glob("*.log"))}
     assert code == 0, "".join(t[-3000:] for t in logs.values())
-    records = [json.loads(line.split("trainer commands: ", 1)[1])
-               for text in logs.values() for line in text.splitlines()
-               if "trainer commands: " in line]  # fmt: skip
+    records = [
+        json.loads(line.split("trainer commands: ", 1)[1])
+        for text in logs.values()
+        for line in text.splitlines()
+        if "trainer commands: " in line
+    ]
     assert sorted(r["process"] for r in records) == [0, 1]
     lead, other = sorted(records, key=lambda r: r["process"])
     assert lead["applied"] == [
-        "StartTrainer", "ExportParams", "TrainStep", "TrainStep", "ExportParams", "GatherState",
-        "RestoreState", "TrainStep", "GatherState",
-    ]  # fmt: skip
+        "StartTrainer",
+        "ExportParams",
+        "TrainStep",
+        "TrainStep",
+        "ExportParams",
+        "GatherState",
+        "RestoreState",
+        "TrainStep",
+        "GatherState",
+    ]
     assert other["applied"] == lead["applied"]  # no command ran on process 0 alone
     assert len(lead["executables"]) == 2  # two batch shapes
     assert other["executables"] == lead["executables"]  # the same compiled programs
@@ -141,13 +169,28 @@ def test_every_trainer_command_runs_on_every_trainer_process(tmp_path):
 def test_sigkill_of_one_process_then_resume(tmp_path, layout):
     run_dir = tmp_path / "killed"
     extra = SPANNING if layout == "trainer_spanning" else []
-    args = [sys.executable, str(ROOT / "launch" / "train.py"), "--local-processes", "2",
-            *TINY, *extra, "orchestrator.clock=logical", f"run_dir={run_dir}",
-            "train.total_steps=6",
-            "checkpoint.every_steps=1", "checkpoint.async_save=false",
-            "logging.tensorboard=false"]  # fmt: skip
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+    args = [
+        sys.executable,
+        str(ROOT / "launch" / "train.py"),
+        "--local-processes",
+        "2",
+        *TINY,
+        *extra,
+        "orchestrator.clock=logical",
+        f"run_dir={run_dir}",
+        "train.total_steps=6",
+        "checkpoint.every_steps=1",
+        "checkpoint.async_save=false",
+        "logging.tensorboard=false",
+    ]
+    proc = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -165,8 +208,9 @@ def test_sigkill_of_one_process_then_resume(tmp_path, layout):
     expect("process-killed", log0)  # docs/reliability.md: names the process, says --resume
     assert stopped_after < 60, stopped_after
 
-    resumed = subprocess.run([*args, "--resume"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600)  # fmt: skip
+    resumed = subprocess.run(
+        [*args, "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
     final = json.loads((run_dir / "summary.json").read_text())
@@ -189,8 +233,11 @@ def test_sigkill_of_one_process_then_resume(tmp_path, layout):
             np.testing.assert_allclose(got["loss"], want["loss"], atol=1e-6, rtol=0)
 
 
-CHATTER = [f"env.spec={ROOT / 'tests' / 'agentic_envs.py'}:Chatter", "env.workers=2",
-           "env.kwargs.turns=8"]  # fmt: skip
+CHATTER = [
+    f"env.spec={ROOT / 'tests' / 'agentic_envs.py'}:Chatter",
+    "env.workers=2",
+    "env.kwargs.turns=8",
+]
 
 
 @pytest.mark.parametrize("clock", ["logical", "wall"])

@@ -17,9 +17,17 @@ from dora_jax.orchestrator.fake_backend import response_length
 
 
 def _cfg(**kw) -> FakeBackendConfig:
-    base = dict(num_groups=2, max_slots=4, max_prompt_len=64, max_new_tokens=64,
-                length_median=8, length_p99_ratio=1.0, prefill_tokens_per_tick=16,
-                weight_transfer_ticks=3, migrate_ticks=2)  # fmt: skip
+    base = dict(
+        num_groups=2,
+        max_slots=4,
+        max_prompt_len=64,
+        max_new_tokens=64,
+        length_median=8,
+        length_p99_ratio=1.0,
+        prefill_tokens_per_tick=16,
+        weight_transfer_ticks=3,
+        migrate_ticks=2,
+    )
     base.update(kw)
     return FakeBackendConfig(**base)
 

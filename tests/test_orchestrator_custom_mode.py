@@ -19,9 +19,18 @@ from dora_jax.orchestrator import FakeBackendConfig, Mode, modes, register_mode,
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 
 # a small long-tailed workload (p99 / median = 12) whose long requests outlast a train step
-BACKEND = FakeBackendConfig(num_groups=4, max_slots=4, max_prompt_len=64, max_new_tokens=400,
-                            length_median=20, length_p99_ratio=12, prefill_tokens_per_tick=32,
-                            weight_transfer_ticks=3, migrate_ticks=1, seed=1)  # fmt: skip
+BACKEND = FakeBackendConfig(
+    num_groups=4,
+    max_slots=4,
+    max_prompt_len=64,
+    max_new_tokens=400,
+    length_median=20,
+    length_p99_ratio=12,
+    prefill_tokens_per_tick=32,
+    weight_transfer_ticks=3,
+    migrate_ticks=1,
+    seed=1,
+)
 
 
 class Replay:
@@ -73,11 +82,17 @@ def restart(monkeypatch):
 
 
 def _run(k=2, steps=8, drain=False, seed=1):
-    cfg = OrchestratorConfig(mode="restart", staleness_k=k, train_batch_prompts=2,
-                             rollout_batch_prompts=4, plan_period_ticks=8)  # fmt: skip
+    cfg = OrchestratorConfig(
+        mode="restart",
+        staleness_k=k,
+        train_batch_prompts=2,
+        rollout_batch_prompts=4,
+        plan_period_ticks=8,
+    )
     backend = FakeBackendConfig(**{**BACKEND.__dict__, "seed": seed})
-    return cfg, run_fake(cfg, 4, backend, num_steps=steps, step_ticks=10, prompt_len=(8, 64),
-                         drain=drain)  # fmt: skip
+    return cfg, run_fake(
+        cfg, 4, backend, num_steps=steps, step_ticks=10, prompt_len=(8, 64), drain=drain
+    )
 
 
 def test_restart_mode_runs_through_the_runtime(restart):
@@ -104,12 +119,18 @@ def test_restart_mode_runs_through_the_runtime(restart):
 def test_restart_mode_keeps_the_invariants(restart, k, seed):
     cfg, run = _run(k=k, steps=6, drain=True, seed=seed)
     assert_run_invariants(
-        mode=cfg.mode, k=k, group_size=4, num_groups=BACKEND.num_groups,
-        plan_period_ticks=cfg.plan_period_ticks, runtime=run.runtime,
-        records=run.result.records, ledger=run.result.ledger,
-        trainer_batches=run.trainer.batches, live_requests=run.backend.live_requests(),
+        mode=cfg.mode,
+        k=k,
+        group_size=4,
+        num_groups=BACKEND.num_groups,
+        plan_period_ticks=cfg.plan_period_ticks,
+        runtime=run.runtime,
+        records=run.result.records,
+        ledger=run.result.ledger,
+        trainer_batches=run.trainer.batches,
+        live_requests=run.backend.live_requests(),
         discards=True,
-    )  # fmt: skip
+    )
     assert run.runtime.steps_done >= 6
 
 
@@ -130,8 +151,11 @@ def test_a_registered_mode_passes_config_validation(restart):
 
 def test_an_unknown_mode_is_refused_early():
     known = r"'sync', 'one_step', 'partial', 'oversample', 'dora'"
-    with pytest.raises(ConfigError, match=rf"^orchestrator\.mode: expected one of {known}, got "
-                                          r"'restart' \(from the command line"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=rf"^orchestrator\.mode: expected one of {known}, got "
+        r"'restart' \(from the command line",
+    ):
         load_config(None, ["orchestrator.mode=restart"])  # (not registered here)
     with pytest.raises(ConfigError, match=r"^mode: expected one of .*'dora', got 'rsync'"):
         OrchestratorConfig(mode="rsync")

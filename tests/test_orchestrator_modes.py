@@ -14,14 +14,29 @@ from dora_jax.orchestrator import FakeBackendConfig, mode_for, run_fake
 ROOT = Path(__file__).resolve().parents[1]
 
 # a small long-tailed workload: p99 / median = 12, 4 groups of 4 slots, G = 4
-BACKEND = FakeBackendConfig(num_groups=4, max_slots=4, max_prompt_len=64, max_new_tokens=400,
-                            length_median=20, length_p99_ratio=12, prefill_tokens_per_tick=32,
-                            weight_transfer_ticks=3, migrate_ticks=1, seed=1)  # fmt: skip
+BACKEND = FakeBackendConfig(
+    num_groups=4,
+    max_slots=4,
+    max_prompt_len=64,
+    max_new_tokens=400,
+    length_median=20,
+    length_p99_ratio=12,
+    prefill_tokens_per_tick=32,
+    weight_transfer_ticks=3,
+    migrate_ticks=1,
+    seed=1,
+)
 
 
 def _run(mode: str, k: int = 2, steps: int = 8, **kw):
-    cfg = OrchestratorConfig(mode=mode, staleness_k=k, train_batch_prompts=2,
-                             rollout_batch_prompts=4, plan_period_ticks=8, **kw)  # fmt: skip
+    cfg = OrchestratorConfig(
+        mode=mode,
+        staleness_k=k,
+        train_batch_prompts=2,
+        rollout_batch_prompts=4,
+        plan_period_ticks=8,
+        **kw,
+    )
     return run_fake(cfg, 4, BACKEND, num_steps=steps, step_ticks=10, prompt_len=(8, 64))
 
 

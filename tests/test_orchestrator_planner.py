@@ -254,8 +254,10 @@ def test_consolidation_packs_an_old_tail_onto_the_groups_its_kv_needs():
     assert p.targets == {3: 1, 4: 1, 5: 3}  # 60 pages fit one group under 0.9 x 100
     assert {t.group for t in p.transfers} == {1, 2} and all(t.version == 5 for t in p.transfers)
     assert {m.dst for m in p.migrations} == {3}  # ties: the lowest ids are emptied first
-    p = plan(snap(groups, 5, oldest=3, pending={5: 64}),
-             PlanPolicy(rollout_batch_prompts=0, consolidate=False))  # fmt: skip
+    p = plan(
+        snap(groups, 5, oldest=3, pending={5: 64}),
+        PlanPolicy(rollout_batch_prompts=0, consolidate=False),
+    )
     assert p.transfers == () and p.targets == {3: 1, 4: 3, 5: 1}
 
 
@@ -297,8 +299,11 @@ def test_spare_groups_spread_the_version_the_trainer_waits_for():
     # once group 1 holds v3, the next plan evens the gate's pages out over both groups
     after = _ready(snap([gate, grp(1, 3, 0), groups[2]], 4, oldest=3, room={3: 0, 4: 0}))
     p = plan(after, PlanPolicy(rollout_batch_prompts=0))
-    moved = sum(pg for m in p.migrations for pg in (gate.request_pages[gate.requests.index(r)]
-                                                    for r in m.request_ids))  # fmt: skip
+    moved = sum(
+        pg
+        for m in p.migrations
+        for pg in (gate.request_pages[gate.requests.index(r)] for r in m.request_ids)
+    )
     assert all((m.src, m.dst) == (0, 1) for m in p.migrations) and 15 <= moved <= 30
 
 
@@ -356,8 +361,15 @@ def snapshots(draw):
     held = {g.version for g in groups}
     pend = draw(st.dictionaries(st.sampled_from(sorted(held | {latest})), st.integers(0, 40)))
     room = {v: draw(st.integers(0, 10)) for v in range(oldest, latest + 1)}
-    return snap(groups, latest, oldest=oldest, pending=pend, in_flight=draw(st.integers(0, 6)),
-                room=room, G=draw(st.integers(1, 4)))  # fmt: skip
+    return snap(
+        groups,
+        latest,
+        oldest=oldest,
+        pending=pend,
+        in_flight=draw(st.integers(0, 6)),
+        room=room,
+        G=draw(st.integers(1, 4)),
+    )
 
 
 @given(s=snapshots(), rbs=st.integers(0, 8), thr=st.sampled_from([0.5, 0.9, 1.0]))
@@ -400,8 +412,13 @@ def test_plan_is_always_executable(s, rbs, thr):
         assert total <= s.room.get(v, 0)
 
 
-@given(s=snapshots(), rbs=st.integers(0, 8), thr=st.sampled_from([0.5, 0.9, 1.0]),
-       spread=st.booleans(), consolidate=st.booleans())  # fmt: skip
+@given(
+    s=snapshots(),
+    rbs=st.integers(0, 8),
+    thr=st.sampled_from([0.5, 0.9, 1.0]),
+    spread=st.booleans(),
+    consolidate=st.booleans(),
+)
 @settings(max_examples=300, deadline=None)
 def test_planner_v2_properties(s, rbs, thr, spread, consolidate):
     """No plan overfills a destination's KV pages, none migrates across versions, and

@@ -70,15 +70,27 @@ def check_invariants(cfg: OrchestratorConfig, backend: FakeBackendConfig, run: d
     policy = mode_for(cfg)
     k, G = policy.k, run["group_size"]
     out = run_fake(
-        cfg, G, backend, num_steps=run["num_steps"], step_ticks=run["step_ticks"],
-        prompt_len=(1, 32), drain=True, max_ticks=200_000,
-    )  # fmt: skip
+        cfg,
+        G,
+        backend,
+        num_steps=run["num_steps"],
+        step_ticks=run["step_ticks"],
+        prompt_len=(1, 32),
+        drain=True,
+        max_ticks=200_000,
+    )
     assert_run_invariants(
-        mode=cfg.mode, k=k, group_size=G, num_groups=backend.num_groups,
-        plan_period_ticks=cfg.plan_period_ticks, runtime=out.runtime,
-        records=out.result.records, ledger=out.result.ledger,
-        trainer_batches=out.trainer.batches, live_requests=out.backend.live_requests(),
-    )  # fmt: skip
+        mode=cfg.mode,
+        k=k,
+        group_size=G,
+        num_groups=backend.num_groups,
+        plan_period_ticks=cfg.plan_period_ticks,
+        runtime=out.runtime,
+        records=out.result.records,
+        ledger=out.result.ledger,
+        trainer_batches=out.trainer.batches,
+        live_requests=out.backend.live_requests(),
+    )
 
 
 @given(workloads())
@@ -95,17 +107,33 @@ def test_invariants_dora(w):
 
 @pytest.mark.slow
 @given(workloads())
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-          derandomize=False)  # fmt: skip
+@settings(
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=False,
+)
 def test_invariants_every_mode_big_sweep(w):
     check_invariants(*w)
 
 
 def test_same_seed_same_run():
-    cfg = OrchestratorConfig(mode="dora", staleness_k=2, train_batch_prompts=2,
-                             rollout_batch_prompts=4, plan_period_ticks=4)  # fmt: skip
-    backend = FakeBackendConfig(num_groups=3, max_slots=4, max_prompt_len=32, max_new_tokens=80,
-                                length_median=6, length_p99_ratio=12, seed=7)  # fmt: skip
+    cfg = OrchestratorConfig(
+        mode="dora",
+        staleness_k=2,
+        train_batch_prompts=2,
+        rollout_batch_prompts=4,
+        plan_period_ticks=4,
+    )
+    backend = FakeBackendConfig(
+        num_groups=3,
+        max_slots=4,
+        max_prompt_len=32,
+        max_new_tokens=80,
+        length_median=6,
+        length_p99_ratio=12,
+        seed=7,
+    )
     a = run_fake(cfg, 3, backend, num_steps=5, step_ticks=4, prompt_len=(1, 32))
     b = run_fake(cfg, 3, backend, num_steps=5, step_ticks=4, prompt_len=(1, 32))
     sa, sb = a.result.summary, b.result.summary

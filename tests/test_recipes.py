@@ -14,8 +14,9 @@ def test_there_are_gsm8k_and_math_recipes_for_both_sizes():
     assert {f"{t}-qwen2.5-{s}" for t in ("gsm8k", "math") for s in ("0.5b", "1.5b")} <= names
 
 
-@pytest.mark.parametrize("path", [p for p in RECIPES if "arithmetic" not in p.stem],
-                         ids=lambda p: p.stem)  # fmt: skip
+@pytest.mark.parametrize(
+    "path", [p for p in RECIPES if "arithmetic" not in p.stem], ids=lambda p: p.stem
+)
 def test_recipe_loads(path):
     cfg = load_config(path)
     d = cfg.data

@@ -87,10 +87,18 @@ def test_two_processes_of_one_config_agree_bit_for_bit(tmp_path):
     lines, states = [], []
     for name in ("a", "b"):
         run_dir = tmp_path / name
-        args = [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}",
-                "warm_start.steps=50", "orchestrator.train_batch_prompts=4",
-                "train.group_size=4", "eval.num_prompts=0", "logging.progress=false",
-                "logging.tensorboard=false", "train.total_steps=4"]  # fmt: skip
+        args = [
+            sys.executable,
+            str(ROOT / "launch" / "train.py"),
+            f"run_dir={run_dir}",
+            "warm_start.steps=50",
+            "orchestrator.train_batch_prompts=4",
+            "train.group_size=4",
+            "eval.num_prompts=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "train.total_steps=4",
+        ]
         done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -24,11 +24,17 @@ from dora_jax.run_dir import RunDirLock
 ROOT = Path(__file__).resolve().parents[1]
 # a 1-layer policy, TBS 2, RBS 4, G 2, no warm start, no evaluation, the logical clock
 T = [
-    "warm_start.steps=0", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.group_size=2", "model.num_layers=1",
-    "eval.num_prompts=0", "orchestrator.clock=logical", "logging.progress=false",
-    "logging.tensorboard=false", "rollout.max_new_tokens=48",
-]  # fmt: skip
+    "warm_start.steps=0",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=2",
+    "model.num_layers=1",
+    "eval.num_prompts=0",
+    "orchestrator.clock=logical",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "rollout.max_new_tokens=48",
+]
 
 
 def test_reliability_doc_names_a_test_for_every_case():
@@ -92,8 +98,9 @@ def test_a_prompt_outside_the_alphabet_names_the_line(tmp_path, capsys, prompt):
 def test_unsupported_hf_architecture(tmp_path, capsys):
     hf = tmp_path / "gpt2"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
-                                                "model_type": "gpt2"}))  # fmt: skip
+    (hf / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     run_dir = tmp_path / "run"
     rc, out = cli(capsys, f"run_dir={run_dir}", *T, f"model.hf_path={hf}")
     expect("unsupported-architecture", out, rc)
@@ -158,8 +165,15 @@ def test_unwritable_run_dir(tmp_path, capsys, monkeypatch):
 def test_eval_path_missing_names_eval_path(tmp_path, capsys):
     data = jsonl(tmp_path / "train.jsonl", ["12-5="] * 4)
     missing = tmp_path / "nope.jsonl"
-    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, "data.task=jsonl",
-                  f"data.path={data}", "eval.num_prompts=2", f"eval.path={missing}")  # fmt: skip
+    rc, out = cli(
+        capsys,
+        f"run_dir={tmp_path / 'run'}",
+        *T,
+        "data.task=jsonl",
+        f"data.path={data}",
+        "eval.num_prompts=2",
+        f"eval.path={missing}",
+    )
     expect("eval-path-missing", out, rc)
     assert "(data.path)" not in out
 
@@ -197,18 +211,37 @@ def test_hf_model_metadata_is_the_checkpoints(tmp_path, capsys):
 
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-        "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    }))  # fmt: skip
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "vocab_size": 64,
+                "hidden_size": 32,
+                "intermediate_size": 48,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "tie_word_embeddings": True,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+            }
+        )
+    )
     run_dir = tmp_path / "run"
     # rollout.num_pages=3 stops the run in the build, after the announcement
     rc, out = cli(capsys, f"run_dir={run_dir}", *T, f"model.hf_path={hf}", "rollout.num_pages=3")
     expect("hf-model-metadata", out, rc)
-    n = count_params(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
-                                 num_layers=3, num_heads=4, num_kv_heads=2))  # fmt: skip
+    n = count_params(
+        ModelConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=2,
+        )
+    )
     assert f"({n:,} params)" in out
     assert not run_dir.exists()  # refused in the build: nothing written (config.yaml neither)
     # the config a run would write: the architecture of config.json
@@ -332,9 +365,17 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path, capsys):
     skipped (logged, counted, the run goes on) until max_consecutive_skips in a row stop it with
     a checkpoint."""
     run_dir = tmp_path / "run"
-    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "warm_start.steps=20",
-                  "warm_start.batch_size=8", "data.reward=partial_credit", "train.lr=1e30",
-                  "train.total_steps=12", "train.max_consecutive_skips=3")  # fmt: skip
+    rc, out = cli(
+        capsys,
+        f"run_dir={run_dir}",
+        *T,
+        "warm_start.steps=20",
+        "warm_start.batch_size=8",
+        "data.reward=partial_credit",
+        "train.lr=1e30",
+        "train.total_steps=12",
+        "train.max_consecutive_skips=3",
+    )
     expect("nonfinite-step", out, rc)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     skipped = [x["step"] for x in lines if x["skipped"]]
@@ -418,9 +459,16 @@ def test_max_consecutive_skips_is_the_number_of_skipped_steps(clock):
 
 @pytest.mark.slow  # one training run, about 25 s on 2 cores
 def test_a_dead_policy_is_reported(tmp_path, capsys):
-    rc, out = cli(capsys, f"run_dir={tmp_path / 'run'}", *T, "warm_start.steps=20",
-                  "warm_start.batch_size=8", "data.reward=partial_credit", "train.lr=1e6",
-                  "train.total_steps=7")  # fmt: skip
+    rc, out = cli(
+        capsys,
+        f"run_dir={tmp_path / 'run'}",
+        *T,
+        "warm_start.steps=20",
+        "warm_start.batch_size=8",
+        "data.reward=partial_credit",
+        "train.lr=1e6",
+        "train.total_steps=7",
+    )
     expect("dead-policy", out, rc)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert len(summary["extra"]["policy_warnings"]) == 1
@@ -433,8 +481,15 @@ def test_a_dead_policy_is_reported(tmp_path, capsys):
 def test_long_prompts_can_be_skipped(tmp_path, capsys):
     data = jsonl(tmp_path / "long.jsonl", ["12-5="] * 8 + ["9" * 40 + "-5="] + ["7-2="])
     run_dir = tmp_path / "run"
-    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "data.task=jsonl", f"data.path={data}",
-                  "data.long_prompts=skip", "train.total_steps=1")  # fmt: skip
+    rc, out = cli(
+        capsys,
+        f"run_dir={run_dir}",
+        *T,
+        "data.task=jsonl",
+        f"data.path={data}",
+        "data.long_prompts=skip",
+        "train.total_steps=1",
+    )
     expect("prompt-too-long-skip", out, rc)
     assert f"{data} lines 9)" in out
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -453,8 +508,12 @@ def test_a_config_error_under_local_processes_exits_2(tmp_path):
 
 
 def _dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(proc.stdout)
 
 
@@ -466,8 +525,9 @@ def test_stale_lock_and_old_logs_of_a_killed_run(tmp_path, capsys):
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / ".lock").write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(),
-                                               "started": "earlier"}))  # fmt: skip
+    (run_dir / ".lock").write_text(
+        json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "started": "earlier"})
+    )
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9}\n{"step": 2, "lo')
     rc, out = cli(capsys, f"run_dir={run_dir}", *T, "train.total_steps=1")
     expect("stale-lock", out, rc)
@@ -505,8 +565,9 @@ def test_a_save_that_does_not_fit_is_refused(tmp_path, capsys, monkeypatch):
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=50_000))
     run_dir = tmp_path / "run"
-    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "train.total_steps=3",
-                  "checkpoint.every_steps=1")  # fmt: skip
+    rc, out = cli(
+        capsys, f"run_dir={run_dir}", *T, "train.total_steps=3", "checkpoint.every_steps=1"
+    )
     expect("disk-nearly-full", out, rc)
     assert metric_steps(run_dir / "metrics.jsonl") == [1]  # stopped at the first save
     assert not any((run_dir / "checkpoints").iterdir())
@@ -523,10 +584,20 @@ def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
     as on a full disk): the run stops at the next step with one line, no orbax traceback."""
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *T,
-         "train.total_steps=6", "checkpoint.every_steps=1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "launch" / "train.py"),
+            f"run_dir={run_dir}",
+            *T,
+            "train.total_steps=6",
+            "checkpoint.every_steps=1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_limit_file_size,
+    )
     expect("disk-full", out.stdout + out.stderr, out.returncode)
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip().splitlines()[-1]]  # one line
@@ -535,16 +606,26 @@ def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
 
 
 @pytest.mark.slow  # two subprocesses that build and start a warm start
-@pytest.mark.parametrize("sig, case", [(signal.SIGTERM, "sigterm-warm-start"),
-                                       (signal.SIGINT, "sigint-warm-start")])  # fmt: skip
+@pytest.mark.parametrize(
+    "sig, case", [(signal.SIGTERM, "sigterm-warm-start"), (signal.SIGINT, "sigint-warm-start")]
+)
 def test_a_signal_in_the_warm_start_saves_nothing(tmp_path, sig, case):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch" / "train.py"), f"run_dir={run_dir}", *T,
-         "warm_start.steps=100000", "warm_start.batch_size=8"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            str(ROOT / "launch" / "train.py"),
+            f"run_dir={run_dir}",
+            *T,
+            "warm_start.steps=100000",
+            "warm_start.batch_size=8",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     first = proc.stdout.readline()
     assert first.startswith("dora_jax:"), first + proc.stderr.read()[-2000:]
     time.sleep(4)  # into the warm start (or still building the engines before it)

@@ -7,11 +7,17 @@ from dora_jax.config import load_config
 from dora_jax.pipeline.experiment import build, run
 
 TINY = [
-    "warm_start.steps=5", "warm_start.batch_size=8", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.group_size=4", "rollout.max_new_tokens=48",
-    "logging.progress=false", "rollout.temperature=1.0", "eval.num_prompts=8",
+    "warm_start.steps=5",
+    "warm_start.batch_size=8",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=4",
+    "rollout.max_new_tokens=48",
+    "logging.progress=false",
+    "rollout.temperature=1.0",
+    "eval.num_prompts=8",
     "orchestrator.clock=logical",
-]  # fmt: skip
+]
 
 
 def one_run(tmp_path, name):
@@ -25,8 +31,9 @@ def one_run(tmp_path, name):
 def test_same_seed_twice_is_bitwise_identical(tmp_path):
     a, logs_a, res_a = one_run(tmp_path, "a")
     b, logs_b, res_b = one_run(tmp_path, "b")
-    chex.assert_trees_all_equal(jax.device_get(a.trainer.export_params()),
-                                jax.device_get(b.trainer.export_params()))  # fmt: skip
+    chex.assert_trees_all_equal(
+        jax.device_get(a.trainer.export_params()), jax.device_get(b.trainer.export_params())
+    )
     assert [c.request_id for c in res_a.records.consumed] == [
         c.request_id for c in res_b.records.consumed
     ]

@@ -21,11 +21,17 @@ from dora_jax.resume import APPLY, REFUSE, changes, leaf_fields, rule
 
 ROOT = Path(__file__).resolve().parents[1]
 T = [
-    "warm_start.steps=0", "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4", "train.group_size=2", "model.num_layers=1",
-    "eval.num_prompts=0", "orchestrator.clock=logical", "logging.progress=false",
-    "logging.tensorboard=false", "rollout.max_new_tokens=48",
-]  # fmt: skip
+    "warm_start.steps=0",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=2",
+    "model.num_layers=1",
+    "eval.num_prompts=0",
+    "orchestrator.clock=logical",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "rollout.max_new_tokens=48",
+]
 
 
 def doc_rules() -> dict[str, str]:
@@ -125,9 +131,10 @@ def _changed(saved: ExperimentConfig, path: str) -> ExperimentConfig:
 def test_every_field_is_applied_or_refused_as_the_table_says(path):
     base = ExperimentConfig()
     saved = dataclasses.replace(  # kl_beta > 0, and a data path a jsonl task may use
-        base, train=dataclasses.replace(base.train, kl_beta=0.1),
+        base,
+        train=dataclasses.replace(base.train, kl_beta=0.1),
         data=dataclasses.replace(base.data, path="x.jsonl"),
-    )  # fmt: skip
+    )
     new = _changed(saved, path)
     assert to_dict(new) != to_dict(saved)
     if doc_rules()[path] == REFUSE:
@@ -162,8 +169,9 @@ def steps_of(path: Path) -> list[int]:
 @pytest.mark.slow  # a 4-step run and seven resumes of it (four refused before training)
 def test_resume_applies_or_refuses_changed_settings(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    rc, out = cli(capsys, f"run_dir={run_dir}", *T, "train.total_steps=4",
-                  "checkpoint.every_steps=2")  # fmt: skip
+    rc, out = cli(
+        capsys, f"run_dir={run_dir}", *T, "train.total_steps=4", "checkpoint.every_steps=2"
+    )
     assert rc == 0, out[-3000:]
     config_yaml = (run_dir / "config.yaml").read_text()
 
@@ -203,8 +211,15 @@ def test_resume_applies_or_refuses_changed_settings(tmp_path, capsys):
     expect("resume-alone", out, rc)
     assert "4 steps done" in out and "resume: " not in out
 
-    rc, out = cli(capsys, f"run_dir={run_dir}", "--resume", "orchestrator.staleness_k=3",
-                  "train.lr=1e-3", "orchestrator.mode=partial", "train.total_steps=6")  # fmt: skip
+    rc, out = cli(
+        capsys,
+        f"run_dir={run_dir}",
+        "--resume",
+        "orchestrator.staleness_k=3",
+        "train.lr=1e-3",
+        "orchestrator.mode=partial",
+        "train.total_steps=6",
+    )
     expect("resume-applied", out, rc)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]

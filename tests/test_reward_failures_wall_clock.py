@@ -30,21 +30,40 @@ VERIFIER = textwrap.dedent("""
 @pytest.mark.slow  # long: the default run stays under its time limit
 def test_hung_raising_and_junk_verifiers_never_stall_the_run(tmp_path):
     (tmp_path / "verifier.py").write_text(VERIFIER)
-    rows = [{"prompt": f"{20 + i}-3=", "answer": "1", "kind": k}
-            for i, k in enumerate(["slow", "raise", "junk"])]  # fmt: skip
+    rows = [
+        {"prompt": f"{20 + i}-3=", "answer": "1", "kind": k}
+        for i, k in enumerate(["slow", "raise", "junk"])
+    ]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(ROOT / "configs" / "default.yaml", [
-        "warm_start.steps=0", "eval.num_prompts=0", "mesh.trainer.devices=0:1",
-        "mesh.trainer.data=1", "mesh.trainer.model=1", "mesh.rollout.devices=1:3",
-        "mesh.rollout.groups=2", "orchestrator.clock=wall", "orchestrator.stall_s=120",
-        "train.group_size=4", "orchestrator.train_batch_prompts=3",
-        "orchestrator.rollout_batch_prompts=3", "rollout.max_new_tokens=64",
-        "rollout.decode_steps=1",
-        "train.length_buckets=[96]", "logging.progress=false", "logging.tensorboard=false",
-        "data.task=jsonl", f"data.path={tmp_path / 'rows.jsonl'}", "data.shuffle=false",
-        f"data.reward={tmp_path / 'verifier.py'}:verify", "data.reward_timeout_s=1.0",
-        "data.reward_workers=2", f"run_dir={tmp_path / 'run'}",
-    ])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs" / "default.yaml",
+        [
+            "warm_start.steps=0",
+            "eval.num_prompts=0",
+            "mesh.trainer.devices=0:1",
+            "mesh.trainer.data=1",
+            "mesh.trainer.model=1",
+            "mesh.rollout.devices=1:3",
+            "mesh.rollout.groups=2",
+            "orchestrator.clock=wall",
+            "orchestrator.stall_s=120",
+            "train.group_size=4",
+            "orchestrator.train_batch_prompts=3",
+            "orchestrator.rollout_batch_prompts=3",
+            "rollout.max_new_tokens=64",
+            "rollout.decode_steps=1",
+            "train.length_buckets=[96]",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "data.task=jsonl",
+            f"data.path={tmp_path / 'rows.jsonl'}",
+            "data.shuffle=false",
+            f"data.reward={tmp_path / 'verifier.py'}:verify",
+            "data.reward_timeout_s=1.0",
+            "data.reward_workers=2",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+    )
     run_dir = tmp_path / "run"
     exp = build(cfg, run_dir)
     try:

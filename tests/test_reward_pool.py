@@ -53,8 +53,10 @@ def test_every_failure_scores_zero_is_counted_and_the_pool_goes_on(verifier_file
     pool = RewardPool(f"{verifier_file}:verify", workers=2, timeout_s=1.0)
     scorer = Scorer(pool=pool)
     try:
-        items = [("7", "7", {"kind": k, "weight": 2.0})
-                 for k in ("ok", "hang", "raise", "junk", "die", "ok")]  # fmt: skip
+        items = [
+            ("7", "7", {"kind": k, "weight": 2.0})
+            for k in ("ok", "hang", "raise", "junk", "die", "ok")
+        ]
         t0 = time.monotonic()
         outs = scorer.score_many(items)
         took = time.monotonic() - t0
@@ -78,8 +80,9 @@ def test_async_and_two_argument_functions(verifier_file):
     pool = RewardPool(f"{verifier_file}:remote", workers=1, timeout_s=10.0)
     try:
         assert [f.result().score for f in (pool.submit("a", "a"), pool.submit("a", "b"))] == [
-            0.5, 0.0,
-        ]  # fmt: skip
+            0.5,
+            0.0,
+        ]
     finally:
         pool.close()
     two = load_reward_function(f"{verifier_file}:two")
@@ -113,10 +116,23 @@ def test_outcome_of_good_values(value, want):
 
 
 @pytest.mark.parametrize(
-    "value", ["1.0", None, float("nan"), float("inf"), {"len": 3}, {"score": "1"},
-              {"score": 1.0, "note": "text"}, [1.0], np.array("1"), np.array(1 + 2j),
-              {"score": np.array("x")}, {"score": 1.0, "len": np.array(1j)}, 10**400],
-)  # fmt: skip
+    "value",
+    [
+        "1.0",
+        None,
+        float("nan"),
+        float("inf"),
+        {"len": 3},
+        {"score": "1"},
+        {"score": 1.0, "note": "text"},
+        [1.0],
+        np.array("1"),
+        np.array(1 + 2j),
+        {"score": np.array("x")},
+        {"score": 1.0, "len": np.array(1j)},
+        10**400,
+    ],
+)
 def test_outcome_of_junk_is_invalid(value):
     with pytest.raises(InvalidReward):
         outcome(value)

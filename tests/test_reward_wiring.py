@@ -12,9 +12,14 @@ from dora_jax.pipeline.experiment import build
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
-    "warm_start.steps=0", "eval.num_prompts=0", "mesh.trainer.devices=0:1", "mesh.trainer.data=1",
-    "mesh.trainer.model=1", "mesh.rollout.devices=1:2", "mesh.rollout.groups=1",
-]  # fmt: skip
+    "warm_start.steps=0",
+    "eval.num_prompts=0",
+    "mesh.trainer.devices=0:1",
+    "mesh.trainer.data=1",
+    "mesh.trainer.model=1",
+    "mesh.rollout.devices=1:2",
+    "mesh.rollout.groups=1",
+]
 REFERENCE = "23,18,13,8,3#3"  # the built-in task's worked solution of "23-5="
 BARE = "#3"  # the right remainder, no scratchpad
 PREFIX = "23,18,13,9#1"  # three correct countdown values of five, then a wrong turn
@@ -25,8 +30,9 @@ PREFIX = "23,18,13,9#1"  # three correct countdown values of five, then a wrong 
 #   string equality: (0, 0); boxed_math: (0, 0)
 @pytest.mark.parametrize("reward,want", [("exact", (1.0, 0.0)), ("partial_credit", (1.0, 0.3))])
 def test_built_in_task_reward_is_the_configured_one(tmp_path, reward, want):
-    cfg = load_config(ROOT / "configs" / "default.yaml", [*SMALL, f"data.reward={reward}",
-                                                          f"run_dir={tmp_path}"])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs" / "default.yaml", [*SMALL, f"data.reward={reward}", f"run_dir={tmp_path}"]
+    )
     exp = build(cfg, tmp_path)
     assert exp.reward(REFERENCE, REFERENCE) == 1.0
     got = (exp.reward(BARE, REFERENCE), exp.reward(PREFIX, REFERENCE))

@@ -15,14 +15,23 @@ from dora_jax.mesh import make_mesh
 from dora_jax.model import forward, init_params
 from dora_jax.rollout import Engine, EngineError, PageAllocator, Request, request_key
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                  num_kv_heads=2)  # fmt: skip
-RCFG = RolloutConfig(page_size=8, num_pages=40, max_slots=4, max_prompt_len=24,
-                     max_new_tokens=72, prefill_chunk=8, temperature=1.0)  # fmt: skip
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2
+)
+RCFG = RolloutConfig(
+    page_size=8,
+    num_pages=40,
+    max_slots=4,
+    max_prompt_len=24,
+    max_new_tokens=72,
+    prefill_chunk=8,
+    temperature=1.0,
+)
 EOS = 2
 # a mixture of experts (Qwen3-MoE: q/k norms, 8 experts, top-2) for the cached-decode parity
-MOE_CFG = dataclasses.replace(CFG, family="qwen3_moe", num_experts=8,
-                              num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
+MOE_CFG = dataclasses.replace(
+    CFG, family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16
+)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +95,9 @@ def decode_error(engine, params, cfg, joins, steps, width=128):
     return worst, checked
 
 
-@pytest.mark.parametrize("impl, model", [("reference", "dense"), ("pallas", "dense"),
-                                         ("reference", "moe")])  # fmt: skip
+@pytest.mark.parametrize(
+    "impl, model", [("reference", "dense"), ("pallas", "dense"), ("reference", "moe")]
+)
 def test_cached_decode_matches_full_forward(params, impl, model):
     """64 decode steps; sequences join at different steps and cross page boundaries (pages of 8
     tokens); every step's logits within 1e-4. Pallas runs in interpret mode on the CPU (its
@@ -112,12 +122,14 @@ FAMILY_CFGS = {
     "qwen3": dataclasses.replace(CFG, family="qwen3", head_dim=16, tie_word_embeddings=False),
     # a window of 5 (shorter than prompts and responses, pages of 8); blockwise prefill chunks
     # with blocks of 4, so whole key blocks fall outside the window
-    "mistral-window5": dataclasses.replace(CFG, family="mistral", sliding_window=5,
-                                           attention_block=4),
+    "mistral-window5": dataclasses.replace(
+        CFG, family="mistral", sliding_window=5, attention_block=4
+    ),
     # layer 0 full, layer 1 windowed (Qwen2's max_window_layers); dense prefill chunks
-    "qwen2-window11-after-1": dataclasses.replace(CFG, sliding_window=11,
-                                                  full_attention_layers=1, attention="dense"),
-}  # fmt: skip
+    "qwen2-window11-after-1": dataclasses.replace(
+        CFG, sliding_window=11, full_attention_layers=1, attention="dense"
+    ),
+}
 
 
 def randomised_params(cfg, seed=0):
@@ -136,9 +148,13 @@ def randomised_params(cfg, seed=0):
     "family, impl",
     [(f, "reference") for f in sorted(FAMILY_CFGS)]
     # the windowed Pallas decode in the default run; the other families' Pallas runs are slow
-    + [(f, "pallas") if f == "mistral-window5"
-       else pytest.param(f, "pallas", marks=pytest.mark.slow) for f in sorted(FAMILY_CFGS)],
-)  # fmt: skip
+    + [
+        (f, "pallas")
+        if f == "mistral-window5"
+        else pytest.param(f, "pallas", marks=pytest.mark.slow)
+        for f in sorted(FAMILY_CFGS)
+    ],
+)
 def test_cached_decode_matches_full_forward_per_family(family, impl):
     """As above for Qwen3 and for sliding windows: 36 decode steps after prompts of up to 24
     tokens (prefilled in chunks of 8), so the window slides over page boundaries in both the
@@ -199,8 +215,11 @@ def test_admission_errors_are_clear(params):
     with pytest.raises(EngineError, match="is of version 0, this engine serves version 1"):
         engine.submit([r])
     long = dataclasses.replace(r, prompt=[5] * 25, version=1)
-    with pytest.raises(EngineError, match=r"prompt of 25 tokens is longer than "
-                                          r"rollout.max_prompt_len=24"):  # fmt: skip
+    with pytest.raises(
+        EngineError,
+        match=r"prompt of 25 tokens is longer than "
+        r"rollout.max_prompt_len=24",
+    ):
         engine.submit([long])
     with pytest.raises(EngineError, match="cannot hold one request"):
         Engine(CFG, dataclasses.replace(RCFG, num_pages=4), mesh_on(6), eos_id=EOS)
@@ -222,10 +241,14 @@ def test_admission_errors_are_clear(params):
     + [("tp2_submesh", 1.0, "pallas")],  # Pallas (interpret) inside the 2-device shard_map
 )
 def test_migration_continues_bit_identically(params, temperature, where, impl):
-    rcfg = dataclasses.replace(RCFG, temperature=temperature, top_k=20 if temperature else 0,
-                               attention_impl=impl)  # fmt: skip
-    src_devs, dst_devs = {"other_submesh": ((0,), (1,)), "host_park": ((2,), (2,)),
-                          "tp2_submesh": ((4, 5), (6, 7))}[where]  # fmt: skip
+    rcfg = dataclasses.replace(
+        RCFG, temperature=temperature, top_k=20 if temperature else 0, attention_impl=impl
+    )
+    src_devs, dst_devs = {
+        "other_submesh": ((0,), (1,)),
+        "host_park": ((2,), (2,)),
+        "tp2_submesh": ((4, 5), (6, 7)),
+    }[where]
     reqs = make_requests(3, seed=4, max_new=(60, 60), prompt=(10, 20))
     interpret = True if impl == "pallas" else None  # Pallas on a CPU: interpret, explicitly
 

@@ -16,10 +16,19 @@ from dora_jax.mesh import make_mesh
 from dora_jax.model import forward, init_params
 from dora_jax.rollout import Engine, EngineError, Request, request_key
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                  num_kv_heads=2)  # fmt: skip
-RCFG = RolloutConfig(page_size=8, num_pages=60, max_slots=4, max_prompt_len=16, max_new_tokens=96,
-                     prefill_chunk=8, temperature=1.0, decode_steps=2)  # fmt: skip
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2
+)
+RCFG = RolloutConfig(
+    page_size=8,
+    num_pages=60,
+    max_slots=4,
+    max_prompt_len=16,
+    max_new_tokens=96,
+    prefill_chunk=8,
+    temperature=1.0,
+    decode_steps=2,
+)
 EOS = 2
 STOPS = ((9,), (10, 11))  # a one-token and a two-token stop sequence
 ENV = {0: [20, 21, 22], 1: [30, 31, 32, 33, 34, 35, 36, 37, 38, 39], 2: [40]}  # turn -> tokens
@@ -82,8 +91,9 @@ class Script:
             assert not rep.finished  # conversations end only when told
             for rec in rep.turn_ends:
                 if self.on_turn_end is not None:
-                    self.where[rec.id] = self.on_turn_end(self.where[rec.id], rec,
-                                                          self.turns[rec.id])  # fmt: skip
+                    self.where[rec.id] = self.on_turn_end(
+                        self.where[rec.id], rec, self.turns[rec.id]
+                    )
                 if self.delay:
                     self.due.append((self.t + self.delay, rec))
                 else:
@@ -147,8 +157,9 @@ def test_conversation_logprobs_match_the_full_forward_pass(params):
         tokens = np.zeros((1, width), np.int32)
         tokens[0, : len(seq)] = seq
         seg = (np.arange(width) < len(seq)).astype(np.int32)[None]
-        logits = forward(params, jnp.asarray(tokens), jnp.arange(width)[None], jnp.asarray(seg),
-                         CFG)[0]  # fmt: skip
+        logits = forward(
+            params, jnp.asarray(tokens), jnp.arange(width)[None], jnp.asarray(seg), CFG
+        )[0]
         logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
         env = {i for a, b in rec.env_spans for i in range(a, b)}
         P = len(rec.prompt)

@@ -20,18 +20,38 @@ from dora_jax.pipeline.experiment import build, run
 ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = [
-    "warm_start.steps=0", "eval.num_prompts=0", "train.group_size=4",
-    "orchestrator.train_batch_prompts=2", "orchestrator.rollout_batch_prompts=4",
-    "rollout.max_new_tokens=24", "train.length_buckets=[48]", "rollout.num_pages=40",
-    "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
-    "model.attention_bias=false", "model.compute_dtype=bfloat16",
-    "mesh.trainer.data=1", "mesh.trainer.model=2", "mesh.rollout.groups=2",
-]  # fmt: skip
-MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
-       "model.moe_intermediate_size=32", "mesh.trainer.expert=2",
-       "mesh.rollout.expert=2"]  # fmt: skip
-DENSE = ["model.family=qwen3", "model.intermediate_size=64", "mesh.trainer.devices=0:2",
-         "mesh.rollout.devices=4:6"]  # fmt: skip
+    "warm_start.steps=0",
+    "eval.num_prompts=0",
+    "train.group_size=4",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "rollout.max_new_tokens=24",
+    "train.length_buckets=[48]",
+    "rollout.num_pages=40",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=16",
+    "model.attention_bias=false",
+    "model.compute_dtype=bfloat16",
+    "mesh.trainer.data=1",
+    "mesh.trainer.model=2",
+    "mesh.rollout.groups=2",
+]
+MOE = [
+    "model.family=qwen3_moe",
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.moe_intermediate_size=32",
+    "mesh.trainer.expert=2",
+    "mesh.rollout.expert=2",
+]
+DENSE = [
+    "model.family=qwen3",
+    "model.intermediate_size=64",
+    "mesh.trainer.devices=0:2",
+    "mesh.rollout.devices=4:6",
+]
 
 
 def three_steps(tmp_path: Path, name: str, overrides: list[str]) -> list[dict]:

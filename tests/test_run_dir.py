@@ -24,8 +24,14 @@ def test_the_lock_refuses_a_second_owner_and_is_released(tmp_path):
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
-    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                             capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    pid = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     (tmp_path / ".lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
     with RunDirLock(tmp_path) as lock:
         assert lock.took_over is not None and f"pid {pid}" in lock.took_over
@@ -37,8 +43,9 @@ def test_a_lock_held_by_another_process_is_refused(tmp_path):
         f"l = RunDirLock({str(tmp_path)!r}); l.acquire(); print('held', flush=True); "
         "sys.stdin.readline(); l.release()"
     )
-    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
@@ -51,11 +58,15 @@ def test_a_lock_held_by_another_process_is_refused(tmp_path):
 
 def test_cut_jsonl_keeps_each_step_once_up_to_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2, "a": 1}\n{"step": 3}\n{"step": 2, "a": 2}\n'
-                    '{"step": 4}\n{"ste')  # fmt: skip
+    path.write_text(
+        '{"step": 1}\n{"step": 2, "a": 1}\n{"step": 3}\n{"step": 2, "a": 2}\n{"step": 4}\n{"ste'
+    )
     assert cut_jsonl(path, 3) == 3
     assert [json.loads(x) for x in path.read_text().splitlines()] == [
-        {"step": 1}, {"step": 2, "a": 1}, {"step": 3}]  # fmt: skip
+        {"step": 1},
+        {"step": 2, "a": 1},
+        {"step": 3},
+    ]
     assert cut_jsonl(path, 3) == 0 and cut_jsonl(tmp_path / "none.jsonl", 3) == 0
 
 

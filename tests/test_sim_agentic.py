@@ -140,8 +140,9 @@ def test_measured_turn_counts_and_latencies_per_prompt(tmp_path):
     f.write_text("# turns\n" + "1\n" * 50 + "2\n" * 30 + "3\n" * 15 + "9\n" * 5)
     resp = ResponseConfig(median=20, p99_ratio=2, max_tokens=100)
     lat = LatencyConfig(median_s=0.1, p99_ratio=10, per_prompt=True)
-    cfg = TurnsConfig(kind="file", path=str(f), max_turns=8, prompt_corr=0.0,
-                      max_total_tokens=10**6, latency=lat)  # fmt: skip
+    cfg = TurnsConfig(
+        kind="file", path=str(f), max_turns=8, prompt_corr=0.0, max_total_tokens=10**6, latency=lat
+    )
     c = Conversations(cfg, ResponseLengths(resp, 8, seed=1), seed=1)
     n = 40_000
     turns = c.turns(np.arange(n) // 8, np.arange(n) % 8)
@@ -449,8 +450,16 @@ def test_dora_migrates_waiting_conversations_and_they_keep_their_turns():
 
 
 # a 0.2B-parameter toy (as in test_sim_properties): ~2 ms decode steps, ~10 ms weight loads
-TOY = ModelSpec("toy", 2e8, 2e8, num_layers=4, hidden=512, kv_bytes_per_token=4096,
-                attn_flops_per_pair=8192.0, allreduces_per_forward=8)  # fmt: skip
+TOY = ModelSpec(
+    "toy",
+    2e8,
+    2e8,
+    num_layers=4,
+    hidden=512,
+    kv_bytes_per_token=4096,
+    attn_flops_per_pair=8192.0,
+    allreduces_per_forward=8,
+)
 
 
 @st.composite
@@ -497,9 +506,17 @@ def test_invariants_hold_with_conversations_in_every_mode(w):
     response = ResponseConfig(median=6.0, p99_ratio=6.0, max_tokens=60)
     lengths = ResponseLengths(response, sim["G"], sim["seed"])
     conv = Conversations(turns, lengths, sim["seed"])
-    backend = SimBackend(cost, sim["groups"], lengths, tick_s=sim["tick_s"],
-                         max_slots=sim["slots"], max_prompt_len=32, admit_reserve_tokens=16,
-                         kv_capacity_tokens=sim["kv"], conversations=conv)  # fmt: skip
+    backend = SimBackend(
+        cost,
+        sim["groups"],
+        lengths,
+        tick_s=sim["tick_s"],
+        max_slots=sim["slots"],
+        max_prompt_len=32,
+        admit_reserve_tokens=16,
+        kv_capacity_tokens=sim["kv"],
+        conversations=conv,
+    )
     colocated = backend if sim["placement"] == "colocated" else None
     trainer = SimTrainer(cost, 8, sim["tick_s"], colocated_with=colocated, clock=backend)
     prompts = SimPrompts(PromptConfig(median=12, p99_ratio=2, min_tokens=1, max_tokens=32), 1)
@@ -507,11 +524,17 @@ def test_invariants_hold_with_conversations_in_every_mode(w):
     result = runtime.run(sim["steps"], drain=True, max_ticks=300_000)
     rec = result.records
     assert_run_invariants(
-        mode=orch.mode, k=mode_for(orch).k, group_size=sim["G"], num_groups=sim["groups"],
-        plan_period_ticks=orch.plan_period_ticks, runtime=runtime, records=rec,
-        ledger=result.ledger, trainer_batches=trainer.batches,
+        mode=orch.mode,
+        k=mode_for(orch).k,
+        group_size=sim["G"],
+        num_groups=sim["groups"],
+        plan_period_ticks=orch.plan_period_ticks,
+        runtime=runtime,
+        records=rec,
+        ledger=result.ledger,
+        trainer_batches=trainer.batches,
         live_requests=backend.live_requests(),
-    )  # fmt: skip
+    )
     # every consumed conversation is the one the workload drew for it
     pg = np.array([c.prompt_group for c in rec.consumed])
     rid = np.array([c.request_id for c in rec.consumed])

@@ -238,14 +238,30 @@ def test_a_shared_device_with_measured_calls_longer_than_a_share():
     # get 2.5 ms of each 10 ms tick, so a group's share adds up over ticks until a call fits
     from dora_jax.sim.cost_model import MeasuredCost
 
-    cost = MeasuredCost(decode_call_s=0.004, decode_steps=4, prefill_call_s=0.008,
-                        prefill_chunk_tokens=64, max_slots=8, weight_load_s=0.0015,
-                        kv_move_s=0.001, train_step_fixed_s=1.0, kv_capacity=1584)  # fmt: skip
+    cost = MeasuredCost(
+        decode_call_s=0.004,
+        decode_steps=4,
+        prefill_call_s=0.008,
+        prefill_chunk_tokens=64,
+        max_slots=8,
+        weight_load_s=0.0015,
+        kv_move_s=0.001,
+        train_step_fixed_s=1.0,
+        kv_capacity=1584,
+    )
 
     def run(shared: bool):
-        b = SimBackend(cost, 4, FixedLengths(10), tick_s=0.01, max_slots=8, max_prompt_len=16,
-                       admit_watermark=1.0, admit_reserve_tokens=16,
-                       shared_device=shared)  # fmt: skip
+        b = SimBackend(
+            cost,
+            4,
+            FixedLengths(10),
+            tick_s=0.01,
+            max_slots=8,
+            max_prompt_len=16,
+            admit_watermark=1.0,
+            admit_reserve_tokens=16,
+            shared_device=shared,
+        )
         for g in range(4):
             b.submit(g, [spec(10 * g + i, plen=8) for i in range(2)])
         done = run_until_done(b)
@@ -267,13 +283,29 @@ def test_a_weight_trip_waits_without_holding_the_shared_device():
     from dora_jax.sim.cost_model import MeasuredCost
 
     def run(trip_s: float, load_s: float):
-        cost = MeasuredCost(decode_call_s=0.004, decode_steps=4, prefill_call_s=0.008,
-                            prefill_chunk_tokens=64, max_slots=8, weight_load_s=load_s,
-                            kv_move_s=0.001, train_step_fixed_s=1.0, kv_capacity=1584,
-                            trip_s=trip_s)  # fmt: skip
-        b = SimBackend(cost, 3, FixedLengths(100), tick_s=0.01, max_slots=8, max_prompt_len=16,
-                       admit_watermark=1.0, admit_reserve_tokens=16,
-                       shared_device=True)  # fmt: skip
+        cost = MeasuredCost(
+            decode_call_s=0.004,
+            decode_steps=4,
+            prefill_call_s=0.008,
+            prefill_chunk_tokens=64,
+            max_slots=8,
+            weight_load_s=load_s,
+            kv_move_s=0.001,
+            train_step_fixed_s=1.0,
+            kv_capacity=1584,
+            trip_s=trip_s,
+        )
+        b = SimBackend(
+            cost,
+            3,
+            FixedLengths(100),
+            tick_s=0.01,
+            max_slots=8,
+            max_prompt_len=16,
+            admit_watermark=1.0,
+            admit_reserve_tokens=16,
+            shared_device=True,
+        )
         b.submit(0, [spec(0, plen=8)])
         b.step()  # group 0 prefills
         b.publish(1)

@@ -140,10 +140,16 @@ def test_measured_cpu_preset(tmp_path):
     from dora_jax.sim.run import cost_model, simulate
 
     consts = {
-        "decode_step_s": 0.004, "decode_steps_per_call": 4, "prefill_step_s": 0.008,
-        "prefill_chunk_tokens": 64, "max_slots": 8, "weight_load_s": 0.002, "kv_move_s": 0.001,
-        "train_step_s": 0.5, "kv_capacity_tokens": 1584,
-    }  # fmt: skip
+        "decode_step_s": 0.004,
+        "decode_steps_per_call": 4,
+        "prefill_step_s": 0.008,
+        "prefill_chunk_tokens": 64,
+        "max_slots": 8,
+        "weight_load_s": 0.002,
+        "kv_move_s": 0.001,
+        "train_step_s": 0.5,
+        "kv_capacity_tokens": 1584,
+    }
     path = tmp_path / "calibrate_cpu.json"
     path.write_text(json.dumps({"constants": consts}))
     cm = MeasuredCost.from_file(path)
@@ -155,8 +161,11 @@ def test_measured_cpu_preset(tmp_path):
     assert cm.weight_trip_s() == 0.0  # neither optional constant given: none
     # the host's seconds per engine call and the cross-process weight trip, when measured
     path2 = tmp_path / "cross_process.json"
-    path2.write_text(json.dumps({"constants": {**consts, "engine_call_overhead_s": 0.0004,
-                                               "weight_trip_s": 0.05}}))  # fmt: skip
+    path2.write_text(
+        json.dumps(
+            {"constants": {**consts, "engine_call_overhead_s": 0.0004, "weight_trip_s": 0.05}}
+        )
+    )
     cm2 = MeasuredCost.from_file(path2)
     assert np.allclose(cm2.decode_step_s(np.array([1, 8]), np.array([10, 900])), 0.0044 / 4)
     assert float(cm2.prefill_s(8 * 64 + 1, 0)) == pytest.approx(2 * 0.0084)

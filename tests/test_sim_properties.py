@@ -128,10 +128,17 @@ def check_sim_invariants(orch: OrchestratorConfig, response: ResponseConfig, sim
     rec, ledger = result.records, result.ledger
 
     assert_run_invariants(
-        mode=orch.mode, k=k, group_size=G, num_groups=sim["num_groups"],
-        plan_period_ticks=orch.plan_period_ticks, runtime=rt, records=rec, ledger=ledger,
-        trainer_batches=trainer.batches, live_requests=backend.live_requests(),
-    )  # fmt: skip
+        mode=orch.mode,
+        k=k,
+        group_size=G,
+        num_groups=sim["num_groups"],
+        plan_period_ticks=orch.plan_period_ticks,
+        runtime=rt,
+        records=rec,
+        ledger=ledger,
+        trainer_batches=trainer.batches,
+        live_requests=backend.live_requests(),
+    )
     assert int(backend.n.sum()) == 0
 
     # 6. response lengths are the workload's; tokens sampled == tokens consumed
@@ -163,23 +170,47 @@ def test_sim_invariants_every_mode(w):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # found by a random draw: a group kept idle at the gate's version for a growth that could not
 # happen (a request's pages above the KV pressure limit), past the planning period
-@example((
-    OrchestratorConfig(mode="dora", staleness_k=2, train_batch_prompts=1, rollout_batch_prompts=3,
-                       plan_period_ticks=1, kv_pressure_threshold=0.3, legacy_fill=False,
-                       plan_on_idle=False),
-    ResponseConfig(median=4.0, p99_ratio=4.0, max_tokens=6, prompt_corr=0.0),
-    dict(placement="disaggregated", num_groups=2, max_slots=2, kv_capacity=38, admit_reserve=8,
-         tick_s=0.002, tp=1, weight_latency=0.0, train_overhead=0.0, group_size=2, num_steps=6,
-         seed=0),
-))  # fmt: skip
+@example(
+    (
+        OrchestratorConfig(
+            mode="dora",
+            staleness_k=2,
+            train_batch_prompts=1,
+            rollout_batch_prompts=3,
+            plan_period_ticks=1,
+            kv_pressure_threshold=0.3,
+            legacy_fill=False,
+            plan_on_idle=False,
+        ),
+        ResponseConfig(median=4.0, p99_ratio=4.0, max_tokens=6, prompt_corr=0.0),
+        dict(
+            placement="disaggregated",
+            num_groups=2,
+            max_slots=2,
+            kv_capacity=38,
+            admit_reserve=8,
+            tick_s=0.002,
+            tp=1,
+            weight_latency=0.0,
+            train_overhead=0.0,
+            group_size=2,
+            num_steps=6,
+            seed=0,
+        ),
+    )
+)
 def test_sim_invariants_dora(w):
     check_sim_invariants(*w)
 
 
 @pytest.mark.slow
 @given(sim_workloads())
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-          derandomize=False)  # fmt: skip
+@settings(
+    max_examples=3000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=False,
+)
 def test_sim_invariants_every_mode_big_sweep(w):
     check_sim_invariants(*w)
 

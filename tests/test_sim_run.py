@@ -149,8 +149,10 @@ def test_every_paper_figure_has_a_value_and_a_source():
 
     figures = list(leaves(yaml.safe_load(report.PAPER_FIGURES.read_text())))
     assert all(set(f) == {"value", "source"} and f["source"] for f in figures)
-    assert all(re.fullmatch(r"(Section|Appendix) [0-9A-G.]+(, Figure \d+(\(b\))?)?", f["source"])
-               for f in figures)  # fmt: skip
+    assert all(
+        re.fullmatch(r"(Section|Appendix) [0-9A-G.]+(, Figure \d+(\(b\))?)?", f["source"])
+        for f in figures
+    )
 
 
 def test_launch_script(tmp_path):

@@ -30,9 +30,16 @@ def trajectories(seed: int, version: int, groups: int = 2) -> list[Trajectory]:
         prompt = rng.integers(3, 60, int(rng.integers(2, 6))).tolist()
         for _ in range(G):
             n = int(rng.integers(2, 9))
-            out.append(Trajectory(prompt, rng.integers(3, 60, n).tolist(),
-                                  (-rng.random(n) * 3).tolist(), float(rng.random()), version,
-                                  (seed, g)))  # fmt: skip
+            out.append(
+                Trajectory(
+                    prompt,
+                    rng.integers(3, 60, n).tolist(),
+                    (-rng.random(n) * 3).tolist(),
+                    float(rng.random()),
+                    version,
+                    (seed, g),
+                )
+            )
     return out
 
 
@@ -49,11 +56,20 @@ def assert_same(a, b):
 
 @pytest.fixture(scope="module")
 def cfg():
-    return load_config(ROOT / "configs" / "default.yaml", [
-        f"train.group_size={G}", "train.length_buckets=[32]", "rollout.max_prompt_len=8",
-        "rollout.max_new_tokens=16", "mesh.trainer.devices=0:4", "mesh.trainer.data=2",
-        "mesh.trainer.model=2", "mesh.rollout.devices=4:8", "mesh.rollout.groups=4",
-    ])  # fmt: skip
+    return load_config(
+        ROOT / "configs" / "default.yaml",
+        [
+            f"train.group_size={G}",
+            "train.length_buckets=[32]",
+            "rollout.max_prompt_len=8",
+            "rollout.max_new_tokens=16",
+            "mesh.trainer.devices=0:4",
+            "mesh.trainer.data=2",
+            "mesh.trainer.model=2",
+            "mesh.rollout.devices=4:8",
+            "mesh.rollout.groups=4",
+        ],
+    )
 
 
 # slow: 19-26 s; the multi-process tests (slow) run the spanning trainer end to end, and the
@@ -62,21 +78,30 @@ def cfg():
 def test_broadcast_commands_give_the_other_worker_the_leads_state(cfg):
     meshes = build_meshes(cfg.mesh)
     sent: list = []
-    lead = SpmdTrainer.start(cfg, meshes.trainer, {"hf": None},
-                             lambda m: sent.append(decode(encode(m))))  # fmt: skip
+    lead = SpmdTrainer.start(
+        cfg, meshes.trainer, {"hf": None}, lambda m: sent.append(decode(encode(m)))
+    )
     # the other process's worker on other devices of the same layout (here: a whole copy)
     other = TrainerWorker(cfg, make_mesh(jax.devices()[4:8], 2, 2), lead=False, spans=True)
     v0 = lead.export_params()
     for v in range(2):
         lead.step(lead.pack(trajectories(v, v), num_groups=2, version=v))
     group = make_mesh(jax.devices()[6:8], 1, 2)
-    in_groups = tree_shardings(param_axes(cfg.model), abstract_params(cfg.model),
-                               rollout_rules(), group)  # fmt: skip
+    in_groups = tree_shardings(
+        param_axes(cfg.model), abstract_params(cfg.model), rollout_rules(), group
+    )
     placed = lead.export_params(in_groups)
     whole = lead.export_params()
     state = lead.host_state()
-    names = ["StartTrainer", "ExportParams", "TrainStep", "TrainStep", "ExportParams",
-             "ExportParams", "GatherState"]  # fmt: skip
+    names = [
+        "StartTrainer",
+        "ExportParams",
+        "TrainStep",
+        "TrainStep",
+        "ExportParams",
+        "ExportParams",
+        "GatherState",
+    ]
     assert [type(m).__name__ for m in sent] == names == lead.worker.applied
     for m in sent:
         other.apply(m)

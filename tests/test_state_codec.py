@@ -23,10 +23,21 @@ def round_trip(x):
 
 def test_plain_values_round_trip_exactly():
     x = {
-        "none": None, "t": True, "i": -(2**70), "f": 0.1, "s": "ä", "l": [1, [2]],
-        "tuple": (1, (2, 3)), "ints": {3: "a", (1, 2): "b"}, "__odd": 1, "set": {3, 1},
-        "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "b": b"\x00\xff",
-    }  # fmt: skip
+        "none": None,
+        "t": True,
+        "i": -(2**70),
+        "f": 0.1,
+        "s": "ä",
+        "l": [1, [2]],
+        "tuple": (1, (2, 3)),
+        "ints": {3: "a", (1, 2): "b"},
+        "__odd": 1,
+        "set": {3, 1},
+        "nan": math.nan,
+        "inf": math.inf,
+        "-inf": -math.inf,
+        "b": b"\x00\xff",
+    }
     y, arrays = round_trip(x)
     assert not arrays
     assert math.isnan(y.pop("nan")) and math.isnan(x.pop("nan"))
@@ -36,12 +47,16 @@ def test_plain_values_round_trip_exactly():
 @pytest.mark.parametrize(
     "a",
     [
-        np.zeros((), np.int32), np.float32(2.5), np.arange(6, dtype=np.uint32).reshape(2, 3),
-        np.array([np.nan, -0.0, np.inf], np.float32), np.zeros((0, 3), np.float64),
-        np.ones((3, 4), ml_dtypes.bfloat16), np.arange(300 * 30, dtype=np.float32).reshape(300, 30),
+        np.zeros((), np.int32),
+        np.float32(2.5),
+        np.arange(6, dtype=np.uint32).reshape(2, 3),
+        np.array([np.nan, -0.0, np.inf], np.float32),
+        np.zeros((0, 3), np.float64),
+        np.ones((3, 4), ml_dtypes.bfloat16),
+        np.arange(300 * 30, dtype=np.float32).reshape(300, 30),
         np.arange(20, dtype=np.int64)[::3],
     ],
-)  # fmt: skip
+)
 def test_arrays_keep_dtype_shape_and_bits(a):
     b, arrays = round_trip({"a": a})
     b = b["a"]
@@ -59,15 +74,17 @@ def test_records_round_trip():
     rec.groups.append((GroupTick(0, 1, "decode", 2, 2, 0, 0, 0.01),))
     x = {
         "exported": ExportedRequests([req], [3], kv),
-        "finished": FinishedRequest(7, 1, 3, 2, (2,), Completion(prompt, (4, 5), (-0.5, -1.5),
-                                                                "eos", 3, 0)),
+        "finished": FinishedRequest(
+            7, 1, 3, 2, (2,), Completion(prompt, (4, 5), (-0.5, -1.5), "eos", 3, 0)
+        ),
         "records": rec,
-    }  # fmt: skip
+    }
     y, _ = round_trip(x)
     back = y["exported"].requests[0]
     assert np.array_equal(back.key, req.key) and back.key.dtype == req.key.dtype
     assert {k: v for k, v in vars(back).items() if k != "key"} == {
-        k: v for k, v in vars(req).items() if k != "key"}  # fmt: skip
+        k: v for k, v in vars(req).items() if k != "key"
+    }
     assert np.array_equal(y["exported"].kv, kv)
     assert y["finished"] == x["finished"] and y["records"] == rec
     assert isinstance(y["records"].groups[0][0], GroupTick)

@@ -26,8 +26,22 @@ def test_char_tokenizer_round_trip_and_fits_default_model():
 
 @pytest.fixture
 def hf_dir(tmp_path):
-    words = ["hello", "world", "what", "is", "2", "+", "3", "?", "5", "user", "assistant",
-             "system", "be", "brief"]  # fmt: skip
+    words = [
+        "hello",
+        "world",
+        "what",
+        "is",
+        "2",
+        "+",
+        "3",
+        "?",
+        "5",
+        "user",
+        "assistant",
+        "system",
+        "be",
+        "brief",
+    ]
     return write_word_tokenizer(tmp_path, words)
 
 
@@ -91,8 +105,9 @@ def test_vocabulary_check_and_undecodable_ids(hf_dir):
 
     tok = HFTokenizer(hf_dir)
     n = tok.vocab_size
-    with pytest.raises(TokenizerError, match=f"model.vocab_size is {n - 1} but the hf "
-                                             f"tokenizer has {n} tokens"):  # fmt: skip
+    with pytest.raises(
+        TokenizerError, match=f"model.vocab_size is {n - 1} but the hf tokenizer has {n} tokens"
+    ):
         check_vocabularies(tok, n - 1, "hf")
     assert check_vocabularies(tok, n, "hf") is None
     note = check_vocabularies(tok, n + 10, "hf")

@@ -149,8 +149,28 @@ TOKENS = TrainConfig(group_size=2, length_buckets=(8, 16, 32))  # packing="token
 
 
 def test_row_ladder_is_every_count_to_eight_then_four_steps_per_doubling():
-    assert row_ladder(1, 64) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40,
-                                 48, 56, 64]  # fmt: skip
+    assert row_ladder(1, 64) == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        10,
+        12,
+        14,
+        16,
+        20,
+        24,
+        28,
+        32,
+        40,
+        48,
+        56,
+        64,
+    ]
     assert row_ladder(2, 5) == [2, 4, 6]  # the last holds every sample in a row of its own
     assert row_ladder(4, 4) == [4]
 
@@ -180,8 +200,13 @@ def test_token_packing_takes_the_fewest_positions_that_fit(seed):
             free[i] -= L
         return True
 
-    shapes = [(B, T) for T in TOKENS.length_buckets if T >= max(sizes)
-              for B in row_ladder(multiple, len(ts)) if fits(B, T)]  # fmt: skip
+    shapes = [
+        (B, T)
+        for T in TOKENS.length_buckets
+        if T >= max(sizes)
+        for B in row_ladder(multiple, len(ts))
+        if fits(B, T)
+    ]
     best = min(B * T for B, T in shapes)
     assert b.num_rows * b.seq_len == best and b.num_rows % multiple == 0
     assert int((b.segment_ids > 0).sum()) == sum(sizes)  # every token placed once
@@ -237,7 +262,11 @@ def test_token_budget_microbatches_hold_the_samples_in_the_first_ones(seed):
             free[i] -= L
         return True
 
-    shapes = [(k * chunk_rows(cfg, U, multiple), U) for U in cfg.length_buckets
-              if U >= sizes[0] for k in range(1, len(ts) + 1)]  # fmt: skip
+    shapes = [
+        (k * chunk_rows(cfg, U, multiple), U)
+        for U in cfg.length_buckets
+        if U >= sizes[0]
+        for k in range(1, len(ts) + 1)
+    ]
     best = min(B * U for B, U in shapes if fits(B, U))
     assert used * R * T == best

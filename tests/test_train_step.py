@@ -38,8 +38,15 @@ GRAD_RTOL = 1e-5
 # packed by tokens (the default) into a row count that splits over 4 data shards or 2
 # microbatches, so every test below runs the same packed batch
 ROWS = 4
-TRAIN = TrainConfig(lr=1e-3, group_size=G, length_buckets=(16, 32), logprob_chunk=16,
-                    total_steps=10, adam_eps=1e-3, max_grad_norm=10.0)  # fmt: skip
+TRAIN = TrainConfig(
+    lr=1e-3,
+    group_size=G,
+    length_buckets=(16, 32),
+    logprob_chunk=16,
+    total_steps=10,
+    adam_eps=1e-3,
+    max_grad_norm=10.0,
+)
 
 
 def make_trajs(seed, versions, rewards=None):
@@ -433,15 +440,18 @@ def adamw_first_step(params, grads, tcfg):
 # Every loss option appears in at least one case (the second also clips the global norm).
 GRAD_CASES = {
     "grpo-token_mean": dict(),
-    "drgrpo-seq_sum_norm-tis-clipnorm": dict(normalize_std=False, tis_cap=1.5, max_grad_norm=0.05,
-                                             loss_agg="seq_mean_token_sum_norm"),
-    "rloo-seq_mean-kl-microbatches": dict(advantage="rloo", loss_agg="seq_mean_token_mean",
-                                          kl_beta=0.5, tis_cap=2.0, microbatches=2),
+    "drgrpo-seq_sum_norm-tis-clipnorm": dict(
+        normalize_std=False, tis_cap=1.5, max_grad_norm=0.05, loss_agg="seq_mean_token_sum_norm"
+    ),
+    "rloo-seq_mean-kl-microbatches": dict(
+        advantage="rloo", loss_agg="seq_mean_token_mean", kl_beta=0.5, tis_cap=2.0, microbatches=2
+    ),
     # microbatches by a token budget, one row each (rows packed for one device), the step
     # looping over the used ones only
-    "grpo-seq_mean-token_budget": dict(loss_agg="seq_mean_token_mean", microbatch_tokens=16,
-                                       pack_multiple=1),
-}  # fmt: skip
+    "grpo-seq_mean-token_budget": dict(
+        loss_agg="seq_mean_token_mean", microbatch_tokens=16, pack_multiple=1
+    ),
+}
 
 
 def perturbed(params, scale, seed):
@@ -477,8 +487,9 @@ def test_gradients_and_update_match_float64_oracle(params0, case):
         w = want
         for k in path:
             w = w[k.key]
-        np.testing.assert_allclose(g, w, rtol=0, atol=GRAD_RTOL * np.abs(w).max(),
-                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+        np.testing.assert_allclose(
+            g, w, rtol=0, atol=GRAD_RTOL * np.abs(w).max(), err_msg=jax.tree_util.keystr(path)
+        )
     # measured 1.0e-5 x lr (float32 params up to 1 round at 6e-8 = 6e-6 x lr): 10x room
     assert max_diff(new_state.params, adamw_first_step(params0, want, tcfg)) < 1e-4 * tcfg.lr
     oracle = np_step_oracle(params0, b, tcfg, ref_params=ref)
@@ -499,8 +510,9 @@ def test_token_budget_microbatches_equal_the_ladder_and_compile_once_per_bucket(
     per bucket met."""
     mesh = make_mesh(jax.devices()[:4], 2, 2)
     ladder = Trainer(MODEL, TRAIN, mesh=mesh, params=params0)
-    budget = Trainer(MODEL, dataclasses.replace(TRAIN, microbatch_tokens=16), mesh=mesh,
-                     params=params0)  # fmt: skip
+    budget = Trainer(
+        MODEL, dataclasses.replace(TRAIN, microbatch_tokens=16), mesh=mesh, params=params0
+    )
     shapes, buckets = set(), set()
     for step, versions in enumerate([[0, 0, 0], [1], [2, 2]]):
         trajs = make_trajs(10 + step, versions)

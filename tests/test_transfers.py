@@ -102,8 +102,11 @@ def test_codec_keeps_the_extension_dtypes_and_refuses_unknown_ones():
 
     from dora_jax.distributed.codec import decode, encode
 
-    x = {"kv": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16),
-         "f8": np.array([0.5, -2.0], dtype=ml_dtypes.float8_e4m3fn), "i": np.arange(3)}  # fmt: skip
+    x = {
+        "kv": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16),
+        "f8": np.array([0.5, -2.0], dtype=ml_dtypes.float8_e4m3fn),
+        "i": np.arange(3),
+    }
     y = decode(encode(x))
     for k in x:
         assert y[k].dtype == x[k].dtype and y[k].shape == x[k].shape

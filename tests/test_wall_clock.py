@@ -30,12 +30,22 @@ from dora_jax.train import Trainer
 
 NO_EOS = -1
 CFG = [
-    "model.vocab_size=64", "model.hidden_size=64", "model.intermediate_size=128",
-    "model.num_heads=4", "model.num_kv_heads=2", "model.num_layers=2",
-    "rollout.max_slots=4", "rollout.page_size=8", "rollout.num_pages=96",
-    "rollout.max_prompt_len=16", "rollout.max_new_tokens=160", "rollout.prefill_chunk=16",
-    "rollout.decode_steps=4", "train.group_size=4", "train.length_buckets=[192]",
-]  # fmt: skip
+    "model.vocab_size=64",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.num_layers=2",
+    "rollout.max_slots=4",
+    "rollout.page_size=8",
+    "rollout.num_pages=96",
+    "rollout.max_prompt_len=16",
+    "rollout.max_new_tokens=160",
+    "rollout.prefill_chunk=16",
+    "rollout.decode_steps=4",
+    "train.group_size=4",
+    "train.length_buckets=[192]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +67,17 @@ def _overlaps(a, b) -> bool:
 def test_groups_keep_decoding_while_weights_and_kv_move(setup):
     cfg, meshes, params = setup
     clock = WallClock()
-    backend = EngineBackend(cfg.model, cfg.rollout, meshes.groups, NO_EOS, params,
-                            lambda v: params, seed=7, clock=clock, bus=Bus())  # fmt: skip
+    backend = EngineBackend(
+        cfg.model,
+        cfg.rollout,
+        meshes.groups,
+        NO_EOS,
+        params,
+        lambda v: params,
+        seed=7,
+        clock=clock,
+        bus=Bus(),
+    )
     finished, spans = {}, []
     filler = iter(range(100, 10_000))
 
@@ -125,8 +144,17 @@ def test_groups_keep_decoding_while_weights_and_kv_move(setup):
     for spec in movers:
         comp = finished[spec.request_id].payload
         assert comp.migrations == 3 and comp.prefill_tokens == spec.prompt_len
-        engine.submit([Request(spec.request_id, list(spec.payload.tokens), 0,
-                               request_key(7, spec.request_id), 160)])  # fmt: skip
+        engine.submit(
+            [
+                Request(
+                    spec.request_id,
+                    list(spec.payload.tokens),
+                    0,
+                    request_key(7, spec.request_id),
+                    160,
+                )
+            ]
+        )
         (again,) = [f for _ in range(100) for f in engine.step().finished][:1]
         assert again.tokens == comp.tokens and again.logprobs == comp.logprobs
 
@@ -155,13 +183,26 @@ class _Prompts:
 def test_rollout_continues_while_the_trainer_steps(setup):
     cfg, meshes, params = setup
     clock, bus = WallClock(), Bus()
-    grpo = GRPOTrainer(Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params), _Tok(),
-                       lambda response, answer: float(len(response) % 3))  # fmt: skip
-    backend = EngineBackend(cfg.model, cfg.rollout, meshes.groups, NO_EOS, params,
-                            grpo.params_for, seed=0, clock=clock, bus=bus)  # fmt: skip
+    grpo = GRPOTrainer(
+        Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params),
+        _Tok(),
+        lambda response, answer: float(len(response) % 3),
+    )
+    backend = EngineBackend(
+        cfg.model,
+        cfg.rollout,
+        meshes.groups,
+        NO_EOS,
+        params,
+        grpo.params_for,
+        seed=0,
+        clock=clock,
+        bus=bus,
+    )
     trainer = ThreadedTrainer(grpo, clock.now, bus.post)
-    orch = OrchestratorConfig(mode="dora", staleness_k=2, train_batch_prompts=2,
-                              rollout_batch_prompts=6, stall_s=120)  # fmt: skip
+    orch = OrchestratorConfig(
+        mode="dora", staleness_k=2, train_batch_prompts=2, rollout_batch_prompts=6, stall_s=120
+    )
     rt = Runtime(orch, 4, backend, trainer, _Prompts(), clock=clock)
     try:
         result = rt.run(6)

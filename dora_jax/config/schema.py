@@ -166,12 +166,17 @@ class TrainConfig:
         )
         check_choice(self, "packing", ("tokens", "rows"))
         if self.microbatch_tokens:
-            _check(self.packing == "tokens" and not self.pack_rows, "microbatch_tokens",
-                   "needs train.packing: tokens and train.pack_rows: 0 (it sizes the batch "
-                   "itself)")  # fmt: skip
-            _check(self.microbatches == 1, "microbatch_tokens",
-                   f"sets the microbatches itself: train.microbatches must be 1, got "
-                   f"{self.microbatches}")  # fmt: skip
+            _check(
+                self.packing == "tokens" and not self.pack_rows,
+                "microbatch_tokens",
+                "needs train.packing: tokens and train.pack_rows: 0 (it sizes the batch itself)",
+            )
+            _check(
+                self.microbatches == 1,
+                "microbatch_tokens",
+                f"sets the microbatches itself: train.microbatches must be 1, got "
+                f"{self.microbatches}",
+            )
         check_choice(self, "compile_shapes", ("auto", "inline", "background"))
 
     @property
@@ -315,12 +320,18 @@ class DataConfig:
             "reward",
             f"{self.reward!r} does not apply to task {self.task!r}",
         )
-        _check("{prompt}" in self.prompt_template, "prompt_template",
-               f"must contain '{{prompt}}', got {self.prompt_template!r}")  # fmt: skip
+        _check(
+            "{prompt}" in self.prompt_template,
+            "prompt_template",
+            f"must contain '{{prompt}}', got {self.prompt_template!r}",
+        )
         for name in ("prompt_field", "answer_field"):
             value = getattr(self, name)
-            _check(bool(value) and all(value.split(".")), name,
-                   f"must be a field name or a dotted path, got {value!r}")  # fmt: skip
+            _check(
+                bool(value) and all(value.split(".")),
+                name,
+                f"must be a field name or a dotted path, got {value!r}",
+            )
         check_positive(self, "reward_timeout_s", "reward_workers")
         check_bool(self, "shuffle")
 
@@ -399,8 +410,11 @@ class EvalConfig:
 
     def __post_init__(self):
         _check(self.num_prompts >= 0, "num_prompts", f"must be >= 0, got {self.num_prompts}")
-        _check(self.samples_per_prompt >= 1, "samples_per_prompt",
-               f"must be >= 1, got {self.samples_per_prompt}")  # fmt: skip
+        _check(
+            self.samples_per_prompt >= 1,
+            "samples_per_prompt",
+            f"must be >= 1, got {self.samples_per_prompt}",
+        )
         _check(self.every_steps > 0, "every_steps", f"must be > 0, got {self.every_steps}")
 
 

@@ -56,8 +56,10 @@ def plain(value: Any, where: str) -> Any:
         return plain(value.tolist(), where)
     if hasattr(value, "isoformat"):  # dates and times
         return value.isoformat()
-    raise DataError(f"{where}: a {type(value).__name__} value cannot be passed to a reward "
-                    "function (use strings, numbers, lists and mappings)")  # fmt: skip
+    raise DataError(
+        f"{where}: a {type(value).__name__} value cannot be passed to a reward "
+        "function (use strings, numbers, lists and mappings)"
+    )
 
 
 def _messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
@@ -67,11 +69,14 @@ def _messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}[{i}]: a chat message must be a mapping with a string "
-                            f"'content', got {m!r:.80}")  # fmt: skip
+            raise DataError(
+                f"{where}[{i}]: a chat message must be a mapping with a string "
+                f"'content', got {m!r:.80}"
+            )
         if m.get("role") not in ROLES:
-            raise DataError(f"{where}[{i}]: role must be one of {', '.join(ROLES)}, "
-                            f"got {m.get('role')!r}")  # fmt: skip
+            raise DataError(
+                f"{where}[{i}]: role must be one of {', '.join(ROLES)}, got {m.get('role')!r}"
+            )
         out.append({"role": m["role"], "content": m["content"]})
     return tuple(out)
 
@@ -93,13 +98,17 @@ def to_example(
     elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
         prompt = _messages(prompt, f"{where}: field {prompt_field!r}")
     else:
-        raise DataError(f"{where}: field {prompt_field!r} must be a string or a list of chat "
-                        f"messages, got {type(prompt).__name__}")  # fmt: skip
+        raise DataError(
+            f"{where}: field {prompt_field!r} must be a string or a list of chat "
+            f"messages, got {type(prompt).__name__}"
+        )
     if hasattr(answer, "item") and not hasattr(answer, "__len__"):
         answer = answer.item()
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-        raise DataError(f"{where}: field {answer_field!r} must be a string or a number, "
-                        f"got {type(answer).__name__}")  # fmt: skip
+        raise DataError(
+            f"{where}: field {answer_field!r} must be a string or a number, "
+            f"got {type(answer).__name__}"
+        )
     top = prompt_field.split(".")[0]
     metadata = {str(k): plain(v, f"{where}: field {k!r}") for k, v in row.items() if k != top}
     return Example(prompt, str(answer), metadata, number)

@@ -80,8 +80,9 @@ def _hf_rows(p: Path, split: str) -> list[Any]:
     try:
         import datasets
     except ImportError:
-        raise DataError(f"{p}: data.task=hf needs the datasets package "
-                        "(pip install 'dora-jax[data]')") from None  # fmt: skip
+        raise DataError(
+            f"{p}: data.task=hf needs the datasets package (pip install 'dora-jax[data]')"
+        ) from None
     if p.is_dir():
         try:
             ds = datasets.load_from_disk(str(p))
@@ -94,7 +95,9 @@ def _hf_rows(p: Path, split: str) -> list[Any]:
     else:
         builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(p.suffix)
         if builder is None:
-            raise DataError(f"{p}: data.task=hf reads a save_to_disk directory or a .json, "
-                            ".jsonl or .parquet file")  # fmt: skip
+            raise DataError(
+                f"{p}: data.task=hf reads a save_to_disk directory or a .json, "
+                ".jsonl or .parquet file"
+            )
         ds = datasets.load_dataset(builder, data_files=str(p), split=split)
     return ds.to_list()

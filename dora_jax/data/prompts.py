@@ -50,8 +50,10 @@ class PromptSource:
 
     def restore(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
-            raise ValueError(f"prompt source mismatch: the checkpoint was made with "
-                             f"{state.get('name')!r}, this run uses {self.name!r}")  # fmt: skip
+            raise ValueError(
+                f"prompt source mismatch: the checkpoint was made with "
+                f"{state.get('name')!r}, this run uses {self.name!r}"
+            )
         self.cursor = int(state["cursor"])
 
 

@@ -45,8 +45,9 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
         return {"exact": exact_reward, "boxed_math": boxed_math_reward, **built_in}[spec]
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
-        raise RewardSpecError(f"data.reward: expected 'file.py:function' or "
-                              f"'package.module:function', got {spec!r}")  # fmt: skip
+        raise RewardSpecError(
+            f"data.reward: expected 'file.py:function' or 'package.module:function', got {spec!r}"
+        )
     try:
         module = import_target(target, "dora_jax_user_reward")
     except FileNotFoundError as e:
@@ -73,9 +74,11 @@ def arity(fn: Callable[..., Any]) -> int:
         return 3
     if len(positional) == 2:
         return 2
-    raise RewardSpecError(f"data.reward: {getattr(fn, '__name__', fn)} must take (response, "
-                          f"answer, metadata) or (response, answer), takes {len(positional)} "
-                          "positional arguments")  # fmt: skip
+    raise RewardSpecError(
+        f"data.reward: {getattr(fn, '__name__', fn)} must take (response, "
+        f"answer, metadata) or (response, answer), takes {len(positional)} "
+        "positional arguments"
+    )
 
 
 def call(fn: Callable[..., Any], n_args: int, response: str, answer: str, metadata: dict) -> Any:
@@ -102,6 +105,8 @@ def outcome(value: Any) -> tuple[float, dict[str, float]]:
         return score, metrics
     score = finite_real(value)
     if score is None:
-        raise InvalidReward(f"returned a {type(value).__name__} ({value!r:.60}), not a finite "
-                            "number or a mapping with a 'score'")  # fmt: skip
+        raise InvalidReward(
+            f"returned a {type(value).__name__} ({value!r:.60}), not a finite "
+            "number or a mapping with a 'score'"
+        )
     return score, {}

@@ -80,8 +80,10 @@ class Scorer:
         if self.pool is not None:
             with self._lock:
                 found = [self._pending.pop(k, None) for k in keys]
-            futures = [f if f is not None else self.pool.submit(*item)
-                       for f, item in zip(found, items, strict=True)]  # fmt: skip
+            futures = [
+                f if f is not None else self.pool.submit(*item)
+                for f, item in zip(found, items, strict=True)
+            ]
             outs = [f.result() for f in futures]
         else:
             outs = [self._inline(*item) for item in items]
@@ -92,8 +94,11 @@ class Scorer:
                     self._warned.add(out.error)
                     log.warning(
                         "reward function failed (%s): %s; reward 0, counted in the metrics as "
-                        "reward_errors/%s", out.error, out.message, out.error,
-                    )  # fmt: skip
+                        "reward_errors/%s",
+                        out.error,
+                        out.message,
+                        out.error,
+                    )
         return outs
 
     def _inline(self, response: str, answer: str, metadata: dict | None) -> Outcome:

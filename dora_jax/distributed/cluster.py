@@ -39,8 +39,13 @@ class Cluster:
         ``eos_ids`` ends a response there too."""
         for p in range(self.count):
             if p != self.index:
-                msg = {"op": "init", "config": config, "eos_ids": list(eos_ids), "seed": seed,
-                       "wall": wall}  # fmt: skip
+                msg = {
+                    "op": "init",
+                    "config": config,
+                    "eos_ids": list(eos_ids),
+                    "seed": seed,
+                    "wall": wall,
+                }
                 self.link.request(p, msg, wait=True).result(WAIT_S)
 
     def remote(self, group: int, host: int, sync: bool, pages_total: int) -> RemoteTransport:

@@ -32,9 +32,12 @@ def serve(proc: Process, log=print) -> int:
 
     def trainer_failed(e: BaseException) -> None:
         traceback.print_exc()
-        print(f"error: process {proc.index}: the trainer's command failed "
-              f"({type(e).__name__}: {e}); this process stops", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"error: process {proc.index}: the trainer's command failed "
+            f"({type(e).__name__}: {e}); this process stops",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(3)
 
     def on_message(msg: dict) -> None:
@@ -67,9 +70,11 @@ def serve(proc: Process, log=print) -> int:
     for f in follower:
         f.close()
         w = f.worker
-        record = {"process": proc.index, "applied": w.applied,
-                  "executables": {"x".join(map(str, k)): v
-                                  for k, v in sorted(w.fingerprints.items())}}  # fmt: skip
+        record = {
+            "process": proc.index,
+            "applied": w.applied,
+            "executables": {"x".join(map(str, k)): v for k, v in sorted(w.fingerprints.items())},
+        }
         log(f"process {proc.index}: trainer commands: {json.dumps(record)}", flush=True)
     channel.close()
     log(f"process {proc.index}: done", flush=True)

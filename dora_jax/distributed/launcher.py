@@ -43,8 +43,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(n: int, argv: list[str], run_dir: Path, *, devices_per_process: int,
-                 pin_cores: bool = False, entry: Path | None = None) -> int:  # fmt: skip
+def launch_local(
+    n: int,
+    argv: list[str],
+    run_dir: Path,
+    *,
+    devices_per_process: int,
+    pin_cores: bool = False,
+    entry: Path | None = None,
+) -> int:
     entry = entry or Path(__file__).resolve().parents[2] / "launch" / "train.py"
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -59,20 +66,30 @@ def launch_local(n: int, argv: list[str], run_dir: Path, *, devices_per_process:
         launch.append("--pin-cores")
     for i in range(n):
         env = dict(os.environ)
-        env.update({ENV_LAUNCH: shlex.join(launch), ENV_COORDINATOR: f"127.0.0.1:{port}",
-                    ENV_NUM: str(n), ENV_ID: str(i), "PYTHONUNBUFFERED": "1"})  # fmt: skip
-        flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                         if "xla_force_host_platform_device_count" not in f)  # fmt: skip
+        env.update(
+            {
+                ENV_LAUNCH: shlex.join(launch),
+                ENV_COORDINATOR: f"127.0.0.1:{port}",
+                ENV_NUM: str(n),
+                ENV_ID: str(i),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        flags = " ".join(
+            f
+            for f in env.get("XLA_FLAGS", "").split()
+            if "xla_force_host_platform_device_count" not in f
+        )
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
         cmd = [sys.executable, str(entry), *argv]
         if pin_cores:
             cmd = ["taskset", "-c", str(cores[i % len(cores)]), *cmd]
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, bufsize=1)  # fmt: skip
+        p = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         procs.append(p)
         (logs / f"process_{i}.pid").write_text(str(p.pid))
-        t = threading.Thread(target=_pump, args=(p, logs / f"process_{i}.log", i == 0),
-                             daemon=True)  # fmt: skip
+        t = threading.Thread(target=_pump, args=(p, logs / f"process_{i}.log", i == 0), daemon=True)
         t.start()
         pumps.append(t)
 
@@ -95,8 +112,10 @@ def launch_local(n: int, argv: list[str], run_dir: Path, *, devices_per_process:
 
 # gloo's note on every new communicator (several per run, sometimes run together on one line):
 # kept in the log files, left out of the terminal
-_GLOO = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
-                   r"connected peer ranks is : \d+")  # fmt: skip
+_GLOO = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
+    r"connected peer ranks is : \d+"
+)
 
 
 def terminal_line(line: str) -> str:

@@ -63,8 +63,11 @@ def spec_from(args: Any = None, env: dict[str, str] | None = None) -> ProcessSpe
     pid = getattr(args, "process_id", None)
     pid = pid if pid is not None else env.get(ENV_ID)
     if coord or num or pid is not None:
-        missing = [n for n, v in (("coordinator", coord), ("num-processes", num),
-                                  ("process-id", pid)) if v is None]  # fmt: skip
+        missing = [
+            n
+            for n, v in (("coordinator", coord), ("num-processes", num), ("process-id", pid))
+            if v is None
+        ]
         if missing:
             raise ProcessError(
                 f"multi-process settings need --coordinator, --num-processes and --process-id "
@@ -73,8 +76,9 @@ def spec_from(args: Any = None, env: dict[str, str] | None = None) -> ProcessSpe
         try:
             num_i, pid_i = int(num), int(pid)
         except ValueError:
-            raise ProcessError(f"--num-processes {num!r} and --process-id {pid!r} must be "
-                               "integers") from None  # fmt: skip
+            raise ProcessError(
+                f"--num-processes {num!r} and --process-id {pid!r} must be integers"
+            ) from None
         if not 0 <= pid_i < num_i:
             raise ProcessError(f"--process-id {pid_i} is not in [0, {num_i})")
         return ProcessSpec(num_i, pid_i, coord, bind)
@@ -179,8 +183,7 @@ class Process:
 
     def lost(self, what: str) -> None:
         hint = self.on_peer_lost(what) if self.on_peer_lost else ""
-        print(f"error: process {self.index}: {what}. {hint}".rstrip(), file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(f"error: process {self.index}: {what}. {hint}".rstrip(), file=sys.stderr, flush=True)
         os._exit(3)
 
 

@@ -48,8 +48,15 @@ class HostLink:
     """Process 0's end of the channels to every other process: messages with replies, the events
     they report, and the params staged for them."""
 
-    def __init__(self, channel: Channel, transfers: Transfers, hosts: list[int], post, now,
-                 stage_shardings: Callable[[], Any]):  # fmt: skip
+    def __init__(
+        self,
+        channel: Channel,
+        transfers: Transfers,
+        hosts: list[int],
+        post,
+        now,
+        stage_shardings: Callable[[], Any],
+    ):
         self.channel, self.transfers, self.post, self.now = channel, transfers, post, now
         self.stage_shardings = stage_shardings  # the group layout on process 0's devices
         self.groups: dict[int, RemoteTransport] = {}
@@ -82,8 +89,9 @@ class HostLink:
             with self._lock:
                 items, self._outbox[h] = self._outbox[h], []
             if items:
-                self.channel.send(h, items[0] if len(items) == 1 else
-                                  {"op": "batch", "items": items})  # fmt: skip
+                self.channel.send(
+                    h, items[0] if len(items) == 1 else {"op": "batch", "items": items}
+                )
 
     def stage_trainer(self, params: Any, version: int) -> int:
         """Offer the trainer's ``params`` of ``version`` in the group layout under a new ticket
@@ -134,8 +142,7 @@ class HostLink:
 def shift(e: GroupEvent, offset: float, host: int) -> GroupEvent:
     """An event of ``host`` on process 0's clock (and its error named as another process's)."""
     err = None if e.error is None else f"on process {host}: {e.error}"
-    span = None if e.span is None else e.span._replace(t0=e.span.t0 - offset,
-                                                       t1=e.span.t1 - offset)  # fmt: skip
+    span = None if e.span is None else e.span._replace(t0=e.span.t0 - offset, t1=e.span.t1 - offset)
     return dataclasses.replace(e, span=span, error=err)
 
 
@@ -187,8 +194,9 @@ class GroupHost:
         now = time.time  # epoch seconds: process 0 puts them on its own clock
         place = Place(transfers)
         workers = {g: GroupWorker(g, e, now, place) for g, e in engines.items()}
-        self.transports = {g: Threaded(w, self.bus.post) if wall else Inline(w)
-                           for g, w in workers.items()}  # fmt: skip
+        self.transports = {
+            g: Threaded(w, self.bus.post) if wall else Inline(w) for g, w in workers.items()
+        }
         self._applied = dict.fromkeys(engines, 0)
         if wall:
             threading.Thread(target=self._forward, name="forward", daemon=True).start()

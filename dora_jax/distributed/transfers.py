@@ -113,8 +113,10 @@ class Transfers:
                 client.key_value_delete(k)
             host = decode(data)
             return [jax.device_put(h, s) for h, s in zip(host, shardings, strict=True)], meta
-        specs = [jax.ShapeDtypeStruct(tuple(shape), dtype_from_tag(dt), sharding=s)
-                 for (shape, dt), s in zip(record["shapes"], shardings, strict=True)]  # fmt: skip
+        specs = [
+            jax.ShapeDtypeStruct(tuple(shape), dtype_from_tag(dt), sharding=s)
+            for (shape, dt), s in zip(record["shapes"], shardings, strict=True)
+        ]
         arrays = []
         if specs:
             conn = self.proc.connection(self.proc.address(record["from"]))

@@ -56,8 +56,9 @@ class Limits:
 
     def __post_init__(self):
         if self.max_turns < 1 or self.max_tokens < 2:
-            raise ValueError(f"need max_turns >= 1 and max_tokens >= 2, got {self.max_turns}, "
-                             f"{self.max_tokens}")  # fmt: skip
+            raise ValueError(
+                f"need max_turns >= 1 and max_tokens >= 2, got {self.max_turns}, {self.max_tokens}"
+            )
         if not (self.max_env_seconds > 0 and math.isfinite(self.max_env_seconds)):
             raise ValueError(f"max_env_seconds must be > 0, got {self.max_env_seconds}")
 
@@ -182,15 +183,18 @@ class Conversation:
     ) -> Conversation:
         """The conversation :meth:`state_dict` gave, rendered by ``renderer`` from now on."""
         conv = cls(renderer, limits)
-        conv.messages = [{"role": str(m["role"]), "content": str(m["content"])}
-                         for m in state["messages"]]  # fmt: skip
+        conv.messages = [
+            {"role": str(m["role"]), "content": str(m["content"])} for m in state["messages"]
+        ]
         conv.ids = [int(t) for t in state["ids"]]
         conv._model = [bool(m) for m in state["model"]]
         conv._logprobs = [float(x) for x in state["logprobs"]]
         if not len(conv.ids) == len(conv._model) == len(conv._logprobs):
-            raise ValueError(f"a conversation state needs one mask entry and logprob per token, "
-                             f"got {len(conv.ids)} ids, {len(conv._model)} mask entries and "
-                             f"{len(conv._logprobs)} logprobs")  # fmt: skip
+            raise ValueError(
+                f"a conversation state needs one mask entry and logprob per token, "
+                f"got {len(conv.ids)} ids, {len(conv._model)} mask entries and "
+                f"{len(conv._logprobs)} logprobs"
+            )
         conv.prompt_len, conv.turns = int(state["prompt_len"]), int(state["turns"])
         conv.rewards = [float(r) for r in state["rewards"]]
         conv.env_seconds = float(state["env_seconds"])
@@ -201,8 +205,9 @@ class Conversation:
         if state["turn"] not in ("model", "env") or (
             conv.end_reason is not None and conv.end_reason not in END_REASONS
         ):
-            raise ValueError(f"not a conversation state: turn {state['turn']!r}, end reason "
-                             f"{conv.end_reason!r}")  # fmt: skip
+            raise ValueError(
+                f"not a conversation state: turn {state['turn']!r}, end reason {conv.end_reason!r}"
+            )
         conv._turn = state["turn"]
         return conv
 
@@ -223,12 +228,16 @@ class Conversation:
             raise ValueError(f"the conversation is not waiting for the model ({self._state()})")
         ids, logprobs = [int(t) for t in ids], [float(x) for x in logprobs]
         if len(ids) != len(logprobs) or not ids:
-            raise ValueError(f"a model turn needs one logprob per token and at least one token, "
-                             f"got {len(ids)} ids and {len(logprobs)} logprobs")  # fmt: skip
+            raise ValueError(
+                f"a model turn needs one logprob per token and at least one token, "
+                f"got {len(ids)} ids and {len(logprobs)} logprobs"
+            )
         over = len(ids) > self.tokens_left
         if over and over_budget != "end":
-            raise ValueError(f"the model turn has {len(ids)} tokens, only {self.tokens_left} "
-                             "are left (limit the turn to tokens_left)")  # fmt: skip
+            raise ValueError(
+                f"the model turn has {len(ids)} tokens, only {self.tokens_left} "
+                "are left (limit the turn to tokens_left)"
+            )
         self._append(ids, model=True, logprobs=logprobs)
         self._last_model_ids = ids
         self.turns += 1
@@ -243,8 +252,9 @@ class Conversation:
         """The environment's answer to the last model turn: record it, then end the episode or
         append the observation as the next environment turn."""
         if self.awaiting != "env":
-            raise ValueError(f"the conversation is not waiting for the environment "
-                             f"({self._state()})")  # fmt: skip
+            raise ValueError(
+                f"the conversation is not waiting for the environment ({self._state()})"
+            )
         self.env_seconds += outcome.seconds
         if outcome.error is not None:
             self._fail(outcome)

@@ -36,9 +36,11 @@ def load_environment_class(spec: str) -> type:
     spec = BUILT_IN.get(spec, spec)
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
-        raise EnvSpecError(f"env: expected a built-in ({', '.join(BUILT_IN)}), "
-                           f"'path/to/file.py:ClassName' or 'package.module:ClassName', "
-                           f"got {spec!r}")  # fmt: skip
+        raise EnvSpecError(
+            f"env: expected a built-in ({', '.join(BUILT_IN)}), "
+            f"'path/to/file.py:ClassName' or 'package.module:ClassName', "
+            f"got {spec!r}"
+        )
     try:
         module = import_target(target, "dora_jax_user_env")
     except FileNotFoundError as e:

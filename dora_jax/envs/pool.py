@@ -131,8 +131,9 @@ class EnvPool(WorkerPool):
             ep = self._episodes.pop(episode, None)
             if ep is not None:
                 w = self._workers[ep.worker]
-                w.queue.append(_Job(-1, "close", episode, {"op": "close", "episode": episode},
-                                    Future()))  # fmt: skip
+                w.queue.append(
+                    _Job(-1, "close", episode, {"op": "close", "episode": episode}, Future())
+                )
         self._wake()
 
     def episode_state(self, episode: int) -> dict[str, Any]:
@@ -142,8 +143,9 @@ class EnvPool(WorkerPool):
         with self._lock:
             ep = self._live(episode)
             if ep.busy:
-                raise EnvPoolError(f"episode {episode} has a call running: its state is not "
-                                   "settled")  # fmt: skip
+                raise EnvPoolError(
+                    f"episode {episode} has a call running: its state is not settled"
+                )
             state = {"seed": ep.seed, "task": ep.task, "actions": ep.actions, "digest": ep.digest}
             return json.loads(json.dumps(state))
 
@@ -157,8 +159,9 @@ class EnvPool(WorkerPool):
             seed, task, digest = int(state["seed"]), dict(state["task"]), str(state["digest"])
             actions = [str(a) for a in state["actions"]]
         except (KeyError, TypeError, ValueError) as e:
-            raise EnvPoolError(f"not an episode state ({type(e).__name__}: {e}): "
-                               f"{state!r:.120}") from None  # fmt: skip
+            raise EnvPoolError(
+                f"not an episode state ({type(e).__name__}: {e}): {state!r:.120}"
+            ) from None
         with self._lock:
             eid = self._next_episode
             self._next_episode += 1
@@ -217,8 +220,12 @@ class EnvPool(WorkerPool):
                     continue
                 job.limit = self.timeout_s
                 if job.op == "step" and job.episode not in w.holds:
-                    job.msg["rebuild"] = {"seed": ep.seed, "task": ep.task,
-                                          "actions": ep.actions, "digest": ep.digest}  # fmt: skip
+                    job.msg["rebuild"] = {
+                        "seed": ep.seed,
+                        "task": ep.task,
+                        "actions": ep.actions,
+                        "digest": ep.digest,
+                    }
                     job.limit = self.timeout_s * (2 + len(ep.actions))
                 job.sent, job.t0 = time.monotonic(), self.now()
                 w.job = job
@@ -241,8 +248,13 @@ class EnvPool(WorkerPool):
             if job.op == "step":
                 ep.actions.append(job.msg["action"])
         r = msg["result"]
-        step = Step(r["observation"], float(r["reward"]), bool(r["terminated"]),
-                    bool(r["truncated"]), dict(r["info"]))  # fmt: skip
+        step = Step(
+            r["observation"],
+            float(r["reward"]),
+            bool(r["terminated"]),
+            bool(r["truncated"]),
+            dict(r["info"]),
+        )
         self._resolve(job, EnvOutcome(step))
 
     def _timeout_message(self, job: _Job) -> str:

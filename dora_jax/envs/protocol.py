@@ -78,8 +78,9 @@ def stop_strings(env: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, Sequence) or not all(isinstance(s, str) and s for s in value):
-        raise InvalidEnvReturn(f"stop_strings must be a sequence of non-empty strings, got "
-                               f"{value!r:.80}")  # fmt: skip
+        raise InvalidEnvReturn(
+            f"stop_strings must be a sequence of non-empty strings, got {value!r:.80}"
+        )
     return tuple(value)
 
 
@@ -109,12 +110,16 @@ def check_observation(value: Any) -> Observation:
                 and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)
             ):
-                raise InvalidEnvReturn(f"observation message {i} is {m!r:.80}, not a dict with "
-                                       "string 'role' and 'content'")  # fmt: skip
+                raise InvalidEnvReturn(
+                    f"observation message {i} is {m!r:.80}, not a dict with "
+                    "string 'role' and 'content'"
+                )
             out.append({"role": m["role"], "content": m["content"]})
         return out
-    raise InvalidEnvReturn(f"observation is a {type(value).__name__} ({value!r:.60}), not text "
-                           "or a list of chat messages")  # fmt: skip
+    raise InvalidEnvReturn(
+        f"observation is a {type(value).__name__} ({value!r:.60}), not text "
+        "or a list of chat messages"
+    )
 
 
 def check_info(value: Any) -> dict[str, Any]:
@@ -138,8 +143,9 @@ def check_reset(value: Any) -> Step:
 
 def check_step(value: Any) -> Step:
     if not (isinstance(value, tuple | list) and len(value) == 5):
-        raise InvalidEnvReturn(f"step returned {_shape(value)}, not (observation, reward, "
-                               "terminated, truncated, info)")  # fmt: skip
+        raise InvalidEnvReturn(
+            f"step returned {_shape(value)}, not (observation, reward, terminated, truncated, info)"
+        )
     obs, reward, terminated, truncated, info = value
     r = finite_real(reward)
     if r is None:

@@ -105,12 +105,16 @@ def _rebuild(env: Any, rebuild: dict) -> _Episode:
         for action in rebuild["actions"]:
             ep.step(action)
     except Exception as e:  # the replay itself failed
-        raise _ReplayMismatch(f"the episode could not be rebuilt on a fresh worker: replaying "
-                              f"its actions raised {type(e).__name__}: {e}") from None  # fmt: skip
+        raise _ReplayMismatch(
+            f"the episode could not be rebuilt on a fresh worker: replaying "
+            f"its actions raised {type(e).__name__}: {e}"
+        ) from None
     if ep.digest != rebuild["digest"]:
-        raise _ReplayMismatch("the episode could not be rebuilt on a fresh worker: replaying its "
-                              "actions gave other results (the environment is not a pure "
-                              "function of seed, task and actions)")  # fmt: skip
+        raise _ReplayMismatch(
+            "the episode could not be rebuilt on a fresh worker: replaying its "
+            "actions gave other results (the environment is not a pure "
+            "function of seed, task and actions)"
+        )
     return ep
 
 

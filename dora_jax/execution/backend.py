@@ -124,8 +124,9 @@ class EngineBackend:
             host = cluster.owner(m, f"rollout group {g}") if cluster is not None else 0
             self._hosts.append(host)
             if host != self.me:
-                self.handles.append(cluster.remote(g, host, not self.wall,
-                                                   rollout_cfg.num_pages - 1))  # fmt: skip
+                self.handles.append(
+                    cluster.remote(g, host, not self.wall, rollout_cfg.num_pages - 1)
+                )
                 src = self._trainer_source(g, 0, initial_params)
                 self._loads.append(self._send(g, c.Load(g, 0, **src)))
                 continue
@@ -265,8 +266,9 @@ class EngineBackend:
                 )
                 if prompt.conversation is not None:
                     if self.turns is None:
-                        raise BackendError(f"request {rid} is a conversation and the "
-                                           "backend has no turn driver")  # fmt: skip
+                        raise BackendError(
+                            f"request {rid} is a conversation and the backend has no turn driver"
+                        )
                     r.multi_turn, r.stop_seqs = True, self.turns.stop_sequences
                 self._meta[rid] = (spec.prompt_group, prompt, [spec.version])
                 if r.multi_turn:
@@ -282,8 +284,9 @@ class EngineBackend:
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         self._check_group(src)
         self._check_group(dst)
-        check_migrate(request_ids, src, dst, self._version.__getitem__, self._where.get,
-                      self._free_slots(dst))  # fmt: skip
+        check_migrate(
+            request_ids, src, dst, self._version.__getitem__, self._where.get, self._free_slots(dst)
+        )
         for rid in request_ids:
             self._leave(rid)
             self._join(rid, dst)
@@ -356,9 +359,12 @@ class EngineBackend:
             )
         figures = dict(o.figures or {})
         return self._finish(
-            rec, str(figures.get("end_reason") or "env"), loss_mask=o.loss_mask,
-            env_reward=o.reward if self.turns.env_rewards else None, conversation=figures,
-        )  # fmt: skip
+            rec,
+            str(figures.get("end_reason") or "env"),
+            loss_mask=o.loss_mask,
+            env_reward=o.reward if self.turns.env_rewards else None,
+            conversation=figures,
+        )
 
     def _forget_conversation(self, rid: int) -> None:
         if self.turns is not None:
@@ -490,8 +496,9 @@ class EngineBackend:
             self.turns.load_state_dict(conv["driver"])
             self._waiting = set(conv["waiting"])
             self._last_turn = dict(conv["last_turn"])
-            self._held_turns = {rid: [tuple(o) for o in obs]
-                                for rid, obs in conv["held_turns"].items()}  # fmt: skip
+            self._held_turns = {
+                rid: [tuple(o) for o in obs] for rid, obs in conv["held_turns"].items()
+            }
             self._over = {rid: _outcome(o) for rid, o in conv["over"].items()}
             self._ended = list(conv["ended"])
         for g, snap in enumerate(state["engines"]):

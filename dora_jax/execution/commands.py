@@ -191,6 +191,25 @@ class GroupEvent:
 
 
 # what the record codec (dora_jax.state_codec) writes and reads back
-RECORDS = (Load, OfferParams, Submit, SendRequests, ReceiveRequests, Interrupt, Extend, End, Step,
-           Pause, Resume, Snapshot, Restore, StartTrainer, TrainStep, ExportParams, GatherState,
-           RestoreState, GroupStatus, GroupEvent)  # fmt: skip
+RECORDS = (
+    Load,
+    OfferParams,
+    Submit,
+    SendRequests,
+    ReceiveRequests,
+    Interrupt,
+    Extend,
+    End,
+    Step,
+    Pause,
+    Resume,
+    Snapshot,
+    Restore,
+    StartTrainer,
+    TrainStep,
+    ExportParams,
+    GatherState,
+    RestoreState,
+    GroupStatus,
+    GroupEvent,
+)

@@ -82,12 +82,20 @@ class GroupWorker:
         self._to_compile: list[int] | None = None  # wall clock: move sizes left to compile
         self.status = self._status()
         self._table: dict[type, Callable[[Any], Any]] = {
-            c.Load: self._load, c.OfferParams: self._offer, c.Submit: self._submit,
-            c.SendRequests: self._send, c.ReceiveRequests: self._receive,
-            c.Interrupt: self._interrupt, c.Extend: self._extend, c.End: self._end,
-            c.Step: self._logical_step, c.Pause: self._pause, c.Resume: self._resume,
-            c.Snapshot: lambda cmd: self.engine.snapshot(), c.Restore: self._restore,
-        }  # fmt: skip
+            c.Load: self._load,
+            c.OfferParams: self._offer,
+            c.Submit: self._submit,
+            c.SendRequests: self._send,
+            c.ReceiveRequests: self._receive,
+            c.Interrupt: self._interrupt,
+            c.Extend: self._extend,
+            c.End: self._end,
+            c.Step: self._logical_step,
+            c.Pause: self._pause,
+            c.Resume: self._resume,
+            c.Snapshot: lambda cmd: self.engine.snapshot(),
+            c.Restore: self._restore,
+        }
 
     # -- the transports' entry points -------------------------------------------------------------
     def apply(self, cmd: c.GroupCommand) -> Any:
@@ -193,17 +201,21 @@ class GroupWorker:
             slot.set_result(out)
             return
         running = out.running  # its pack buffer travels as an array of its own
-        meta = {"running": None if running is None else dataclasses.replace(running, kv=None),
-                "queued": out.queued, "parked": out.parked}  # fmt: skip
+        meta = {
+            "running": None if running is None else dataclasses.replace(running, kv=None),
+            "queued": out.queued,
+            "parked": out.parked,
+        }
         self.place.transfers.serve(cmd.ticket, [running.kv] if running is not None else [], meta)
 
     def _receive(self, cmd: c.ReceiveRequests) -> None:
         p = self.place
         if cmd.remote:
             arrays, meta = p.transfers.fetch(
-                cmd.ticket, lambda m: [self.engine.buffer_sharding] if m["running"] else [],
+                cmd.ticket,
+                lambda m: [self.engine.buffer_sharding] if m["running"] else [],
                 p.wait_s,
-            )  # fmt: skip
+            )
             r = meta["running"]
             running = None if r is None else dataclasses.replace(r, kv=arrays[0])
             handover = Handover(running, list(meta["queued"]), list(meta["parked"]))
@@ -247,9 +259,13 @@ class GroupWorker:
         rep = self.engine.step()
         kind = "prefill" if rep.prefill_tokens else "decode" if rep.decode_tokens else "idle"
         span = self._span(
-            kind, t0, ld.active + ld.pending + ld.parked, tokens=rep.sampled_tokens,
-            prefill=rep.prefill_tokens, reprefill=rep.reprefill_tokens,
-        )  # fmt: skip
+            kind,
+            t0,
+            ld.active + ld.pending + ld.parked,
+            tokens=rep.sampled_tokens,
+            prefill=rep.prefill_tokens,
+            reprefill=rep.reprefill_tokens,
+        )
         return GroupEvent(self.group, span, tuple(rep.finished), turn_ends=tuple(rep.turn_ends))
 
     def _event(self, activity: str, t0: float, active: int = 0) -> None:
@@ -258,10 +274,17 @@ class GroupWorker:
     def _span(self, activity: str, t0: float, active: int = 0, **counts) -> GroupTick:
         t1 = self.now()
         return GroupTick(
-            self.group, self.engine.version, activity, active,
-            counts.get("tokens", 0), counts.get("prefill", 0), counts.get("reprefill", 0),
-            t1 - t0, t0, t1,
-        )  # fmt: skip
+            self.group,
+            self.engine.version,
+            activity,
+            active,
+            counts.get("tokens", 0),
+            counts.get("prefill", 0),
+            counts.get("reprefill", 0),
+            t1 - t0,
+            t0,
+            t1,
+        )
 
     def _status(self) -> GroupStatus:
         ld = self.engine.load()

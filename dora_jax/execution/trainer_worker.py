@@ -87,9 +87,12 @@ class TrainerWorker:
         self.applied: list[str] = []  # the commands carried out, in order
         self.fingerprints: dict[tuple[int, int, int], str] = {}  # batch shape -> executable
         self._table: dict[type, Callable[[Any], Any]] = {
-            c.StartTrainer: self._start, c.TrainStep: self._step, c.ExportParams: self._export,
-            c.GatherState: self._gather_state, c.RestoreState: self._restore,
-        }  # fmt: skip
+            c.StartTrainer: self._start,
+            c.TrainStep: self._step,
+            c.ExportParams: self._export,
+            c.GatherState: self._gather_state,
+            c.RestoreState: self._restore,
+        }
 
     def check(self, cmd: c.TrainerCommand) -> Callable[[Any], Any]:
         fn = self._table.get(type(cmd))
@@ -158,8 +161,9 @@ class SpmdTrainer:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, cfg, mesh, source: dict | None = None, broadcast=None,
-              params: Any = None) -> SpmdTrainer:  # fmt: skip
+    def start(
+        cls, cfg, mesh, source: dict | None = None, broadcast=None, params: Any = None
+    ) -> SpmdTrainer:
         """Build the trainer on every trainer process: from ``params`` (a single process), else
         from ``source``."""
         worker = TrainerWorker(cfg, mesh, lead=True, spans=broadcast is not None, params=params)

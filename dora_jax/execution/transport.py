@@ -53,8 +53,9 @@ class Threaded(Inline):
         self.post = post
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name=f"group-{worker.group}",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._loop, name=f"group-{worker.group}", daemon=True
+        )
         self._thread.start()
 
     def send(self, cmd: GroupCommand) -> Future:

@@ -468,9 +468,16 @@ def paged_decode_attention(
     if impl == "pallas":
         windows = jnp.zeros_like(lengths) if window is None else window
         return _paged_decode_pallas(
-            q, k_pages, v_pages, block_tables, lengths, windows,
-            scale=scale, tuning=tuning, interpret=interpret,
-        )  # fmt: skip
+            q,
+            k_pages,
+            v_pages,
+            block_tables,
+            lengths,
+            windows,
+            scale=scale,
+            tuning=tuning,
+            interpret=interpret,
+        )
     return _paged_decode_jax_gpu(
         q, k_pages, v_pages, block_tables, lengths, scale=scale, tuning=tuning, interpret=interpret
     )

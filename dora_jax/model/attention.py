@@ -191,8 +191,9 @@ def _flash_forward(q, k, v, q_seg, kv_seg, q_offset, window, scale, bq, bk):
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = l * alpha + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("BKGqk,BkKH->BqKGH", p.astype(vj.dtype), vj,
-                            preferred_element_type=jnp.float32)  # fmt: skip
+            pv = jnp.einsum(
+                "BKGqk,BkKH->BqKGH", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+            )
             return o * jnp.moveaxis(alpha, 3, 1)[..., None] + pv, m_new, l
 
         init = (
@@ -237,14 +238,17 @@ def _flash_backward(q, k, v, q_seg, kv_seg, q_offset, window, out, lse, live, do
             mask = _block_mask(qsi, ksj, q_idx, k_idx, w)[:, None, None]
             s = _scores(qi, kj, scale)
             p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)  # [B,K,G,bq,bk]
-            dv = dv + jnp.einsum("BKGqk,BqKGH->BkKH", p.astype(doi.dtype), doi,
-                                 preferred_element_type=jnp.float32)  # fmt: skip
+            dv = dv + jnp.einsum(
+                "BKGqk,BqKGH->BkKH", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32
+            )
             dp = jnp.einsum("BqKGH,BkKH->BKGqk", doi, vj, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i[..., None]) * scale
-            dk = dk + jnp.einsum("BKGqk,BqKGH->BkKH", ds.astype(qi.dtype), qi,
-                                 preferred_element_type=jnp.float32)  # fmt: skip
-            dqi = jnp.einsum("BKGqk,BkKH->BqKGH", ds.astype(kj.dtype), kj,
-                             preferred_element_type=jnp.float32)  # fmt: skip
+            dk = dk + jnp.einsum(
+                "BKGqk,BqKGH->BkKH", ds.astype(qi.dtype), qi, preferred_element_type=jnp.float32
+            )
+            dqi = jnp.einsum(
+                "BKGqk,BkKH->BqKGH", ds.astype(kj.dtype), kj, preferred_element_type=jnp.float32
+            )
             return _put_block(dq, _block(dq, i, bq) + dqi, i, bq), dk, dv
 
         zeros = jnp.zeros((B, bk, K, H), jnp.float32)

@@ -157,8 +157,9 @@ def load_hf_params(path: str | Path, cfg: ModelConfig, shardings: Params | None 
     return out
 
 
-def policy_params(cfg: ModelConfig, seed: int, shardings: Params, path: str | Path | None = None
-                  ) -> Params:  # fmt: skip
+def policy_params(
+    cfg: ModelConfig, seed: int, shardings: Params, path: str | Path | None = None
+) -> Params:
     """The starting policy, created directly in ``shardings``: the checkpoint at ``path``, else the
     random init of ``seed`` (the same values whatever the shardings)."""
     if path is None:
@@ -191,9 +192,11 @@ def _build(
         if rule.per_expert:  # [L, E, ...]: one HF tensor per layer and expert
             experts = range(*index[1].indices(shape[1]))
             return np.stack(
-                [np.stack([read(rule.hf.format(i=i, e=e), index[2:]) for e in experts])
-                 for i in layers]
-            )  # fmt: skip
+                [
+                    np.stack([read(rule.hf.format(i=i, e=e), index[2:]) for e in experts])
+                    for i in layers
+                ]
+            )
         return np.stack([read(rule.hf.format(i=i), index[1:]) for i in layers])
 
     return jax.make_array_from_callback(shape, sharding, piece)
@@ -219,8 +222,10 @@ def save_hf_checkpoint(
     """Write ``config.json`` and safetensors (sharded with an index past ``max_shard_bytes``)
     that ``transformers`` loads. Gathers one layer tensor at a time to the host."""
     if cfg.family == "qwen2" and not cfg.qkv_bias:
-        raise ValueError("model.attention_bias=false cannot be exported as Qwen2 (HF Qwen2 "
-                         "always has q/k/v biases); use family 'llama'")  # fmt: skip
+        raise ValueError(
+            "model.attention_bias=false cannot be exported as Qwen2 (HF Qwen2 "
+            "always has q/k/v biases); use family 'llama'"
+        )
     np_dtype = np.dtype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -145,56 +145,166 @@ _P = "model.layers.{i}."
 WEIGHT_RULES: tuple[WeightRule, ...] = (
     WeightRule("embed", "model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),
     WeightRule("layers/attn_norm", _P + "input_layernorm.weight", lambda c: (c.hidden_size,)),
-    WeightRule("layers/wq", _P + "self_attn.q_proj.weight",
-               lambda c: (c.num_heads * c.resolved_head_dim, c.hidden_size), *_proj_in(_q)),
-    WeightRule("layers/wk", _P + "self_attn.k_proj.weight",
-               lambda c: (c.num_kv_heads * c.resolved_head_dim, c.hidden_size), *_proj_in(_kv)),
-    WeightRule("layers/wv", _P + "self_attn.v_proj.weight",
-               lambda c: (c.num_kv_heads * c.resolved_head_dim, c.hidden_size), *_proj_in(_kv)),
-    WeightRule("layers/bq", _P + "self_attn.q_proj.bias",
-               lambda c: (c.num_heads * c.resolved_head_dim,), *_bias(_q), when=_qkv_bias),
-    WeightRule("layers/bk", _P + "self_attn.k_proj.bias",
-               lambda c: (c.num_kv_heads * c.resolved_head_dim,), *_bias(_kv), when=_qkv_bias),
-    WeightRule("layers/bv", _P + "self_attn.v_proj.bias",
-               lambda c: (c.num_kv_heads * c.resolved_head_dim,), *_bias(_kv), when=_qkv_bias),
-    WeightRule("layers/q_norm", _P + "self_attn.q_norm.weight", lambda c: (c.resolved_head_dim,),
-               when=_qk_norm),
-    WeightRule("layers/k_norm", _P + "self_attn.k_norm.weight", lambda c: (c.resolved_head_dim,),
-               when=_qk_norm),
-    WeightRule("layers/wo", _P + "self_attn.o_proj.weight",
-               lambda c: (c.hidden_size, c.num_heads * c.resolved_head_dim), _o_to_ours, _o_to_hf),
-    WeightRule("layers/mlp_norm", _P + "post_attention_layernorm.weight",
-               lambda c: (c.hidden_size,)),
-    WeightRule("layers/w_gate", _P + "mlp.gate_proj.weight",
-               lambda c: (c.intermediate_size, c.hidden_size), _t, _t, when=_dense),
-    WeightRule("layers/w_up", _P + "mlp.up_proj.weight",
-               lambda c: (c.intermediate_size, c.hidden_size), _t, _t, when=_dense),
-    WeightRule("layers/w_down", _P + "mlp.down_proj.weight",
-               lambda c: (c.hidden_size, c.intermediate_size), _t, _t, when=_dense),
+    WeightRule(
+        "layers/wq",
+        _P + "self_attn.q_proj.weight",
+        lambda c: (c.num_heads * c.resolved_head_dim, c.hidden_size),
+        *_proj_in(_q),
+    ),
+    WeightRule(
+        "layers/wk",
+        _P + "self_attn.k_proj.weight",
+        lambda c: (c.num_kv_heads * c.resolved_head_dim, c.hidden_size),
+        *_proj_in(_kv),
+    ),
+    WeightRule(
+        "layers/wv",
+        _P + "self_attn.v_proj.weight",
+        lambda c: (c.num_kv_heads * c.resolved_head_dim, c.hidden_size),
+        *_proj_in(_kv),
+    ),
+    WeightRule(
+        "layers/bq",
+        _P + "self_attn.q_proj.bias",
+        lambda c: (c.num_heads * c.resolved_head_dim,),
+        *_bias(_q),
+        when=_qkv_bias,
+    ),
+    WeightRule(
+        "layers/bk",
+        _P + "self_attn.k_proj.bias",
+        lambda c: (c.num_kv_heads * c.resolved_head_dim,),
+        *_bias(_kv),
+        when=_qkv_bias,
+    ),
+    WeightRule(
+        "layers/bv",
+        _P + "self_attn.v_proj.bias",
+        lambda c: (c.num_kv_heads * c.resolved_head_dim,),
+        *_bias(_kv),
+        when=_qkv_bias,
+    ),
+    WeightRule(
+        "layers/q_norm",
+        _P + "self_attn.q_norm.weight",
+        lambda c: (c.resolved_head_dim,),
+        when=_qk_norm,
+    ),
+    WeightRule(
+        "layers/k_norm",
+        _P + "self_attn.k_norm.weight",
+        lambda c: (c.resolved_head_dim,),
+        when=_qk_norm,
+    ),
+    WeightRule(
+        "layers/wo",
+        _P + "self_attn.o_proj.weight",
+        lambda c: (c.hidden_size, c.num_heads * c.resolved_head_dim),
+        _o_to_ours,
+        _o_to_hf,
+    ),
+    WeightRule(
+        "layers/mlp_norm", _P + "post_attention_layernorm.weight", lambda c: (c.hidden_size,)
+    ),
+    WeightRule(
+        "layers/w_gate",
+        _P + "mlp.gate_proj.weight",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _t,
+        _t,
+        when=_dense,
+    ),
+    WeightRule(
+        "layers/w_up",
+        _P + "mlp.up_proj.weight",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _t,
+        _t,
+        when=_dense,
+    ),
+    WeightRule(
+        "layers/w_down",
+        _P + "mlp.down_proj.weight",
+        lambda c: (c.hidden_size, c.intermediate_size),
+        _t,
+        _t,
+        when=_dense,
+    ),
     # mixture of experts: transformers saves (and loads) one tensor per expert
-    WeightRule("layers/router", _P + "mlp.gate.weight",
-               lambda c: (c.num_experts, c.hidden_size), _t, _t, when=_moe),
-    WeightRule("layers/moe_gate", _P + "mlp.experts.{e}.gate_proj.weight",
-               lambda c: (c.moe_intermediate_size, c.hidden_size), _t, _t, when=_moe),
-    WeightRule("layers/moe_up", _P + "mlp.experts.{e}.up_proj.weight",
-               lambda c: (c.moe_intermediate_size, c.hidden_size), _t, _t, when=_moe),
-    WeightRule("layers/moe_down", _P + "mlp.experts.{e}.down_proj.weight",
-               lambda c: (c.hidden_size, c.moe_intermediate_size), _t, _t, when=_moe),
-    WeightRule("layers/shared_gate", _P + "mlp.shared_expert.gate_proj.weight",
-               lambda c: (c.shared_expert_intermediate_size, c.hidden_size), _t, _t,
-               when=_shared),
-    WeightRule("layers/shared_up", _P + "mlp.shared_expert.up_proj.weight",
-               lambda c: (c.shared_expert_intermediate_size, c.hidden_size), _t, _t,
-               when=_shared),
-    WeightRule("layers/shared_down", _P + "mlp.shared_expert.down_proj.weight",
-               lambda c: (c.hidden_size, c.shared_expert_intermediate_size), _t, _t,
-               when=_shared),
-    WeightRule("layers/shared_expert_gate", _P + "mlp.shared_expert_gate.weight",
-               lambda c: (1, c.hidden_size), _flat, _row, when=_shared),
+    WeightRule(
+        "layers/router",
+        _P + "mlp.gate.weight",
+        lambda c: (c.num_experts, c.hidden_size),
+        _t,
+        _t,
+        when=_moe,
+    ),
+    WeightRule(
+        "layers/moe_gate",
+        _P + "mlp.experts.{e}.gate_proj.weight",
+        lambda c: (c.moe_intermediate_size, c.hidden_size),
+        _t,
+        _t,
+        when=_moe,
+    ),
+    WeightRule(
+        "layers/moe_up",
+        _P + "mlp.experts.{e}.up_proj.weight",
+        lambda c: (c.moe_intermediate_size, c.hidden_size),
+        _t,
+        _t,
+        when=_moe,
+    ),
+    WeightRule(
+        "layers/moe_down",
+        _P + "mlp.experts.{e}.down_proj.weight",
+        lambda c: (c.hidden_size, c.moe_intermediate_size),
+        _t,
+        _t,
+        when=_moe,
+    ),
+    WeightRule(
+        "layers/shared_gate",
+        _P + "mlp.shared_expert.gate_proj.weight",
+        lambda c: (c.shared_expert_intermediate_size, c.hidden_size),
+        _t,
+        _t,
+        when=_shared,
+    ),
+    WeightRule(
+        "layers/shared_up",
+        _P + "mlp.shared_expert.up_proj.weight",
+        lambda c: (c.shared_expert_intermediate_size, c.hidden_size),
+        _t,
+        _t,
+        when=_shared,
+    ),
+    WeightRule(
+        "layers/shared_down",
+        _P + "mlp.shared_expert.down_proj.weight",
+        lambda c: (c.hidden_size, c.shared_expert_intermediate_size),
+        _t,
+        _t,
+        when=_shared,
+    ),
+    WeightRule(
+        "layers/shared_expert_gate",
+        _P + "mlp.shared_expert_gate.weight",
+        lambda c: (1, c.hidden_size),
+        _flat,
+        _row,
+        when=_shared,
+    ),
     WeightRule("final_norm", "model.norm.weight", lambda c: (c.hidden_size,)),
-    WeightRule("lm_head", "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _t, _t,
-               when=lambda c: not c.tie_word_embeddings),
-)  # fmt: skip
+    WeightRule(
+        "lm_head",
+        "lm_head.weight",
+        lambda c: (c.vocab_size, c.hidden_size),
+        _t,
+        _t,
+        when=lambda c: not c.tie_word_embeddings,
+    ),
+)
 
 
 def active_rules(cfg: ModelConfig) -> list[WeightRule]:
@@ -220,8 +330,9 @@ def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if kind in (None, "default"):
         return float(theta), None
     if kind != "llama3":
-        raise UnsupportedModelError(f"config.json: rope type {kind!r} is not supported "
-                                    "(supported: default, llama3)")  # fmt: skip
+        raise UnsupportedModelError(
+            f"config.json: rope type {kind!r} is not supported (supported: default, llama3)"
+        )
     return float(theta), scaling
 
 
@@ -237,8 +348,9 @@ def _sliding_window(hf: dict[str, Any], family: str) -> tuple[int | None, int]:
         return None, 0
     if family == "mistral":
         if "layer_types" in hf and any(t != "sliding_attention" for t in hf["layer_types"]):
-            raise UnsupportedModelError("config.json: Mistral with per-layer layer_types is not "
-                                        "supported")  # fmt: skip
+            raise UnsupportedModelError(
+                "config.json: Mistral with per-layer layer_types is not supported"
+            )
         window = hf.get("sliding_window", 4096)  # HF MistralConfig's default
         return (int(window) if window else None), 0
     window = hf.get("sliding_window")
@@ -275,8 +387,9 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"config.json: hidden_act {hf['hidden_act']!r} is not "
-                                    "supported (only silu)")  # fmt: skip
+        raise UnsupportedModelError(
+            f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only silu)"
+        )
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("config.json: mlp_bias=true is not supported")
     theta, scaling = _rope_params(hf)
@@ -322,12 +435,16 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     pretraining) is ignored: RL fine-tuning here adds no auxiliary loss."""
     step = int(hf.get("decoder_sparse_step", 1))
     if step != 1:
-        raise UnsupportedModelError(f"config.json: decoder_sparse_step={step} is not supported "
-                                    "(only 1: every layer is a MoE layer)")  # fmt: skip
+        raise UnsupportedModelError(
+            f"config.json: decoder_sparse_step={step} is not supported "
+            "(only 1: every layer is a MoE layer)"
+        )
     dense = list(hf.get("mlp_only_layers") or [])
     if dense:
-        raise UnsupportedModelError(f"config.json: mlp_only_layers={dense} is not supported "
-                                    "(only []: every layer is a MoE layer)")  # fmt: skip
+        raise UnsupportedModelError(
+            f"config.json: mlp_only_layers={dense} is not supported "
+            "(only []: every layer is a MoE layer)"
+        )
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if not experts:
         raise UnsupportedModelError("config.json: num_experts is missing or 0")

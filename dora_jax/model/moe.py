@@ -69,8 +69,9 @@ def route(
     """``(chosen int32[..., k], weights float32[..., k])`` for tokens ``x [..., D]``.
 
     ``routes`` (int32[..., k]) forces the experts of every token whose row has no ``-1``."""
-    logits = jnp.einsum("...D,DE->...E", x, router.astype(x.dtype),
-                        preferred_element_type=jnp.float32)  # fmt: skip
+    logits = jnp.einsum(
+        "...D,DE->...E", x, router.astype(x.dtype), preferred_element_type=jnp.float32
+    )
     probs = jax.nn.softmax(logits, axis=-1)
     _, chosen = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     chosen = chosen.astype(jnp.int32)
@@ -198,9 +199,12 @@ def moe_mlp(
     B, T, D = x.shape
     chosen, weights = route(lp["router"], x, cfg, routes)
     y = grouped_experts(
-        lp, x.reshape(B * T, D), chosen.reshape(B * T, -1), weights.reshape(B * T, -1),
+        lp,
+        x.reshape(B * T, D),
+        chosen.reshape(B * T, -1),
+        weights.reshape(B * T, -1),
         cfg.num_experts,
-    ).reshape(B, T, D)  # fmt: skip
+    ).reshape(B, T, D)
     if "shared_gate" in lp:
         y = y + shared_expert(lp, x)
     return constrain(y.astype(x.dtype), ("batch", "seq", "embed")), chosen

@@ -129,8 +129,10 @@ class HFTokenizer:
         ids = [self.eos_id]
         for i in extra:
             if not isinstance(i, int) or not 0 <= i < self.vocab_size:
-                raise TokenizerError(f"{gen_path}: eos_token_id {i!r} is not a token id of "
-                                     f"tokenizer.json (vocabulary {self.vocab_size})")  # fmt: skip
+                raise TokenizerError(
+                    f"{gen_path}: eos_token_id {i!r} is not a token id of "
+                    f"tokenizer.json (vocabulary {self.vocab_size})"
+                )
             if i not in ids:
                 ids.append(i)
         return tuple(ids)
@@ -138,8 +140,10 @@ class HFTokenizer:
     def _require_id(self, token: str | None, name: str, where: Path) -> int:
         tid = self._tok.token_to_id(token) if token else None
         if tid is None:
-            raise TokenizerError(f"{where.parent / 'tokenizer_config.json'}: {name} {token!r} "
-                                 "is not a token of tokenizer.json")  # fmt: skip
+            raise TokenizerError(
+                f"{where.parent / 'tokenizer_config.json'}: {name} {token!r} "
+                "is not a token of tokenizer.json"
+            )
         return tid
 
     def encode(self, text: str) -> list[int]:
@@ -257,8 +261,9 @@ def check_vocabularies(tokenizer: Tokenizer, model_vocab_size: int, what: str) -
         )
     bad = [i for i in eos_ids(tokenizer) if not 0 <= i < model_vocab_size]
     if bad:
-        raise TokenizerError(f"EOS id(s) {bad} are outside the model's vocabulary "
-                             f"({model_vocab_size})")  # fmt: skip
+        raise TokenizerError(
+            f"EOS id(s) {bad} are outside the model's vocabulary ({model_vocab_size})"
+        )
     if tokenizer.vocab_size < model_vocab_size:
         return (
             f"the model's vocabulary ({model_vocab_size}) is larger than the {what} tokenizer's "

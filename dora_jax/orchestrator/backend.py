@@ -33,8 +33,15 @@ class BackendError(RuntimeError):
     """A call broke the backend contract (a control-plane bug, never a recoverable condition)."""
 
 
-def check_submit(group: int, requests: list[RequestSpec], free: int, version: int,
-                 max_prompt_len: int, seen: set[int], interrupted: dict) -> None:  # fmt: skip
+def check_submit(
+    group: int,
+    requests: list[RequestSpec],
+    free: int,
+    version: int,
+    max_prompt_len: int,
+    seen: set[int],
+    interrupted: dict,
+) -> None:
     """``submit``'s contract, for the in-memory backends: ``group`` has ``free`` slots and holds
     ``version``; ``seen``: the request ids submitted so far, ``interrupted``: those interrupted."""
     if len(requests) > free:
@@ -52,8 +59,14 @@ def check_submit(group: int, requests: list[RequestSpec], free: int, version: in
             raise BackendError(f"submit: request {rid} was not interrupted")
 
 
-def check_set_version(group: int, version: int, source: Source, held: int, published: int,
-                      version_of: Callable[[int], int]) -> bool:  # fmt: skip
+def check_set_version(
+    group: int,
+    version: int,
+    source: Source,
+    held: int,
+    published: int,
+    version_of: Callable[[int], int],
+) -> bool:
     """``set_version``'s contract for every backend: ``held`` requests on ``group``, the trainer's
     ``published`` version, ``version_of(g)``: what group ``g`` holds. False: a no-op (it holds
     ``version`` already)."""
@@ -63,22 +76,30 @@ def check_set_version(group: int, version: int, source: Source, held: int, publi
         raise BackendError(f"set_version: group {group} still holds {held} request(s)")
     if source == TRAINER:
         if version != published:
-            raise BackendError(f"set_version: the trainer only holds version {published}, "
-                               f"not {version}")  # fmt: skip
+            raise BackendError(
+                f"set_version: the trainer only holds version {published}, not {version}"
+            )
     elif source == group or version_of(source) != version:
         raise BackendError(f"set_version: group {source} does not hold version {version}")
     return True
 
 
-def check_migrate(ids: list[int], src: int, dst: int, version_of: Callable[[int], int],
-                  where: Callable[[int], int | None], free: int | None) -> None:  # fmt: skip
+def check_migrate(
+    ids: list[int],
+    src: int,
+    dst: int,
+    version_of: Callable[[int], int],
+    where: Callable[[int], int | None],
+    free: int | None,
+) -> None:
     """``migrate``'s contract for every backend: ``where(r)``: the group holding request ``r``;
     ``free``: the slots ``dst`` has for them (None: the caller counts them itself)."""
     if src == dst:
         raise BackendError("migrate: src and dst are the same group")
     if version_of(src) != version_of(dst):
-        raise BackendError(f"migrate: group {src} holds v{version_of(src)}, group {dst} "
-                           f"v{version_of(dst)}")  # fmt: skip
+        raise BackendError(
+            f"migrate: group {src} holds v{version_of(src)}, group {dst} v{version_of(dst)}"
+        )
     bad = next((r for r in ids if where(r) != src), None)
     if bad is not None:
         raise BackendError(f"migrate: request {bad} is not on group {src}")

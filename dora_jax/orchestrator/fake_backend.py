@@ -89,9 +89,18 @@ def response_length(cfg: FakeBackendConfig, request_id: int, prompt_group: int) 
 
 class _Req:
     __slots__ = (
-        "rid", "pg", "prompt_len", "target", "generated", "prefill_left", "reprefill_left",
-        "reserve", "ready_at", "versions", "payload",
-    )  # fmt: skip
+        "rid",
+        "pg",
+        "prompt_len",
+        "target",
+        "generated",
+        "prefill_left",
+        "reprefill_left",
+        "reserve",
+        "ready_at",
+        "versions",
+        "payload",
+    )
 
     def __init__(self, spec: RequestSpec, target: int, reserve: int, ready_at: int):
         self.rid, self.pg, self.prompt_len = spec.request_id, spec.prompt_group, spec.prompt_len

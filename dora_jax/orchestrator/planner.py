@@ -441,8 +441,14 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
             if v != s.latest:  # a ready holder first, then one on the receiver's own host
                 host = loads[gid].info.host
                 local = policy.prefer_local
-                source = min(holding, key=lambda i: (
-                    loads[i].info.busy_ticks, local and loads[i].info.host != host, i))  # fmt: skip
+                source = min(
+                    holding,
+                    key=lambda i: (
+                        loads[i].info.busy_ticks,
+                        local and loads[i].info.host != host,
+                        i,
+                    ),
+                )
             transfers.append(WeightTransfer(gid, v, source))
             need -= 1
     if policy.prewarm and (s.latest in work or s.room.get(s.latest)):
@@ -497,8 +503,11 @@ def _rebalance(
     over = sorted((x for x in group_loads if x.kv > level), key=lambda x: -x.kv)
     if not over:
         return
-    heap = [(x.kv, x.info.group, x) for x in group_loads
-            if x.kv <= level and x.free > 0 and not x.info.busy_ticks]  # fmt: skip
+    heap = [
+        (x.kv, x.info.group, x)
+        for x in group_loads
+        if x.kv <= level and x.free > 0 and not x.info.busy_ticks
+    ]
     heapq.heapify(heap)
     for src in over:
         if not heap:

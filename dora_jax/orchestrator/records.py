@@ -45,8 +45,18 @@ from dora_jax.orchestrator.history import HistoryFiles
 from dora_jax.orchestrator.transfer_queue import ConsumedRecord
 
 # the per-event lists a flush writes to records.jsonl (``consumed`` goes to consumed.jsonl)
-HISTORY_KINDS = ("groups", "spans", "cluster", "steps", "plans", "transfers", "migrations",
-                 "discards", "cross_host", "k_log")  # fmt: skip
+HISTORY_KINDS = (
+    "groups",
+    "spans",
+    "cluster",
+    "steps",
+    "plans",
+    "transfers",
+    "migrations",
+    "discards",
+    "cross_host",
+    "k_log",
+)
 
 
 class ClusterTick(NamedTuple):
@@ -184,15 +194,26 @@ class Records:
     def full(self) -> Records:
         """All the records of the run: the history files read back, then what is in memory
         (``self`` when nothing was flushed)."""
-        if not (self._files or self.ticks_flushed or self.consumed_flushed
-                or self.history_offsets != (0, 0)):  # fmt: skip
+        if not (
+            self._files
+            or self.ticks_flushed
+            or self.consumed_flushed
+            or self.history_offsets != (0, 0)
+        ):
             return self
         if self._files is None:
-            raise RuntimeError("these records were written to history files that are not "
-                               "attached: Records.attach(run_dir, resume=True) first")  # fmt: skip
+            raise RuntimeError(
+                "these records were written to history files that are not "
+                "attached: Records.attach(run_dir, resume=True) first"
+            )
         flushes, consumed = self._files.read()
-        out = replace(self, **{k: [] for k in (*HISTORY_KINDS, "consumed")},
-                      ticks_flushed=0, consumed_flushed=0, history_offsets=(0, 0))  # fmt: skip
+        out = replace(
+            self,
+            **{k: [] for k in (*HISTORY_KINDS, "consumed")},
+            ticks_flushed=0,
+            consumed_flushed=0,
+            history_offsets=(0, 0),
+        )
         for rows in flushes:
             for k, items in rows.items():
                 getattr(out, k).extend(_decode(k, items))
@@ -327,8 +348,11 @@ class Records:
         way: what those steps consumed, staleness, data movement and plans before ``end``."""
         steps_in = [s for s in self.steps if s.end <= end]
         last = steps_in[-1].version if steps_in else None
-        consumed = [c for c in self.consumed if c.tick < end and last is not None
-                    and c.trainer_version < last]  # fmt: skip
+        consumed = [
+            c
+            for c in self.consumed
+            if c.tick < end and last is not None and c.trainer_version < last
+        ]
         plans = [p for p in self.plans if p.tick < end]
         st = [c.staleness for c in consumed]
         moves = [m for m in self.cross_host if m[0] < end]

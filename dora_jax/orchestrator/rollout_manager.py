@@ -32,8 +32,12 @@ from dora_jax.orchestrator.transfer_queue import ReadyGroup, TransferQueue
 from dora_jax.orchestrator.versions import VersionWindow
 
 PENDING, RUNNING, FINISHED, CONSUMED, DISCARDED = (
-    "pending", "running", "finished", "consumed", "discarded",
-)  # fmt: skip
+    "pending",
+    "running",
+    "finished",
+    "consumed",
+    "discarded",
+)
 _ALLOWED = {
     PENDING: {RUNNING, DISCARDED},
     RUNNING: {FINISHED, PENDING, DISCARDED},
@@ -122,8 +126,9 @@ class RolloutManager:
         for rid in done:
             del self.status[rid]
         self.consumed += len(done)
-        for pg in [pg for pg, ids in self._pg_members.items()
-                   if all(rid not in self.status for rid in ids)]:  # fmt: skip
+        for pg in [
+            pg for pg, ids in self._pg_members.items() if all(rid not in self.status for rid in ids)
+        ]:
             del self._pg_members[pg]
             self._started.discard(pg)
 
@@ -193,8 +198,11 @@ class RolloutManager:
         q = self.pending.setdefault(version, deque())
         for p in reversed(partials):
             self._move(p.request_id, PENDING)
-            q.appendleft(RequestSpec(p.request_id, p.prompt_group, version, p.prompt_len,
-                                     p.payload, resume=p))  # fmt: skip
+            q.appendleft(
+                RequestSpec(
+                    p.request_id, p.prompt_group, version, p.prompt_len, p.payload, resume=p
+                )
+            )
 
     def upgrade_unstarted(self, version: int) -> int:
         """Re-tag prompt groups none of whose requests has started to the newer ``version``; returns
@@ -236,8 +244,9 @@ class RolloutManager:
         for version, q in self.pending.items():
             if not q:
                 continue
-            heap = [(-g.free_slots, g.group) for g in infos
-                    if g.version == version and g.free_slots]  # fmt: skip
+            heap = [
+                (-g.free_slots, g.group) for g in infos if g.version == version and g.free_slots
+            ]
             if not heap:
                 continue
             heapq.heapify(heap)
@@ -278,9 +287,11 @@ class RolloutManager:
         returns the number of requests discarded."""
         drop = set(prompt_groups)
         running = [
-            rid for pg in prompt_groups for rid in self._pg_members[pg]
+            rid
+            for pg in prompt_groups
+            for rid in self._pg_members[pg]
             if self.status[rid] == RUNNING
-        ]  # fmt: skip
+        ]
         if running:
             backend.interrupt(running, discard=True)
         for v, q in self.pending.items():

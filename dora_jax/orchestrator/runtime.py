@@ -171,10 +171,15 @@ class Runtime:
         """Step the backend; finished requests to the transfer queue (those of discarded prompt
         groups that ended while being interrupted are dropped); the round's record."""
         cluster = ClusterTick(
-            self.tick_index, self.manager.pending_count(), self.manager.in_flight,
-            self.queue.num_ready, self._train is not None, self.window.latest,
-            self.window.num_live(), t,
-        )  # fmt: skip
+            self.tick_index,
+            self.manager.pending_count(),
+            self.manager.in_flight,
+            self.queue.num_ready,
+            self._train is not None,
+            self.window.latest,
+            self.window.num_live(),
+            t,
+        )
         events = self.backend.step()
         t = cluster.time if self.clock.kind == "wall" else cluster.tick
         self.engine_steps += sum(g.activity in ("prefill", "decode") for g in events.groups)
@@ -277,8 +282,11 @@ class Runtime:
         """Every group that holds no request, and whose version no pending request needs,
         switches to the newest version; returns the groups as they are now."""
         latest, host = self.window.latest, {g.group: g.host for g in infos}
-        empty = [g.group for g in infos if g.version != latest and not g.requests
-                 and not self.manager.pending_count(g.version)]  # fmt: skip
+        empty = [
+            g.group
+            for g in infos
+            if g.version != latest and not g.requests and not self.manager.pending_count(g.version)
+        ]
         for group in empty:
             self.send_weights(t, group, latest, TRAINER, host)
         return self.backend.groups() if empty else infos
@@ -348,8 +356,9 @@ class Runtime:
         if isinstance(self.trainer, TickedTrainer):
             self.trainer._job = state["train_job"]
         elif self._train is not None:
-            raise ValueError("the saved state has a train step running, which only a logical "
-                             "run can continue")  # fmt: skip
+            raise ValueError(
+                "the saved state has a train step running, which only a logical run can continue"
+            )
         self.window.load_state_dict(state["window"])
         # a resume may change the mode, K or batch sizes: the bound is this run's K (an adaptive
         # K keeps the saved one within it); resume.check_restored refuses a K the groups in
@@ -430,8 +439,7 @@ class Runtime:
         return self.records.attach(run_dir, resume=resume)
 
     def _progress(self) -> tuple[int, int, int]:
-        return (self.steps_done, self.records.consumed_count,
-                self.manager.dispatched_prompt_groups)  # fmt: skip
+        return (self.steps_done, self.records.consumed_count, self.manager.dispatched_prompt_groups)
 
     def _guard(self, max_ticks: int, stall_s: float, last_change: float) -> None:
         wall = self.clock.kind == "wall"

@@ -127,7 +127,7 @@ class TransferQueue:
                         t.version_span,
                         tick,
                         t.prompt_len,
-                    )  # fmt: skip
+                    )
                 )
         return groups
 

@@ -158,8 +158,14 @@ class VersionWindow:
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"first": self.first, "latest": self.latest, "training": self.training,
-                "open": dict(self._open), "k": self.k, "target_k": self.target_k}  # fmt: skip
+        return {
+            "first": self.first,
+            "latest": self.latest,
+            "training": self.training,
+            "open": dict(self._open),
+            "k": self.k,
+            "target_k": self.target_k,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.first, self.latest = state["first"], state["latest"]

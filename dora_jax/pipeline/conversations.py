@@ -104,8 +104,10 @@ class EnvPrompts:
         skip: bool = False,
     ):
         if max_prompt_len < 1 or max_new_tokens < 1:
-            raise ValueError(f"need max_prompt_len and max_new_tokens >= 1, got {max_prompt_len}, "
-                             f"{max_new_tokens}")  # fmt: skip
+            raise ValueError(
+                f"need max_prompt_len and max_new_tokens >= 1, got {max_prompt_len}, "
+                f"{max_new_tokens}"
+            )
         self.pool, self.renderer, self.limits = pool, TurnRenderer(tokenizer), limits
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.seed, self.skip = int(seed), skip
@@ -224,11 +226,12 @@ class EnvTurnDriver:
             try:
                 ids = tuple(int(t) for t in tokenizer.encode(text))
             except TokenizerError as e:
-                raise ValueError(f"env: {pool.spec}: the stop string {text!r} cannot be encoded "
-                                 f"by the tokenizer: {e}") from None  # fmt: skip
+                raise ValueError(
+                    f"env: {pool.spec}: the stop string {text!r} cannot be encoded "
+                    f"by the tokenizer: {e}"
+                ) from None
             if not ids:
-                raise ValueError(f"env: {pool.spec}: the stop string {text!r} encodes to no "
-                                 "tokens")  # fmt: skip
+                raise ValueError(f"env: {pool.spec}: the stop string {text!r} encodes to no tokens")
             stops.append(ids)
         self.stop_sequences: tuple[tuple[int, ...], ...] = tuple(stops)
         self._live: dict[int, _Live] = {}
@@ -252,8 +255,10 @@ class EnvTurnDriver:
     def begin(self, request_id: int, payload: PromptPayload) -> None:
         c = payload.conversation
         if c is None:
-            raise ValueError(f"request {request_id}: its payload has no conversation (a "
-                             "single-turn prompt given to the turn driver)")  # fmt: skip
+            raise ValueError(
+                f"request {request_id}: its payload has no conversation (a "
+                "single-turn prompt given to the turn driver)"
+            )
         if request_id in self._live:
             raise ValueError(f"request {request_id} already has a conversation")
         prompt = [int(t) for t in payload.tokens]
@@ -271,8 +276,10 @@ class EnvTurnDriver:
                 "with the same tokenizer)"
             )
         if conv.done:
-            raise ValueError(f"request {request_id}: its prompt of {len(prompt)} tokens leaves no "
-                             f"room in its token limit of {limits.max_tokens}")  # fmt: skip
+            raise ValueError(
+                f"request {request_id}: its prompt of {len(prompt)} tokens leaves no "
+                f"room in its token limit of {limits.max_tokens}"
+            )
         episode = self.pool.adopt(c["episode"])
         self._live[request_id] = _Live(conv, episode, limits.max_tokens)
 
@@ -281,17 +288,21 @@ class EnvTurnDriver:
     ) -> None:
         live = self._live.get(request_id)
         if live is None:
-            raise ValueError(f"request {request_id} has no conversation (not begun, dropped or "
-                             "over)")  # fmt: skip
+            raise ValueError(
+                f"request {request_id} has no conversation (not begun, dropped or over)"
+            )
         conv = live.conv
         if conv.awaiting != "model":
             why = "it is over" if conv.done else "its environment call runs"
-            raise ValueError(f"request {request_id}: the conversation is not waiting for a model "
-                             f"turn ({why})")  # fmt: skip
+            raise ValueError(
+                f"request {request_id}: the conversation is not waiting for a model turn ({why})"
+            )
         if len(tokens) != len(logprobs) or not 0 <= turn_start < len(tokens):
-            raise ValueError(f"request {request_id}: a turn needs one logprob per token and at "
-                             f"least one token, got {len(tokens)} tokens, {len(logprobs)} "
-                             f"logprobs and turn_start {turn_start}")  # fmt: skip
+            raise ValueError(
+                f"request {request_id}: a turn needs one logprob per token and at "
+                f"least one token, got {len(tokens)} tokens, {len(logprobs)} "
+                f"logprobs and turn_start {turn_start}"
+            )
         so_far = conv.ids[conv.prompt_len :]
         before = [int(t) for t in tokens[:turn_start]]
         if before != so_far:
@@ -303,8 +314,9 @@ class EnvTurnDriver:
                 f"{at}): the engine and the conversation have drifted apart"
             )
         ids = [int(t) for t in tokens[turn_start:]]
-        text = conv.add_model_turn(ids, [float(x) for x in logprobs[turn_start:]],
-                                   over_budget="end")  # fmt: skip
+        text = conv.add_model_turn(
+            ids, [float(x) for x in logprobs[turn_start:]], over_budget="end"
+        )
         self._turns += 1
         if not conv.done:  # else over its budget: ended max_tokens, no call
             live.before = self.pool.episode_state(live.episode)
@@ -359,13 +371,15 @@ class EnvTurnDriver:
                 episode = None
             else:
                 episode = self.pool.episode_state(live.episode)
-            conversations.append({
-                "request": rid,
-                "conversation": live.conv.state_dict(),
-                "max_tokens": live.max_tokens,
-                "episode": episode,
-                "action": live.action,
-            })  # fmt: skip
+            conversations.append(
+                {
+                    "request": rid,
+                    "conversation": live.conv.state_dict(),
+                    "max_tokens": live.max_tokens,
+                    "episode": episode,
+                    "action": live.action,
+                }
+            )
         failures = self._failures_base + self.pool.errors
         return {
             "conversations": conversations,
@@ -381,8 +395,10 @@ class EnvTurnDriver:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._live:
-            raise ValueError(f"load_state_dict needs a driver without conversations, this one "
-                             f"has {len(self._live)}")  # fmt: skip
+            raise ValueError(
+                f"load_state_dict needs a driver without conversations, this one "
+                f"has {len(self._live)}"
+            )
         for item in state["conversations"]:
             rid = int(item["request"])
             limits = dataclasses.replace(self.limits, max_tokens=int(item["max_tokens"]))
@@ -495,8 +511,15 @@ def build_env(
     pool = EnvPool(resolve_spec(env.spec), env.kwargs, env.workers, env.timeout_s, **extra)
     try:
         driver = EnvTurnDriver(pool, tokenizer, limits, env.reward)
-        prompts = EnvPrompts(pool, tokenizer, limits, max_prompt_len, max_new_tokens, cfg.seed,
-                             skip=cfg.data.long_prompts == "skip")  # fmt: skip
+        prompts = EnvPrompts(
+            pool,
+            tokenizer,
+            limits,
+            max_prompt_len,
+            max_new_tokens,
+            cfg.seed,
+            skip=cfg.data.long_prompts == "skip",
+        )
     except BaseException:
         pool.close()
         raise
@@ -561,7 +584,14 @@ def held_out_episodes(
     """``eval.num_prompts`` held-out episodes of ``seed`` (their first observations, reset once
     through the run's pool) and a turn driver of their own, for the held-out evaluation."""
     r = cfg.rollout
-    prompts = EnvPrompts(run.pool, tokenizer, run.limits, r.max_prompt_len, r.max_new_tokens, seed,
-                         skip=cfg.data.long_prompts == "skip")  # fmt: skip
+    prompts = EnvPrompts(
+        run.pool,
+        tokenizer,
+        run.limits,
+        r.max_prompt_len,
+        r.max_new_tokens,
+        seed,
+        skip=cfg.data.long_prompts == "skip",
+    )
     payloads = [prompts.next_prompt().payload for _ in range(cfg.eval.num_prompts)]
     return payloads, EnvTurnDriver(run.pool, tokenizer, run.limits, cfg.env.reward)

@@ -66,8 +66,14 @@ class EvalResult:
     def from_metrics(cls, step: int, m: dict[str, float]) -> EvalResult:
         """The inverse of :meth:`metrics` (a line of ``eval.jsonl``)."""
         at_k = {k[len("eval/") :]: v for k, v in m.items() if "@" in k}
-        return cls(step, m["eval/reward"], m["eval/solved"], m["eval/response_len"],
-                   m["eval/seconds"], at_k)  # fmt: skip
+        return cls(
+            step,
+            m["eval/reward"],
+            m["eval/solved"],
+            m["eval/response_len"],
+            m["eval/seconds"],
+            at_k,
+        )
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -197,9 +203,15 @@ class Evaluator:
         requests = []
         for j in range(self.k):
             for i, payload in enumerate(self.payloads):
-                r = Request(j * n + i, list(payload.tokens), step, self._key(i, j),
-                            payload.max_new_tokens or self.max_new_tokens, multi_turn=True,
-                            stop_seqs=driver.stop_sequences)  # fmt: skip
+                r = Request(
+                    j * n + i,
+                    list(payload.tokens),
+                    step,
+                    self._key(i, j),
+                    payload.max_new_tokens or self.max_new_tokens,
+                    multi_turn=True,
+                    stop_seqs=driver.stop_sequences,
+                )
                 driver.begin(r.id, payload)
                 requests.append(r)
         self.engine.submit(requests)

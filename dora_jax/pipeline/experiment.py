@@ -286,19 +286,28 @@ def build(
     warmed: Params | None = None
     if warm:
         # The built-in task's warm start is small: it runs on one device (then is sharded).
-        one = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]),
-                           abstract_params(cfg.model))  # fmt: skip
+        one = jax.tree.map(
+            lambda _: SingleDeviceSharding(jax.local_devices()[0]), abstract_params(cfg.model)
+        )
         start = jax.device_get(policy_params(cfg.model, cfg.seed, one, cfg.model.hf_path))
-        warmed, losses = warm_start(start, cfg.model, cfg.warm_start, example, tokenizer,
-                                    cache_dir=warm_dir, cache_key=warm_key,
-                                    on_step=on_warm_step)  # fmt: skip
+        warmed, losses = warm_start(
+            start,
+            cfg.model,
+            cfg.warm_start,
+            example,
+            tokenizer,
+            cache_dir=warm_dir,
+            cache_key=warm_key,
+            on_step=on_warm_step,
+        )
     # Every trainer process builds its shards from the same source (the warm start is read back
     # from its cache directory by all of them); one process takes the warm start as it is.
     spanning = cluster is not None and len(processes(meshes.trainer)) > 1
     start_from = {"hf": str(warm_dir) if warmed is not None and spanning else cfg.model.hf_path}
     broadcast = cluster.trainer_broadcast(meshes.trainer) if spanning else None
-    trainer = SpmdTrainer.start(cfg, meshes.trainer, start_from, broadcast,
-                                params=None if spanning else warmed)  # fmt: skip
+    trainer = SpmdTrainer.start(
+        cfg, meshes.trainer, start_from, broadcast, params=None if spanning else warmed
+    )
     del warmed  # version 0 lives on as the trainer's export (engines alias it)
     trainer.adopt_compiled(plan.train_step, *plan.train_bucket)
     if _compiles_ahead(cfg, spanning=spanning):
@@ -339,10 +348,21 @@ def build(
     runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
     return Experiment(
-        cfg, meshes, tokenizer, reward, source, grpo, backend, runtime, losses,
-        evaluator=evaluator, memory_plan=plan, prompts=prompts, long_prompt_lines=long_skipped,
+        cfg,
+        meshes,
+        tokenizer,
+        reward,
+        source,
+        grpo,
+        backend,
+        runtime,
+        losses,
+        evaluator=evaluator,
+        memory_plan=plan,
+        prompts=prompts,
+        long_prompt_lines=long_skipped,
         env=env,
-    )  # fmt: skip
+    )
 
 
 def _compiles_ahead(cfg: ExperimentConfig, spanning: bool) -> bool:
@@ -351,8 +371,11 @@ def _compiles_ahead(cfg: ExperimentConfig, spanning: bool) -> bool:
     line."""
     mode = cfg.train.compile_shapes
     if mode == "background" and spanning:
-        raise ConfigError("train.compile_shapes", "'background' needs the trainer in one process "
-                          "(this trainer mesh spans several); use 'auto' or 'inline'")  # fmt: skip
+        raise ConfigError(
+            "train.compile_shapes",
+            "'background' needs the trainer in one process "
+            "(this trainer mesh spans several); use 'auto' or 'inline'",
+        )
     if mode == "auto":
         return cfg.orchestrator.clock == "wall" and not spanning
     return mode == "background"
@@ -401,16 +424,21 @@ def _cluster(
 
     cluster = Cluster(process)
     if process.index not in processes(meshes.trainer):
-        raise ProcessError("the trainer mesh must include process 0's devices (process 0 leads "
-                           "the train steps): check mesh.trainer.devices")  # fmt: skip
+        raise ProcessError(
+            "the trainer mesh must include process 0's devices (process 0 leads "
+            "the train steps): check mesh.trainer.devices"
+        )
     r = cfg.mesh.rollout
     staging: list = []
 
     def stage_shardings():  # the group layout on process 0's devices, for weights going out
         if not staging:
             mesh = make_mesh(jax.local_devices()[: r.group_size], 1, r.tp, r.expert)
-            staging.append(tree_shardings(param_axes(cfg.model), abstract_params(cfg.model),
-                                          rollout_rules(), mesh))  # fmt: skip
+            staging.append(
+                tree_shardings(
+                    param_axes(cfg.model), abstract_params(cfg.model), rollout_rules(), mesh
+                )
+            )
         return staging[0]
 
     cluster.connect(bus.post, clock.now, stage_shardings)
@@ -449,9 +477,11 @@ def run(
     t0 = time.perf_counter()
     try:
         result = rt.run(
-            num_steps, max_ticks=max_ticks, stall_s=exp.cfg.orchestrator.stall_s,
+            num_steps,
+            max_ticks=max_ticks,
+            stall_s=exp.cfg.orchestrator.stall_s,
             should_stop=should_stop,
-        )  # fmt: skip
+        )
     finally:
         rt.observers = []
         exp.wall_s += time.perf_counter() - t0

@@ -191,9 +191,11 @@ class GRPOTrainer:
             undecodable(self.tokenizer, response_ids(self.tokenizer, c.tokens)) for _, c in found
         )
         scored = [(rid, c) for rid, c in found if c.env_reward is None]
-        outcomes = iter(self.scorer.score_many(
-            [self.item(c) for _, c in scored], keys=[rid for rid, _ in scored]
-        ))  # fmt: skip
+        outcomes = iter(
+            self.scorer.score_many(
+                [self.item(c) for _, c in scored], keys=[rid for rid, _ in scored]
+            )
+        )
         extra: dict[str, list[float]] = {}
         for rg in batch:
             for t in rg.trajectories:
@@ -232,9 +234,11 @@ class GRPOTrainer:
         fallbacks = getattr(self.trainer, "fallback_batches", 0)
         trainer_version = self.version  # (waits for the previous step on the device)
         packed = self.trainer.pack(
-            trajectories, num_groups=len(batch), version=trainer_version,
+            trajectories,
+            num_groups=len(batch),
+            version=trainer_version,
             allow_nonfinite_logprobs=True,
-        )  # fmt: skip
+        )
         t0 = time.perf_counter()
         metrics = self.trainer.step(packed)
         # the step's own seconds. Waiting for it keeps the host from dispatching further work
@@ -247,8 +251,11 @@ class GRPOTrainer:
         # fallback_shape 1: run in a bigger compiled shape while its own compiled
         # (train.compile_shapes)
         fallback = getattr(self.trainer, "fallback_batches", 0) - fallbacks
-        timing = {"train_step_s": seconds, "real_tokens_per_s": real / max(seconds, 1e-9),
-                  "fallback_shape": float(fallback)}  # fmt: skip
+        timing = {
+            "train_step_s": seconds,
+            "real_tokens_per_s": real / max(seconds, 1e-9),
+            "fallback_shape": float(fallback),
+        }
         metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
         faults.point("train_step")
         version = self.version
@@ -261,8 +268,9 @@ class GRPOTrainer:
     def step_logs(self, start: int) -> list[StepLog]:
         """The step logs from the ``start``-th on (0: the run's first step)."""
         if start < self.log_start:
-            raise IndexError(f"step log {start} was trimmed (the logs from {self.log_start} on "
-                             "are kept)")  # fmt: skip
+            raise IndexError(
+                f"step log {start} was trimmed (the logs from {self.log_start} on are kept)"
+            )
         return self.log[start - self.log_start :]
 
     def trim_log(self, version: int) -> None:

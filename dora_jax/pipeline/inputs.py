@@ -29,9 +29,12 @@ class ExperimentError(ValueError):
 
 
 def fitting(
-    examples: list[Example], encode: Callable[[object], list[int]], cfg: ExperimentConfig,
-    path: str, setting: str,
-) -> tuple[list[Example], list[int]]:  # fmt: skip
+    examples: list[Example],
+    encode: Callable[[object], list[int]],
+    cfg: ExperimentConfig,
+    path: str,
+    setting: str,
+) -> tuple[list[Example], list[int]]:
     """The examples whose prompt fits ``rollout.max_prompt_len`` once tokenised as the run
     tokenises it (``data.system_prompt``, ``data.prompt_template``, the chat template), and the
     rows (JSONL lines) of those that do not. With ``data.long_prompts=error`` the first that does
@@ -47,8 +50,14 @@ def fitting(
             kept.append(ex)
             continue
         if d.long_prompts == "error":
-            extra = [f for f, v in (("data.system_prompt", d.system_prompt),
-                     ("data.prompt_template", d.prompt_template != "{prompt}")) if v]  # fmt: skip
+            extra = [
+                f
+                for f, v in (
+                    ("data.system_prompt", d.system_prompt),
+                    ("data.prompt_template", d.prompt_template != "{prompt}"),
+                )
+                if v
+            ]
             with_ = f" with {' and '.join(extra)}" if extra else ""
             raise DataError(
                 f"{path}:{ex.row}: the prompt has {n} tokens{with_}; rollout.max_prompt_len is "

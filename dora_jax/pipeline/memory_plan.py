@@ -145,8 +145,11 @@ class MemoryPlan:
         }
 
     def table(self) -> str:
-        rule = ("summed (wall clock: the trainer and every group step at once)" if self.concurrent
-                else "the largest counts (logical clock: one step at a time)")  # fmt: skip
+        rule = (
+            "summed (wall clock: the trainer and every group step at once)"
+            if self.concurrent
+            else "the largest counts (logical clock: one step at a time)"
+        )
         lines = [f"memory plan (GiB per device; transients: {rule}):"]
         for d in self.devices():
             mine = [i for i in self.items if i.device == d]
@@ -240,14 +243,20 @@ def _advice(plan: MemoryPlan, devs: list[int], *more: str) -> str:
         elif w.startswith("engine step"):
             out.append("lower rollout.max_slots or rollout.prefill_chunk")
         elif w.startswith("optimizer") or w.startswith("train params"):
-            out.append("train.fp32_master_weights=false, or shard the trainer wider "
-                       "(mesh.trainer.model, mesh.trainer.fsdp)")  # fmt: skip
+            out.append(
+                "train.fp32_master_weights=false, or shard the trainer wider "
+                "(mesh.trainer.model, mesh.trainer.fsdp)"
+            )
         elif w.startswith("exports") or w.startswith("engine params"):
-            out.append("lower orchestrator.staleness_k (fewer live versions) or give the "
-                       "rollout groups their own devices")  # fmt: skip
+            out.append(
+                "lower orchestrator.staleness_k (fewer live versions) or give the "
+                "rollout groups their own devices"
+            )
         elif w.startswith("evaluator"):
-            out.append("lower eval.num_prompts or eval.samples_per_prompt (or num_prompts 0: "
-                       "no held-out evaluation)")  # fmt: skip
+            out.append(
+                "lower eval.num_prompts or eval.samples_per_prompt (or num_prompts 0: "
+                "no held-out evaluation)"
+            )
     if plan.shared:
         out.append("or free memory on the host (the plan takes what it has available now)")
     fixes = list(dict.fromkeys(out)) or ["use a larger device or fewer devices' worth of work"]
@@ -367,8 +376,9 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
         whole = sum(size(a) for a in jax.tree.leaves(p_abs))
         largest = max(size(a) for a in jax.tree.leaves(state))
         for d in _mesh_ids(tmesh):
-            items.append(Item(d, "a tensor gathered from every process (the largest)", largest,
-                              TRANSIENT))  # fmt: skip
+            items.append(
+                Item(d, "a tensor gathered from every process (the largest)", largest, TRANSIENT)
+            )
     if exports_in_group_layout():
         # version 0 in the trainer's layout (a spanning trainer's: whole on process 0's first
         # trainer device), every later one in the groups' layout on process 0's first tp
@@ -380,12 +390,23 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
         for d, n in first.items():
             items.append(Item(d, f"exports (version 0, {n / GiB:.2f} GiB)", n))
         for d, n in _per_device(p_abs, e_sh).items():
-            items.append(Item(d, f"exports ({live} live versions x {n / GiB:.2f} GiB, the "
-                              "groups' layout for the other processes)", live * n))  # fmt: skip
+            items.append(
+                Item(
+                    d,
+                    f"exports ({live} live versions x {n / GiB:.2f} GiB, the "
+                    "groups' layout for the other processes)",
+                    live * n,
+                )
+            )
     elif spanning:
-        items.append(Item(_mesh_ids(tmesh)[0], f"exports ({live} live versions x "
-                          f"{whole / GiB:.2f} GiB, whole, on process 0's first trainer device)",
-                          live * whole))  # fmt: skip
+        items.append(
+            Item(
+                _mesh_ids(tmesh)[0],
+                f"exports ({live} live versions x "
+                f"{whole / GiB:.2f} GiB, whole, on process 0's first trainer device)",
+                live * whole,
+            )
+        )
     else:
         for d, n in export.items():
             items.append(Item(d, f"exports ({live} live versions x {n / GiB:.2f} GiB)", live * n))
@@ -404,11 +425,14 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
             aliased.append(d)
             continue
         copies = min(n_groups, live)
-        items.append(Item(d, f"engine params ({copies} version(s) x {per / GiB:.2f} GiB)",
-                          copies * per))  # fmt: skip
+        items.append(
+            Item(d, f"engine params ({copies} version(s) x {per / GiB:.2f} GiB)", copies * per)
+        )
     if aliased:
-        notes.append(f"engines on device(s) {aliased} share the trainer's exports (same "
-                     "devices and layout: no copy)")  # fmt: skip
+        notes.append(
+            f"engines on device(s) {aliased} share the trainer's exports (same "
+            "devices and layout: no copy)"
+        )
 
     # rollout step temporaries: one engine at a time per device, or (wall clock) every engine of
     # the device at once, each stepping on its own worker thread
@@ -421,8 +445,9 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     for d, n_groups in per_device_groups.items():
         n = n_groups if concurrent else 1
         at_once = f", {n} engines at once" if n > 1 else ""
-        items.append(Item(d, f"engine step temporaries (prefill/decode{at_once})", n * eng_tmp,
-                          TRANSIENT))  # fmt: skip
+        items.append(
+            Item(d, f"engine step temporaries (prefill/decode{at_once})", n * eng_tmp, TRANSIENT)
+        )
 
     # train step temporaries at the longest bucket a batch can need
     S = o.train_batch_prompts * t.group_size
@@ -440,10 +465,19 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     batch_bytes = max(ma.argument_size_in_bytes - state_bytes[min(trainer_ids)], 0)
     step = ma.temp_size_in_bytes + batch_bytes
     for d in trainer_ids:
-        items.append(Item(d, f"train step temporaries ({rows} rows x {T} tokens, "
-                             + (f"microbatches of {t.microbatch_tokens} tokens per device)"
-                                if t.microbatch_tokens else
-                                f"{t.microbatches} microbatch(es))"), step, TRANSIENT))  # fmt: skip
+        items.append(
+            Item(
+                d,
+                f"train step temporaries ({rows} rows x {T} tokens, "
+                + (
+                    f"microbatches of {t.microbatch_tokens} tokens per device)"
+                    if t.microbatch_tokens
+                    else f"{t.microbatches} microbatch(es))"
+                ),
+                step,
+                TRANSIENT,
+            )
+        )
 
     # evaluator: one engine on the first trainer device
     ev = _mesh_ids(tmesh)[0]
@@ -454,28 +488,52 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
         if t_layout != (1, 1, 1):
             per = sum(math.prod(a.shape) for a in jax.tree.leaves(p_abs)) * model_bytes
             items.append(Item(ev, "evaluator params (one full copy)", per))
-        items.append(Item(ev, f"evaluator KV ({eval_pages} pages)",
-                          eval_pages * _page_bytes(cfg, 1)))  # fmt: skip
+        items.append(
+            Item(ev, f"evaluator KV ({eval_pages} pages)", eval_pages * _page_bytes(cfg, 1))
+        )
 
     # KV caches
     page = _page_bytes(cfg, cfg.mesh.rollout.tp)
-    plan = MemoryPlan(items, limit, cfg.mesh.memory_utilization, limit_source, 0, False, (rows, T),
-                      notes, compiled, concurrent, shared)  # fmt: skip
+    plan = MemoryPlan(
+        items,
+        limit,
+        cfg.mesh.memory_utilization,
+        limit_source,
+        0,
+        False,
+        (rows, T),
+        notes,
+        compiled,
+        concurrent,
+        shared,
+    )
     if r.num_pages is None:
         plan.num_pages, plan.pages_sized = _size_pages(plan, per_device_groups, page, cfg), True
     else:
         plan.num_pages = r.num_pages
     for d, n_groups in per_device_groups.items():
-        items.append(Item(d, f"KV caches ({n_groups} engine(s) x {plan.num_pages} pages)",
-                          n_groups * plan.num_pages * page))  # fmt: skip
+        items.append(
+            Item(
+                d,
+                f"KV caches ({n_groups} engine(s) x {plan.num_pages} pages)",
+                n_groups * plan.num_pages * page,
+            )
+        )
     return plan
 
 
 @functools.lru_cache(maxsize=8)
 def compiled_train_step(m, t, mesh: Mesh, mesh_cfg, num_samples: int, rows: int, seq_len: int):
     """:func:`lower_train_step` compiled (cached per process: the same config compiles once)."""
-    low = lower_train_step(m, t, mesh, num_samples=num_samples, rows=rows, seq_len=seq_len,
-                           rules=trainer_rules(mesh_cfg))  # fmt: skip
+    low = lower_train_step(
+        m,
+        t,
+        mesh,
+        num_samples=num_samples,
+        rows=rows,
+        seq_len=seq_len,
+        rules=trainer_rules(mesh_cfg),
+    )
     return low.compile()
 
 

@@ -88,21 +88,32 @@ class MetricsLog:
         scorer = self.exp.reward
         errors = {f"reward_errors/{k}": v for k, v in scorer.error_counts().items()}
         # the reward function's extra metrics; a multi-turn run's per-trajectory means (env/...)
-        extra = {(k if k.startswith("env/") else f"reward/{k}"): v
-                 for k, v in log.reward_metrics.items()}  # fmt: skip
+        extra = {
+            (k if k.startswith("env/") else f"reward/{k}"): v for k, v in log.reward_metrics.items()
+        }
         if self.exp.env is not None:  # cumulative: failures by kind, conversations, turns
             extra |= self.exp.env.figures()  # and the conversations waiting on it now
             extra["env/waiting_requests"] = float(self.exp.backend.waiting_requests())
         self.writer.write(
             log.version,
-            {**m, "reward": reward, "solved": solved, "elapsed_s": elapsed,
-             "reward_errors": scorer.errors, **errors, **extra, **log.timing},
-        )  # fmt: skip
+            {
+                **m,
+                "reward": reward,
+                "solved": solved,
+                "elapsed_s": elapsed,
+                "reward_errors": scorer.errors,
+                **errors,
+                **extra,
+                **log.timing,
+            },
+        )
         self.bar.update(1)
         self.bar.set_postfix(
-            reward=f"{reward:.2f}", solved=f"{solved:.2f}", stale=f"{m['staleness_mean']:.1f}",
+            reward=f"{reward:.2f}",
+            solved=f"{solved:.2f}",
+            stale=f"{m['staleness_mean']:.1f}",
             tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}",
-        )  # fmt: skip
+        )
         if self.bar.disable and log.version % self.cfg.logging.every_steps == 0:
             print(
                 f"step {log.version}: reward {reward:.3f} solved {solved:.2f} "

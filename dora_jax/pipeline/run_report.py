@@ -21,9 +21,14 @@ CLOSE_UP_TICKS = 300  # the close-up timeline's extent (ticks; on the wall clock
 
 
 def write_run_report(
-    exp: Experiment, result: RunResult, evals: HeldOutEval, run_dir: Path, wall_s: float,
-    warm_start_s: float, health=None,
-) -> None:  # fmt: skip
+    exp: Experiment,
+    result: RunResult,
+    evals: HeldOutEval,
+    run_dir: Path,
+    wall_s: float,
+    warm_start_s: float,
+    health=None,
+) -> None:
     """Plots and summary files in ``run_dir``; prints the run's figures. ``health`` (a
     :class:`~dora_jax.pipeline.health.RunHealth`) adds the skipped steps and policy warnings."""
     cfg, o = exp.cfg, exp.cfg.orchestrator
@@ -39,9 +44,10 @@ def write_run_report(
     what = f"the first {close_up:.1f} s" if wall else f"the first {CLOSE_UP_TICKS} ticks"
     plot_timeline(head(rec, close_up), run_dir / "timeline_start.png", title=f"{o.mode}: {what}")
     reward_curve_plot(
-        {"reward": rewards, "solved (exact answer)": solved}, run_dir / "reward.png",
+        {"reward": rewards, "solved (exact answer)": solved},
+        run_dir / "reward.png",
         xlabel="train step",
-    )  # fmt: skip
+    )
     oh = exp.backend.overheads
     write_summary(
         run_dir,
@@ -124,8 +130,14 @@ def write_run_report(
     if exp.env is not None:
         f = exp.env.figures()
         n = f["env/conversations"]
-        failed = ", ".join(f"{int(v)} {k.rsplit('/', 1)[1]}" for k, v in f.items()
-                           if k.startswith("env/failures/") and v) or "none"  # fmt: skip
+        failed = (
+            ", ".join(
+                f"{int(v)} {k.rsplit('/', 1)[1]}"
+                for k, v in f.items()
+                if k.startswith("env/failures/") and v
+            )
+            or "none"
+        )
         print(
             f"environment: {n:.0f} conversations ended; {f['env/turns']:.0f} model turns and "
             f"{f['env/env_seconds']:.1f} s of environment calls in all; failed calls: {failed}"

@@ -87,9 +87,16 @@ def decode_attend(
     def local(q, k, v, kp, vp, bt, ln, sp, so, act, w):
         kp, vp = append_kv(kp, vp, k[:, 0], v[:, 0], sp, so, act, impl=impl, interpret=interpret)
         out = paged_decode_attention(
-            q[:, 0], kp, vp, bt, ln, scale=scale, impl=impl, interpret=interpret,
+            q[:, 0],
+            kp,
+            vp,
+            bt,
+            ln,
+            scale=scale,
+            impl=impl,
+            interpret=interpret,
             window=w if windowed else None,
-        )  # fmt: skip
+        )
         return out[:, None], kp, vp
 
     return _shard_attend(local, mesh, replicated=6)(

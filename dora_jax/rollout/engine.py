@@ -136,8 +136,10 @@ class Engine(RequestMoves):
         if cfg.is_moe and cfg.num_experts > np.iinfo(ROUTE_DTYPE).max:
             raise EngineError(f"model.num_experts={cfg.num_experts}: recorded routes are int16")
         if rcfg.num_pages is None:
-            raise EngineError("rollout.num_pages is null: the memory plan sizes it "
-                              "(pipeline.memory_plan), or set it")  # fmt: skip
+            raise EngineError(
+                "rollout.num_pages is null: the memory plan sizes it "
+                "(pipeline.memory_plan), or set it"
+            )
         self.impl, self.interpret = resolve_impl(rcfg.attention_impl, interpret)
         self.sampling = SamplingParams(rcfg.temperature, rcfg.top_k, rcfg.top_p)
         self.decode_steps = rcfg.decode_steps

@@ -109,8 +109,10 @@ class Request:
         L, k = cfg.num_layers, cfg.num_experts_per_tok
         fed = np.concatenate(self.routes) if self.routes else np.zeros((0, L, k), ROUTE_DTYPE)
         if len(fed) != self.kv_len:
-            raise ValueError(f"request {self.id!r}: {len(fed)} tokens' routes recorded for "
-                             f"{self.kv_len} fed tokens")  # fmt: skip
+            raise ValueError(
+                f"request {self.id!r}: {len(fed)} tokens' routes recorded for "
+                f"{self.kv_len} fed tokens"
+            )
         return np.concatenate([fed, np.full((1, L, k), -1, ROUTE_DTYPE)])
 
     def compact_routes(self) -> None:

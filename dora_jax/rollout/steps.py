@@ -284,11 +284,24 @@ def lower_steps(
 
     i32 = jnp.int32
     prefill = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,)).lower(
-        params, cache, arr((B, C), i32), arr((B,), i32), arr((B,), i32), arr((B, width), i32),
-        arr((B, 2), jnp.uint32), st=st,
-    )  # fmt: skip
+        params,
+        cache,
+        arr((B, C), i32),
+        arr((B,), i32),
+        arr((B,), i32),
+        arr((B, width), i32),
+        arr((B, 2), jnp.uint32),
+        st=st,
+    )
     decode = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,)).lower(
-        params, cache, arr((B,), i32), arr((B,), i32), arr((B, width), i32), arr((B,), bool),
-        arr((B, 2), jnp.uint32), arr((B,), i32), st=st,
-    )  # fmt: skip
+        params,
+        cache,
+        arr((B,), i32),
+        arr((B,), i32),
+        arr((B, width), i32),
+        arr((B,), bool),
+        arr((B, 2), jnp.uint32),
+        arr((B,), i32),
+        st=st,
+    )
     return prefill, decode

@@ -81,8 +81,21 @@ from dora_jax.sim.workload import ResponseLengths
 CATEGORIES = ("transfer", "migrate", "prefill", "reprefill", "decode", "idle", "train")
 TRANSFER, MIGRATE, PREFILL, REPREFILL, DECODE, IDLE, TRAIN = range(len(CATEGORIES))
 _ACTIVITY = ("idle", "prefill", "decode", "transfer", "migrate")
-_FIELDS = ("rid", "pg", "plen", "target", "gen", "pf", "rp", "vflag",
-           "turn", "wake", "obs", "otok", "envus")  # fmt: skip
+_FIELDS = (
+    "rid",
+    "pg",
+    "plen",
+    "target",
+    "gen",
+    "pf",
+    "rp",
+    "vflag",
+    "turn",
+    "wake",
+    "obs",
+    "otok",
+    "envus",
+)
 _GEN, _PF, _RP, _VFLAG = (_FIELDS.index(f) for f in ("gen", "pf", "rp", "vflag"))
 
 
@@ -420,8 +433,10 @@ class SimBackend(WaitingRequests):
             if bank is not None:  # the chunk's own cost, where it is not proportional
                 base_t = np.where(nfit[cut] > 0, cum_t[np.maximum(p - 1, 0)], off_t[p])
                 base_p = np.where(nfit[cut] > 0, cum_p[np.maximum(p - 1, 0)], off_p[p])
-                part = self.cost.prefill_s(base_t - off_t[p] + done[p], base_p - off_p[p] + (
-                    pairs[p] * done[p] / np.maximum(left[p], 1)))  # fmt: skip
+                part = self.cost.prefill_s(
+                    base_t - off_t[p] + done[p],
+                    base_p - off_p[p] + (pairs[p] * done[p] / np.maximum(left[p], 1)),
+                )
                 short = (done[p] == 0) | (part > budget[cut] + 1e-12)
                 done[p[short]] = 0
                 banked[cut[short]] = True
@@ -514,8 +529,13 @@ class SimBackend(WaitingRequests):
         nr = (live & (rem > 0)).sum(axis=1)
         ctx = np.where(live, full, 0).sum(axis=1)
         step = self.cost.decode_step_s(np.maximum(nr, 1), ctx)
-        need = self.busy + self.mig + np.where(pf.sum(axis=1) > 0, self.cost.prefill_s(
-            pf.sum(axis=1), pairs.sum(axis=1)), 0.0)  # fmt: skip
+        need = (
+            self.busy
+            + self.mig
+            + np.where(
+                pf.sum(axis=1) > 0, self.cost.prefill_s(pf.sum(axis=1), pairs.sum(axis=1)), 0.0
+            )
+        )
         need = need + np.where(nr > 0, step * rem.max(axis=1, initial=0), 0.0)
         need = np.where(away, 0.0, need)
         working = need > 0

@@ -74,15 +74,21 @@ def normals(*keys) -> np.ndarray:
 
 def load_seconds(path: str | Path) -> np.ndarray:
     """Measured environment seconds: one number per line."""
-    return read_numbers(path, "environment latency", float,
-                        lambda v: v > 0 and math.isfinite(v), "seconds",
-                        "seconds must be finite and > 0")  # fmt: skip
+    return read_numbers(
+        path,
+        "environment latency",
+        float,
+        lambda v: v > 0 and math.isfinite(v),
+        "seconds",
+        "seconds must be finite and > 0",
+    )
 
 
 def load_turns(path: str | Path) -> np.ndarray:
     """Measured model turns per conversation: one integer >= 1 per line."""
-    return read_numbers(path, "turn count", int, lambda v: v >= 1, "a number of turns",
-                        "turns must be >= 1")  # fmt: skip
+    return read_numbers(
+        path, "turn count", int, lambda v: v >= 1, "a number of turns", "turns must be >= 1"
+    )
 
 
 @dataclass(frozen=True)

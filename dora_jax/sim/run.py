@@ -186,8 +186,10 @@ def build(
     if placement not in ("disaggregated", "colocated"):
         raise ValueError(f"placement must be disaggregated or colocated, got {placement!r}")
     if placement == "colocated" and cfg.cluster.shared_rollout_device:
-        raise ValueError("cluster.shared_rollout_device: the groups share a device only apart "
-                         "from the trainer (disaggregated)")  # fmt: skip
+        raise ValueError(
+            "cluster.shared_rollout_device: the groups share a device only apart "
+            "from the trainer (disaggregated)"
+        )
     cost = cost_model(cfg)
     r, o = cfg.run, cfg.orchestration
     lengths = ResponseLengths(cfg.response, o.group_size, r.seed)

@@ -78,8 +78,13 @@ def conversation_timeline_png(run, path: str | Path, span: tuple[int, int]) -> P
     for s in rec.steps:
         lo, hi = max(s.start, a) * dt, min(s.end, b) * dt
         if hi > lo:
-            top.broken_barh([(lo, hi - lo)], (-0.4, 0.8), facecolors=version_color(s.version),
-                            edgecolors="white", linewidth=0.6)  # fmt: skip
+            top.broken_barh(
+                [(lo, hi - lo)],
+                (-0.4, 0.8),
+                facecolors=version_color(s.version),
+                edgecolors="white",
+                linewidth=0.6,
+            )
             versions.add(s.version)
     top.set(yticks=[0], yticklabels=["trainer"], ylim=(0.5, -0.5))
     top.tick_params(labelsize=8, length=0, labelbottom=False)
@@ -88,8 +93,14 @@ def conversation_timeline_png(run, path: str | Path, span: tuple[int, int]) -> P
         ax.scatter(*zip(*moves, strict=True), marker=">", s=14, c="black", linewidths=0, zorder=3)
     step = max(1, -(-ngroups // 32))
     ticks = list(range(0, ngroups, step))
-    ax.set(yticks=ticks, yticklabels=[f"g{g}" for g in ticks], ylim=(ngroups - 0.5, -0.5),
-           xlim=(x0, x1), xlabel="modeled time (s)", ylabel="rollout group")  # fmt: skip
+    ax.set(
+        yticks=ticks,
+        yticklabels=[f"g{g}" for g in ticks],
+        ylim=(ngroups - 0.5, -0.5),
+        xlim=(x0, x1),
+        xlabel="modeled time (s)",
+        ylabel="rollout group",
+    )
     m = run.metrics
     top.set_title(f"{cfg.name}: {m.mode} ({m.placement}), {ngroups} groups, conversations")
     handles = [Patch(color=version_color(v), label=f"v{v}") for v in sorted(versions)[:12]]

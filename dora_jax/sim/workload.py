@@ -60,8 +60,14 @@ def read_numbers(path: str | Path, what: str, parse, check, unit: str, bound: st
 
 def load_lengths(path: str | Path) -> np.ndarray:
     """Measured response lengths: one integer per line."""
-    return read_numbers(path, "response length", lambda s: int(float(s)), lambda v: v > 0,
-                        "a token count", "token counts must be > 0")  # fmt: skip
+    return read_numbers(
+        path,
+        "response length",
+        lambda s: int(float(s)),
+        lambda v: v > 0,
+        "a token count",
+        "token counts must be > 0",
+    )
 
 
 class ResponseLengths:

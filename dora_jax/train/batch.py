@@ -250,8 +250,13 @@ def pack_batch(
         if len(versions) != 1:
             raise ValueError(f"prompt group {gid!r} mixes policy versions {sorted(versions)}")
         for i, m in enumerate(members):
-            _validate(m, f"group {gid!r} member {i}", trainer_version, vocab_size,
-                      finite=not allow_nonfinite_logprobs)  # fmt: skip
+            _validate(
+                m,
+                f"group {gid!r} member {i}",
+                trainer_version,
+                vocab_size,
+                finite=not allow_nonfinite_logprobs,
+            )
     NG = len(groups) if num_groups is None else num_groups
     if len(groups) > NG:
         raise ValueError(f"{len(groups)} prompt groups do not fit num_groups={NG}")

@@ -57,8 +57,9 @@ class ShapeCompiler:
             return True
 
     def _known(self, key: Hashable) -> bool:
-        return (key in self._ready or key in self.errors or key == self._running
-                or key in self._queue)  # fmt: skip
+        return (
+            key in self._ready or key in self.errors or key == self._running or key in self._queue
+        )
 
     def ready(self) -> dict[Hashable, Any]:
         """The compiled keys so far (a copy)."""

@@ -59,9 +59,10 @@ def chunked_logprobs(
     w_chunks = constrain(w_chunks, (None, "embed", "vocab"))
     col = jnp.arange(c, dtype=jnp.int32) * C  # [c]: vocab id of column i in chunk 0
     return map_seq_chunks(
-        lambda ht: _vocab_scan(ht[0], ht[1].astype(jnp.int32), w_chunks, col, V), (h, targets),
+        lambda ht: _vocab_scan(ht[0], ht[1].astype(jnp.int32), w_chunks, col, V),
+        (h, targets),
         seq_chunk,
-    )  # fmt: skip
+    )
 
 
 def _vocab_scan(h, targets, w_chunks, col, V):

@@ -84,9 +84,17 @@ def _microbatch_loss(
     replay = recorded if recorded is not None and tcfg.routing_replay else None
 
     def logprobs_of(p: Params, routes=None, return_routes=False) -> tuple[jax.Array, ...]:
-        return token_logprobs(p, toks["tokens"], toks["positions"], toks["segment_ids"],
-                              toks["targets"], mcfg, chunk=tcfg.logprob_chunk, routes=routes,
-                              return_routes=return_routes)  # fmt: skip
+        return token_logprobs(
+            p,
+            toks["tokens"],
+            toks["positions"],
+            toks["segment_ids"],
+            toks["targets"],
+            mcfg,
+            chunk=tcfg.logprob_chunk,
+            routes=routes,
+            return_routes=return_routes,
+        )
 
     if recorded is None:
         logp, ent = logprobs_of(params)

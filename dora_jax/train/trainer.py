@@ -90,8 +90,11 @@ class Trainer:
         self._ahead = ShapeCompiler(self.compile_shape)
         if num_samples is not None and self.train_cfg.microbatch_tokens:
             for T in reversed(self.train_cfg.length_buckets):
-                key = (num_samples, chunked_shape(self.train_cfg, T, self.row_multiple,
-                                                  num_samples)[0], T)  # fmt: skip
+                key = (
+                    num_samples,
+                    chunked_shape(self.train_cfg, T, self.row_multiple, num_samples)[0],
+                    T,
+                )
                 if key not in self._aot:
                     self._ahead.request(key)
 
@@ -106,8 +109,9 @@ class Trainer:
         if self._batch_sh is not None:
             batch = jax.tree.map(
                 lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                batch, self._batch_sh,
-            )  # fmt: skip
+                batch,
+                self._batch_sh,
+            )
         return self._step.lower(state, batch).compile()
 
     def adopt(self, key: tuple[int, int, int], compiled: Any) -> None:
@@ -179,8 +183,12 @@ class Trainer:
         batch = pack()
         key = _shape_key(batch)
         cfg = self.train_cfg
-        if (self._ahead is not None and cfg.packing == "tokens" and not cfg.pack_rows
-                and key not in self._compiled_shapes()):  # fmt: skip
+        if (
+            self._ahead is not None
+            and cfg.packing == "tokens"
+            and not cfg.pack_rows
+            and key not in self._compiled_shapes()
+        ):
             self._ahead.request(key)
             ready = [(B, T) for S, B, T in self._compiled_shapes() if S == key[0]]
             try:

@@ -60,8 +60,9 @@ class ToolArithmetic:
     ):
         check_shape(median_steps, sigma, max_steps)
         if not (latency_s >= 0 and latency_sigma >= 0):
-            raise ValueError(f"latency_s and latency_sigma must be >= 0, got {latency_s}, "
-                             f"{latency_sigma}")  # fmt: skip
+            raise ValueError(
+                f"latency_s and latency_sigma must be >= 0, got {latency_s}, {latency_sigma}"
+            )
         self.median_steps, self.sigma, self.max_steps = median_steps, sigma, max_steps
         self.latency_s, self.latency_sigma = float(latency_s), float(latency_sigma)
         self._key: tuple[int, int] = (0, 0)

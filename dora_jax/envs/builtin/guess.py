@@ -39,8 +39,9 @@ class GuessNumbers:
     ):
         check_shape(median_rounds, sigma, max_rounds)
         if high < 2 or guesses_per_round < 1:
-            raise ValueError(f"need high >= 2 and guesses_per_round >= 1, got {high}, "
-                             f"{guesses_per_round}")  # fmt: skip
+            raise ValueError(
+                f"need high >= 2 and guesses_per_round >= 1, got {high}, {guesses_per_round}"
+            )
         self.median_rounds, self.sigma, self.max_rounds = median_rounds, sigma, max_rounds
         self.high, self.guesses_per_round = high, guesses_per_round
         self._secrets: list[int] = []
