@@ -92,7 +92,8 @@ class Scorer:
                     self._warned.add(out.error)
                     log.warning(
                         "reward function failed (%s): %s; reward 0, counted in the metrics as "
-                        "reward_errors/%s", out.error, out.message, out.error,
+                        "reward_errors/%s (data.on_failure says whether it enters its group's "
+                        "baseline)", out.error, out.message, out.error,
                     )  # fmt: skip
         return outs
 
