@@ -75,6 +75,12 @@ RULES: tuple[tuple[str, str, str], ...] = (
     ("data.reward", APPLY, "rewards are computed when trajectories are consumed"),
     ("data.reward_timeout_s", APPLY, _REWARD_POOL),
     ("data.reward_workers", APPLY, _REWARD_POOL),
+    (
+        "data.on_failure",
+        APPLY,
+        "what a failed reward or environment call does to its group's advantages, from the next "
+        "train step on (neither the model nor the prompt stream depends on it)",
+    ),
     ("data.", REFUSE, "the checkpoint's prompt cursor indexes this prompt stream"),
     ("warm_start.", REFUSE, "the warm start is over: the checkpoint holds the policy"),
     ("eval.every_steps", APPLY, "the evaluation cadence from the next step on"),

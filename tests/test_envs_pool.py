@@ -119,6 +119,33 @@ def test_a_hanging_call_does_not_hold_up_episodes_on_other_workers(flaky):
         pool.close()
 
 
+def test_hanging_calls_on_several_workers_time_out_together(flaky):
+    """A round of calls that all hang, one per worker, takes about one timeout, not their sum:
+    the dispatcher waits on every deadline at once, and a call that first replays its episode
+    on a worker that does not hold it (a prompt group's conversations forked from one reset, or
+    episodes that lived on a killed worker) gets its own full timeout after the replay, not one
+    stretched by a timeout per replayed action (it was ``timeout x (2 + actions)``)."""
+    timeout, n = 1.0, 4
+    pool = EnvPool(flaky, None, workers=n, timeout_s=timeout)
+    try:
+        eid, fut = pool.reset(0, {})
+        fut.result(timeout=60)
+        for _ in range(2):  # two actions to replay
+            assert pool.step(eid, "ok").result(timeout=60).error is None
+        state = pool.episode_state(eid)
+        pool.finish(eid)
+        forks = [pool.adopt(state) for _ in range(n)]  # one per worker, none held yet
+        t0 = time.monotonic()
+        outs = [f.result(timeout=120) for f in [pool.step(e, "hang") for e in forks]]
+        elapsed = time.monotonic() - t0
+        assert [o.error for o in outs] == ["timeout"] * n
+        # serialised: n x timeout = 4 s or more (stretched: 4 s each); together: about 1 s
+        assert elapsed < 0.5 * n * timeout, elapsed
+        assert all(o.seconds < 2 * timeout for o in outs), [o.seconds for o in outs]
+    finally:
+        pool.close()
+
+
 def test_an_episode_that_cannot_be_replayed_ends_crash(flaky):
     pool = EnvPool(flaky, None, workers=1, timeout_s=1.0)
     try:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dora_jax.config import TrainConfig
-from dora_jax.train.advantages import group_advantages
+from dora_jax.train.advantages import group_advantages, valid_members
 from dora_jax.train.logprobs import chunk_layout, chunked_logprobs
 from dora_jax.train.losses import (
     aggregate,
@@ -62,6 +62,93 @@ def test_group_advantages_known_values():
     np.testing.assert_allclose(a[1], 0.0, atol=1e-6)
     loo = np.asarray(group_advantages(r, mode="rloo"))
     np.testing.assert_allclose(loo[0], [2 / 3, -2 / 3, -2 / 3, 2 / 3], atol=1e-6)
+
+
+# ---------------------------------------------------------------- failed calls (data.on_failure)
+
+MODES = [("grpo", True), ("grpo", False), ("rloo", False)]  # GRPO, Dr. GRPO, RLOO
+
+
+def np_policy_advantages(rewards, failed, policy, mode, normalize_std, eps):
+    """Advantages under ``data.on_failure``, one group and one member at a time: ``zero`` is the
+    plain oracle (a failed member's 0 in its group); ``drop_sample`` computes each group over its
+    members that did not fail only, the failed ones 0 (so is a group with fewer than two left);
+    ``drop_group`` gives every member of a group with a failure 0."""
+    rewards, failed = np.asarray(rewards, np.float64), np.asarray(failed, bool)
+    if policy == "zero":
+        return np_advantages(rewards, np.ones(len(rewards), bool), mode, normalize_std, eps)
+    out = np.zeros_like(rewards)
+    for g, (r, f) in enumerate(zip(rewards, failed, strict=True)):
+        if policy == "drop_group" and f.any():
+            continue
+        kept = [i for i in range(len(r)) if not f[i]]
+        if len(kept) < 2:
+            continue
+        sub = np_advantages(r[kept][None], [True], mode, normalize_std, eps)[0]
+        out[g, kept] = sub
+    return out
+
+
+def advantages_under(policy, rewards, failed, mode, normalize_std, eps=1e-6):
+    valid = valid_members(failed, policy)
+    return np.asarray(
+        group_advantages(rewards, valid=valid, mode=mode, normalize_std=normalize_std, eps=eps)
+    )
+
+
+@pytest.mark.parametrize("mode,normalize_std", MODES)
+def test_one_failed_member_gets_the_advantages_the_policy_says(mode, normalize_std):
+    """A group of 4 whose third member's reward call failed (scored 0), beside a clean group."""
+    rewards = np.array([[1.0, 0.0, 0.0, 0.5], [0.25, 1.0, 0.0, 0.5]], np.float32)
+    failed = np.array([[False, False, True, False], [False] * 4])
+    today = np_advantages(rewards, [True, True], mode, normalize_std, 1e-6)
+    clean = today[1]
+    # zero: today's advantages, the failed member's 0 in the baseline
+    got = advantages_under("zero", rewards, failed, mode, normalize_std)
+    np.testing.assert_allclose(got, today, rtol=1e-5, atol=1e-6)
+    # drop_sample: the other three from their own rewards only, the failed one 0
+    got = advantages_under("drop_sample", rewards, failed, mode, normalize_std)
+    others = np_advantages(rewards[:1, [0, 1, 3]], [True], mode, normalize_std, 1e-6)[0]
+    np.testing.assert_allclose(got[0, [0, 1, 3]], others, rtol=1e-5, atol=1e-6)
+    assert got[0, 2] == 0.0
+    np.testing.assert_allclose(got[1], clean, rtol=1e-5, atol=1e-6)
+    # ... which is not today's: the failure no longer drags the baseline
+    assert not np.allclose(got[0, [0, 1, 3]], today[0, [0, 1, 3]], rtol=1e-3, atol=1e-3)
+    # drop_group: the whole group 0, the clean group untouched
+    got = advantages_under("drop_group", rewards, failed, mode, normalize_std)
+    assert np.all(got[0] == 0.0)
+    np.testing.assert_allclose(got[1], clean, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", ["zero", "drop_sample", "drop_group"])
+@pytest.mark.parametrize("mode,normalize_std", MODES)
+def test_advantages_under_every_policy_match_oracle(seed, policy, mode, normalize_std):
+    rng = np.random.default_rng(seed)
+    NG, G = rng.integers(2, 7), rng.integers(2, 9)
+    rewards = rng.normal(size=(NG, G)).astype(np.float32)
+    if seed % 2:  # binary rewards, including all-equal groups
+        rewards = rng.integers(0, 2, size=(NG, G)).astype(np.float32)
+    failed = rng.random((NG, G)) < 0.3
+    failed[0] = True  # a group whose every member failed
+    failed[1] = False
+    failed[1, 0] = True  # one with exactly one failure
+    rewards[failed] = 0.0  # a failed call scores 0
+    got = advantages_under(policy, rewards, failed, mode, normalize_std)
+    want = np_policy_advantages(rewards, failed, policy, mode, normalize_std, 1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(got))
+    if policy != "zero":
+        assert np.all(got[failed] == 0.0) and np.all(got[0] == 0.0)
+
+
+def test_valid_members_by_policy():
+    failed = np.array([[False, True, False], [False, False, False], [True, True, True]])
+    assert valid_members(failed, "zero").all()
+    assert (valid_members(failed, "drop_sample") == ~failed).all()
+    assert valid_members(failed, "drop_group").tolist() == [[False] * 3, [True] * 3, [False] * 3]
+    with pytest.raises(ValueError, match="on_failure"):
+        valid_members(failed, "skip")
 
 
 def test_group_advantages_reject_bad_shapes():

@@ -24,6 +24,7 @@ from dora_jax.train import (
     token_logprobs,
     train_step_with_grads,
 )
+from dora_jax.train.advantages import valid_members
 
 MODEL = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
@@ -115,22 +116,31 @@ def np_token_stats(params, batch, cfg):
     return lp, ent
 
 
+def counted(batch, s):
+    """Whether sample ``s`` enters its group's baseline and the loss (``valid``: not a failed
+    call that ``data.on_failure`` dropped)."""
+    return bool(batch.sample_mask[s]) and (batch.valid is None or bool(batch.valid[s]))
+
+
 def np_advantages(batch, tcfg):
     """Per-sample advantages: each prompt group's rewards minus their mean (RLOO: times
-    G / (G - 1), the leave-one-out baseline), divided by the group's population std for GRPO
-    with ``normalize_std``."""
+    n / (n - 1), the leave-one-out baseline), divided by the group's population std for GRPO
+    with ``normalize_std``; over the ``n`` members that are counted only, the others 0 (and
+    all of a group with fewer than two counted)."""
     rewards = batch.rewards.astype(np.float64).reshape(-1, G)
     adv = np.zeros_like(rewards)
     for g, r in enumerate(rewards):
-        if not batch.sample_mask[g * G]:
+        kept = [i for i in range(G) if counted(batch, g * G + i)]
+        n = len(kept)
+        if n < 2:
             continue
-        c = r - r.mean()
+        c = r[kept] - r[kept].mean()
         if tcfg.advantage == "rloo":
-            adv[g] = c * G / (G - 1)
+            adv[g, kept] = c * n / (n - 1)
         elif tcfg.normalize_std:
-            adv[g] = c / (np.sqrt((c**2).mean()) + tcfg.adv_eps)
+            adv[g, kept] = c / (np.sqrt((c**2).mean()) + tcfg.adv_eps)
         else:
-            adv[g] = c
+            adv[g, kept] = c
     return adv.reshape(-1)
 
 
@@ -140,7 +150,7 @@ def np_step_oracle(params, batch, tcfg, ref_params=None):
     S = batch.num_samples
     adv = np_advantages(batch, tcfg)
     ref_lp = np_token_stats(ref_params, batch, MODEL)[0] if ref_params is not None else None
-    per_seq, n_tok = [], 0
+    per_seq, n_tok, n_loss = [], 0, 0
     sums = dict(low=0.0, high=0.0, kl=0.0, ent=0.0, mis=0.0, mis_n=0.0)
     for s in range(S):
         sel = (batch.sample_index == s) & batch.loss_mask
@@ -154,7 +164,9 @@ def np_step_oracle(params, batch, tcfg, ref_params=None):
         if tcfg.kl_beta > 0:
             d = ref_lp[sel] - logp
             tok = tok + tcfg.kl_beta * (np.exp(d) - d - 1)
-        per_seq.append(tok)
+        if counted(batch, s):  # a dropped sample's tokens are in the figures, not the loss
+            per_seq.append(tok)
+            n_loss += sel.sum()
         n_tok += sel.sum()
         sums["low"] += ((a < 0) & (r < 1 - tcfg.clip_eps_low)).sum()
         sums["high"] += ((a > 0) & (r > 1 + tcfg.clip_eps_high)).sum()
@@ -165,7 +177,7 @@ def np_step_oracle(params, batch, tcfg, ref_params=None):
             sums["mis"] += k3.sum()
             sums["mis_n"] += sel.sum()
     if tcfg.loss_agg == "token_mean":
-        loss = np.concatenate(per_seq).sum() / n_tok
+        loss = np.concatenate(per_seq).sum() / n_loss
     elif tcfg.loss_agg == "seq_mean_token_mean":
         loss = np.mean([x.mean() for x in per_seq])
     else:
@@ -363,7 +375,7 @@ def oracle_loss(lp, batch, tcfg, adv, ref_lp=None):
     per_seq = []
     for s in range(batch.num_samples):
         sel = (batch.sample_index == s) & batch.loss_mask
-        if not sel.any():
+        if not sel.any() or not counted(batch, s):
             continue
         logp, a = lp[sel], adv[s]
         r = jnp.exp(logp - batch.behavior_logprobs[sel].astype(np.float64))
@@ -502,6 +514,66 @@ def test_gradients_and_update_match_float64_oracle(params0, case):
         _, no_kl = oracle_grads(params0, b, dataclasses.replace(tcfg, kl_beta=0.0))
         moved = global_norm(jax.tree.map(np.subtract, want, no_kl))
         assert moved > 1e3 * GRAD_RTOL * global_norm(want)
+
+
+# data.on_failure: member 1 of the first group failed (drop_sample), or that whole group
+# (drop_group); the RLOO case has the KL penalty, which a dropped sample must not feed either
+DROP_CASES = {
+    "drop_sample-rloo-seq_mean-kl": (
+        "drop_sample",
+        dict(advantage="rloo", kl_beta=0.5, loss_agg="seq_mean_token_mean"),
+    ),
+    "drop_sample-grpo-token_mean": ("drop_sample", dict()),
+    "drop_group-drgrpo-seq_sum_norm": (
+        "drop_group",
+        dict(normalize_std=False, loss_agg="seq_mean_token_sum_norm"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DROP_CASES))
+def test_dropped_samples_have_no_loss_weight(params0, case):
+    """Samples that are not ``valid`` (a failed call dropped by ``data.on_failure``): the loss
+    and every gradient leaf match the float64 oracle that leaves them out of their group's
+    baseline and of the loss, and their reward and behavior logprobs change nothing at all."""
+    policy, opts = DROP_CASES[case]
+    tcfg = dataclasses.replace(TRAIN, **opts)
+    failed = np.zeros((2, G), bool)
+    failed[0, 1] = True
+    valid = valid_members(failed, policy).reshape(-1)
+    trajs = make_trajs(1, [2, 0])
+    trajs = [dataclasses.replace(t, valid=bool(v)) for t, v in zip(trajs, valid, strict=True)]
+    b = pack_batch(trajs, tcfg, trainer_version=2, row_multiple=ROWS)
+    assert b.valid[: 2 * G].tolist() == valid.tolist()
+    b = with_behavior(b, params0, noise=0.5, seed=3)
+    ref = perturbed(params0, 0.05, seed=7)
+    state = init_state(params0, MODEL, tcfg)
+    if tcfg.kl_beta > 0:
+        state = state.replace(ref_params=ref)
+    step = jax.jit(train_step_with_grads)
+    _, m, grads = host(step(state, b))
+    want_loss, want = oracle_grads(params0, b, tcfg, ref)
+    # (a loss of terms that nearly cancel: 4e-4 in the Dr. GRPO case, 5e-9 off)
+    np.testing.assert_allclose(float(m["loss"]), want_loss, rtol=GRAD_RTOL, atol=1e-7)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        w = want
+        for k in path:
+            w = w[k.key]
+        atol = GRAD_RTOL * np.abs(w).max()
+        np.testing.assert_allclose(g, w, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
+    assert_metrics_match(m, np_step_oracle(params0, b, tcfg, ref_params=ref))
+    # another reward and other behavior logprobs for the dropped samples: the same step
+    dropped = np.flatnonzero(~valid)
+    rewards = b.rewards.copy()
+    rewards[dropped] = 5.0
+    blp = b.behavior_logprobs.copy()
+    on_dropped = np.isin(b.sample_index, dropped) & b.loss_mask
+    blp[on_dropped] -= 1.0
+    _, m2, grads2 = host(step(state, b.replace(rewards=rewards, behavior_logprobs=blp)))
+    assert max_diff(grads2, grads) == 0.0 and float(m2["loss"]) == float(m["loss"])
+    # ... while counting them would change it
+    _, _, all_in = host(step(state, b.replace(valid=np.ones_like(b.valid))))
+    assert max_diff(all_in, grads) > 1e3 * GRAD_RTOL * np.abs(want["embed"]).max()
 
 
 def test_token_budget_microbatches_equal_the_ladder_and_compile_once_per_bucket(params0):

@@ -289,6 +289,15 @@ class DataConfig:
     # reward_timeout_s seconds is stopped and scores 0 (counted)
     reward_timeout_s: float = 30.0
     reward_workers: int = 2
+    # a trajectory whose reward call or environment call failed (timeout, exception, invalid
+    # result, crashed worker; counted by kind either way) scores 0; what that 0 does to the
+    # advantages of its prompt group: "zero" keeps it in the group's baseline like a wrong
+    # answer (it drags the mean down and hands the other members advantage they did not earn);
+    # "drop_sample" leaves it out: the group's mean and std are over its other members, and the
+    # failed one gets advantage 0 and no loss weight; "drop_group" gives every member of a group
+    # with a failed one advantage 0 and no loss weight. Dropped samples are still consumed and
+    # counted (failed_samples_dropped, failed_groups_dropped in metrics.jsonl and summary.json)
+    on_failure: Literal["zero", "drop_sample", "drop_group"] = "drop_sample"
     tokenizer: Literal["char", "hf"] = "char"
     # a prompt longer than rollout.max_prompt_len: "error" refuses the data file before the run
     # starts, naming the line; "skip" leaves it out and counts it (summary.json)
@@ -334,6 +343,7 @@ class DataConfig:
             )
         check_positive(self, "reward_timeout_s", "reward_workers")
         check_bool(self, "shuffle")
+        check_choice(self, "on_failure", ("zero", "drop_sample", "drop_group"))
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ class Scorer:
                     self._warned.add(out.error)
                     log.warning(
                         "reward function failed (%s): %s; reward 0, counted in the metrics as "
-                        "reward_errors/%s",
+                        "reward_errors/%s (data.on_failure says whether it enters its group's "
+                        "baseline)",
                         out.error,
                         out.message,
                         out.error,

@@ -11,8 +11,10 @@ closed) or None. A failed call ends its episode (further steps are refused); the
 other episodes go on.
 
 Episodes that shared a killed worker are not lost: their next call carries their seed, task and
-actions, and the fresh worker replays them first (the call's timeout grows by one ``timeout_s``
-per replayed call); a replay that gives other results than before ends the episode ``crash``.
+actions, and the fresh worker replays them first (the replay has one ``timeout_s`` per replayed
+call; the call itself has its own ``timeout_s`` from the replay's end, so a call that hangs after
+a replay costs one timeout, not one per action replayed); a replay that gives other results than
+before ends the episode ``crash``.
 :meth:`EnvPool.episode_state` gives that same seed, task, actions and digest as plain data, and
 :meth:`EnvPool.adopt` makes a new episode of it, held by no worker yet, so its next call rebuilds
 it: one reset forked into the members of a prompt group, or episodes restored from a checkpoint.
@@ -226,7 +228,9 @@ class EnvPool(WorkerPool):
                         "actions": ep.actions,
                         "digest": ep.digest,
                     }
-                    job.limit = self.timeout_s * (2 + len(ep.actions))
+                    # the replay's limit (its reset and actions); the step's own timeout starts
+                    # when the worker says the replay is done (_answer)
+                    job.limit = self.timeout_s * (1 + len(ep.actions))
                 job.sent, job.t0 = time.monotonic(), self.now()
                 w.job = job
                 self._send(w, {"id": job.cid, **job.msg})
@@ -236,6 +240,9 @@ class EnvPool(WorkerPool):
         self._started.set()
 
     def _answer(self, w: _Worker, msg: dict) -> None:
+        if msg.get("rebuilt"):  # the replay is done: the step itself gets a full timeout_s
+            w.job.limit = time.monotonic() - w.job.sent + self.timeout_s
+            return
         job, w.job = w.job, None
         if "error" in msg:
             w.holds.discard(job.episode)

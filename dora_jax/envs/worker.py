@@ -11,7 +11,9 @@ episode):
   junk, :mod:`dora_jax.envs.protocol`). ``digest`` chains every result of the episode so far.
 - a ``step`` may carry ``"rebuild": {"seed", "task", "actions", "digest"}``: the episode lived on
   a worker that was stopped, so it is replayed here first; a replay whose digest differs (the
-  environment is not a pure function of seed, task and actions) fails ``crash``.
+  environment is not a pure function of seed, task and actions) fails ``crash``. A replay that
+  succeeds is reported ``{"id", "rebuilt": true}`` before the step runs, so that the step's own
+  timeout starts then.
 - ``{"op": "close", "episode"}`` drops an episode; it has no answer.
 
 Plain JSON both ways; what the environment prints goes to stderr.
@@ -83,6 +85,7 @@ def main(spec: str, kwargs_json: str) -> int:
             else:
                 if "rebuild" in job:
                     episodes[eid] = _rebuild(cls(**kwargs), job["rebuild"])
+                    send({"id": job["id"], "rebuilt": True})
                 result = episodes[eid].step(job["action"])
         except _ReplayMismatch as e:
             episodes.pop(eid, None)

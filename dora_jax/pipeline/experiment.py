@@ -314,7 +314,9 @@ def build(
         trainer.compile_ahead(cfg.orchestrator.train_batch_prompts * cfg.train.group_size)
     lg = cfg.logging  # the trajectories kept as text: the file's, or one for the terminal
     kept = max(lg.samples_per_step, int(lg.samples_every > 0))
-    grpo = GRPOTrainer(trainer, tokenizer, reward, samples_per_step=kept)
+    grpo = GRPOTrainer(
+        trainer, tokenizer, reward, samples_per_step=kept, on_failure=cfg.data.on_failure
+    )
     if cluster is not None and not cluster.transfers.via_store:
         grpo.export_shardings = cluster.link.stage_shardings()
     backend = EngineBackend(

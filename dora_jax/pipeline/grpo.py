@@ -9,7 +9,10 @@
   :meth:`GRPOTrainer.prefetch`), packs them into a train batch, runs one jitted GRPO step on the
   trainer submesh, and keeps the params of every version the rollout side may still ask for.
   Its first ``samples_per_step`` trajectories are kept as text in the step's log
-  (:mod:`dora_jax.pipeline.samples`).
+  (:mod:`dora_jax.pipeline.samples`). A trajectory whose reward call or environment call failed
+  (it scored 0, counted by kind) is kept in, or left out of, its group's baseline and gradient as
+  ``data.on_failure`` says (:func:`dora_jax.train.advantages.valid_members`); the step's log
+  counts the failed and the dropped ones.
 
 Versions: the policy version is the number of train steps taken. A step that the non-finite
 guard skips leaves the params unchanged and still produces the next version (equal params), so
@@ -18,6 +21,7 @@ the control plane goes on; ``metrics["skipped"]`` marks it in the step's log.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +41,7 @@ from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.orchestrator.transfer_queue import ReadyGroup
 from dora_jax.pipeline import samples
 from dora_jax.train import Trainer, Trajectory
+from dora_jax.train.advantages import ON_FAILURE, OnFailure, valid_members
 
 
 class PromptTooLong(ValueError):
@@ -108,6 +113,25 @@ def conversation_metrics(comp: Completion) -> dict[str, float]:
     return out
 
 
+FAILURE_FIGURES = ("failed_samples", "failed_samples_dropped", "failed_groups_dropped")
+
+
+def failure_figures(failed, valid) -> dict[str, int]:
+    """A step's failed calls and what ``data.on_failure`` dropped, from ``failed`` and ``valid``
+    (``bool[NG, G]``): ``failed_samples`` (trajectories whose reward or environment call failed),
+    ``failed_samples_dropped`` (trajectories left out of their group's baseline and gradient: the
+    failed ones under ``drop_sample``, every member of their groups under ``drop_group``, none
+    under ``zero``) and ``failed_groups_dropped`` (groups with a failed member left with fewer
+    than two members, so with no baseline and no gradient at all)."""
+    failed, valid = np.asarray(failed, bool), np.asarray(valid, bool)
+    hit = failed.any(axis=1)
+    return {
+        "failed_samples": int(failed.sum()),
+        "failed_samples_dropped": int((~valid[hit]).sum()),
+        "failed_groups_dropped": int((valid[hit].sum(axis=1) < 2).sum() if hit.any() else 0),
+    }
+
+
 @dataclass
 class StepLog:
     version: int
@@ -136,8 +160,13 @@ class GRPOTrainer:
         *,
         train_ticks: int = 1,
         samples_per_step: int = 0,
+        on_failure: OnFailure = "drop_sample",
     ):
+        if on_failure not in ON_FAILURE:
+            raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
         self.trainer, self.tokenizer = trainer, tokenizer
+        # data.on_failure: what a failed reward or environment call does to its group
+        self.on_failure = on_failure
         # trajectories per step kept as text for the run's record (the first ones consumed)
         self.samples_per_step = samples_per_step
         self.scorer = reward_fn if isinstance(reward_fn, Scorer) else Scorer(reward_fn)
@@ -182,7 +211,7 @@ class GRPOTrainer:
             self.scorer.prefetch(request_id, self.item(comp))
 
     def step(self, batch: list[ReadyGroup]) -> int:
-        trajectories, rewards, ids = [], [], []
+        trajectories, rewards, ids, failed = [], [], [], []
         picked = samples.chosen(batch, self.samples_per_step)
         kept: dict[int, dict[str, Any]] = {}
         found = [(t.request_id, t.payload) for rg in batch for t in rg.trajectories]
@@ -208,6 +237,12 @@ class GRPOTrainer:
                         extra.setdefault(k, []).append(v)
                 else:
                     reward = comp.env_reward
+                # a failed reward call, or an environment call that ended the conversation
+                conv = comp.conversation
+                failed.append(
+                    (out is not None and out.error is not None)
+                    or (conv is not None and conv.get("error") is not None)
+                )
                 if t.request_id in picked:  # decoded here, the chosen ones only
                     kept[t.request_id] = samples.trajectory_sample(
                         self.tokenizer, t, rg, picked[t.request_id], reward, out
@@ -230,6 +265,18 @@ class GRPOTrainer:
                         loss_mask=comp.loss_mask,
                     )
                 )
+        # data.on_failure: which members stay in their group's baseline and gradient
+        figures = dict.fromkeys(FAILURE_FIGURES, 0)
+        start = 0
+        for rg in batch:
+            end = start + len(rg.trajectories)
+            group = np.asarray(failed[start:end], bool)[None]
+            valid = valid_members(group, self.on_failure)[0]
+            for i, v in enumerate(valid, start):
+                trajectories[i] = dataclasses.replace(trajectories[i], valid=bool(v))
+            for k, n in failure_figures(group, valid[None]).items():
+                figures[k] += n
+            start = end
         # a broken policy may have sampled non-finite logprobs: the step's guard skips the step
         fallbacks = getattr(self.trainer, "fallback_batches", 0)
         trainer_version = self.version  # (waits for the previous step on the device)
@@ -257,6 +304,7 @@ class GRPOTrainer:
             "fallback_shape": float(fallback),
         }
         metrics["undecodable_tokens"] = self.undecodable_tokens  # cumulative
+        metrics.update(figures)  # this step's
         faults.point("train_step")
         version = self.version
         self.params[version] = self.trainer.export_params(self.export_shardings)

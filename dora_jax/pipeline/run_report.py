@@ -14,6 +14,7 @@ from dora_jax.metrics import METRICS_FILE, read_metrics
 from dora_jax.orchestrator.runtime import RunResult
 from dora_jax.pipeline.evaluation import binomial_se
 from dora_jax.pipeline.experiment import Experiment
+from dora_jax.pipeline.grpo import FAILURE_FIGURES
 from dora_jax.pipeline.observers import HeldOutEval, step_reward, step_solved
 from dora_jax.report import head, plot_timeline, reward_stats, write_summary
 
@@ -69,6 +70,10 @@ def write_run_report(
             "trainer": trainer,
             "reward_errors": exp.reward.errors,
             "reward_errors_by_kind": exp.reward.error_counts(),
+            # trajectories whose reward or environment call failed, and what data.on_failure
+            # left out of the advantages (sums over the steps of metrics.jsonl)
+            "on_failure": cfg.data.on_failure,
+            **failure_totals(rows),
             "config": "config.yaml",
             "stopped_early": exp.stopped,
             "request_states": result.states or dict(Counter(result.ledger.values())),
@@ -174,6 +179,12 @@ def trainer_figures(rows: list[dict]) -> dict[str, float]:
         if values:
             out[f"{key}_mean"] = sum(values) / len(values)
     return out
+
+
+def failure_totals(rows: list[dict]) -> dict[str, int]:
+    """The run's ``failed_samples``, ``failed_samples_dropped`` and ``failed_groups_dropped``:
+    the sums of the steps' figures (:func:`step_rows`; a step logged without them counts 0)."""
+    return {k: int(sum(m.get(k, 0) for m in rows)) for k in FAILURE_FIGURES}
 
 
 def resume_hint(run_dir: str | Path) -> str:

@@ -29,7 +29,10 @@ Layout of a :class:`TrainBatch` (``B`` rows, ``T`` the length bucket, ``S = NG *
 
 Advantages are *not* computed here: the batch carries the raw ``rewards`` and the jitted step
 computes group-relative advantages on device (:mod:`dora_jax.train.advantages`), since the
-group-major order makes the groups a plain reshape ``[NG, G]``.
+group-major order makes the groups a plain reshape ``[NG, G]``. ``valid`` marks the samples that
+count (a trajectory's own ``valid``, false where ``data.on_failure`` drops a failed call's
+trajectory or group): the others stay in the batch (consumed, counted, their tokens computed) but
+are left out of their group's baseline and get no loss weight.
 
 Bad input raises ``ValueError`` naming the trajectory: a non-finite reward or behavior
 log-probability, a log-probability count that differs from the response length, an empty prompt,
@@ -65,6 +68,9 @@ class Trajectory:
     # multi-turn: bool[R], true at the response tokens the model sampled (the loss covers
     # those; environment turns are context); None: all of them
     loss_mask: Any = None
+    # false: left out of its group's baseline and of the loss (a failed reward or environment
+    # call under data.on_failure=drop_sample or drop_group)
+    valid: bool = True
 
 
 @flax.struct.dataclass
@@ -86,6 +92,9 @@ class TrainBatch:
     # train.microbatch_tokens only: bool[M], the microbatches that hold samples (a prefix); the
     # step loops over those. Microbatch m is rows m, m + M, m + 2M, ...
     chunk_mask: Any = None
+    # bool[S]: false for a sample left out of its group's baseline and of the loss (a failed
+    # call under data.on_failure; batch padding); None: every sample of sample_mask counts
+    valid: Any = None
 
     @property
     def num_rows(self) -> int:
@@ -335,6 +344,7 @@ def pack_batch(
         sample_index=sample_index,
         rewards=per_sample([float(m.reward) for m in samples], np.float32),
         sample_mask=per_sample(True, bool),
+        valid=per_sample([bool(getattr(m, "valid", True)) for m in samples], bool),
         staleness=per_sample([trainer_version - int(m.version) for m in samples], np.int32),
         response_lens=per_sample([_model_tokens(m) for m in samples], np.int32),
         routes=routes,

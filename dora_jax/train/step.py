@@ -3,8 +3,11 @@ abstract values; :class:`~dora_jax.train.trainer.Trainer` owns and runs it.
 
 ``train_step(state, batch) -> (state, metrics)`` does, all inside one jit:
 
-1. group-relative advantages from the batch's rewards (``[NG, G]`` by reshape, on device);
-2. per-token aggregation weights for the *whole* batch (:func:`losses.token_weights`);
+1. group-relative advantages from the batch's rewards (``[NG, G]`` by reshape, on device), over
+   the samples ``valid`` keeps (:func:`batch_advantages`);
+2. per-token aggregation weights for the *whole* batch (:func:`losses.token_weights`), zero on the
+   tokens of samples that are not ``valid`` (a failed call dropped by ``data.on_failure``: no
+   gradient from them, policy or KL, and they are not counted in the aggregation's denominators);
 3. a ``lax.scan`` (a plain call when ``M = 1``) over ``microbatches`` strided row slices (row
    ``i`` goes to microbatch ``i % M``, so each microbatch stays spread over the ``data`` axis),
    each computing chunked
@@ -173,19 +176,12 @@ def train_step_with_grads(
         raise ValueError(f"{S} samples are not whole groups of group_size={G}")
     if B % M:
         raise ValueError(f"{B} batch rows do not split into microbatches={M}")
-    NG = S // G
-    group_mask = batch.sample_mask.reshape(NG, G)[:, 0]
-    adv = group_advantages(
-        batch.rewards.reshape(NG, G),
-        group_mask,
-        mode=tcfg.advantage,
-        normalize_std=tcfg.normalize_std,
-        eps=tcfg.adv_eps,
-    ).reshape(S)
+    adv = batch_advantages(batch, tcfg)
     idx = batch.sample_index
     adv_tok = jnp.concatenate([adv, jnp.zeros((1,), jnp.float32)])[idx]
     fresh = jnp.concatenate([(batch.staleness == 0) & batch.sample_mask, jnp.zeros((1,), bool)])
     mask = batch.loss_mask.astype(bool)
+    counts = jnp.concatenate([_valid(batch), jnp.zeros((1,), bool)])[idx] & mask
     per_token = {
         "tokens": batch.tokens,
         "positions": batch.positions,
@@ -194,7 +190,7 @@ def train_step_with_grads(
         "loss_mask": mask,
         "behavior": batch.behavior_logprobs.astype(jnp.float32),
         "advantages": adv_tok,
-        "weights": token_weights(mask, idx, S, tcfg.loss_agg, tcfg.resolved_loss_norm_len),
+        "weights": token_weights(counts, idx, S, tcfg.loss_agg, tcfg.resolved_loss_norm_len),
         "stale0": fresh[idx] & mask,
     }
     if batch.routes is not None:
@@ -257,6 +253,31 @@ def train_step_with_grads(
     metrics["version"] = new_state.version
     metrics["skipped_total"] = new_state.skipped
     return new_state, metrics, grads
+
+
+def _valid(batch: TrainBatch) -> jax.Array:
+    """``bool[S]``: the samples that enter their group's baseline and the loss."""
+    mask = jnp.asarray(batch.sample_mask, bool)
+    return mask if batch.valid is None else mask & jnp.asarray(batch.valid, bool)
+
+
+def batch_advantages(batch: TrainBatch, tcfg: TrainConfig) -> jax.Array:
+    """``float32[S]``: every sample's group-relative advantage (``train.advantage``,
+    ``train.normalize_std``, ``train.adv_eps``), padding groups and samples that are not
+    ``valid`` left out of the baselines and given 0."""
+    S, G = batch.rewards.shape[0], tcfg.group_size
+    if S % G:
+        raise ValueError(f"{S} samples are not whole groups of group_size={G}")
+    NG = S // G
+    group_mask = jnp.asarray(batch.sample_mask, bool).reshape(NG, G)[:, 0]
+    return group_advantages(
+        jnp.asarray(batch.rewards).reshape(NG, G),
+        group_mask,
+        valid=_valid(batch).reshape(NG, G),
+        mode=tcfg.advantage,
+        normalize_std=tcfg.normalize_std,
+        eps=tcfg.adv_eps,
+    ).reshape(S)
 
 
 def _metrics(
@@ -350,6 +371,7 @@ def batch_shardings(
         response_lens=rep,
         routes=tok if model_cfg.is_moe else None,
         chunk_mask=rep if train_cfg.microbatch_tokens else None,
+        valid=rep,
     )
 
 
@@ -383,6 +405,7 @@ def abstract_batch(
         response_lens=smp(jnp.int32),
         routes=jax.ShapeDtypeStruct((rows, seq_len, *routes), jnp.int16) if routes else None,
         chunk_mask=None if M is None else jax.ShapeDtypeStruct((M,), jnp.bool_),
+        valid=smp(jnp.bool_),
     )
 
 
