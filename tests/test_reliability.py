@@ -133,7 +133,8 @@ def test_the_memory_plan_is_one_line_and_a_file(tmp_path, capsys):
     bad.write_bytes(b'{"prompt": "\xff-1=", "answer": "0"}\n')
     refused = [f"run_dir={run_dir}", *T, "data.task=jsonl", f"data.path={bad}"]
     rc, out = cli(capsys, *refused)
-    assert rc == 2 and "memory plan: at most" in out and "device 0:" not in out
+    assert rc == 2 and "memory plan: " in out and " on 8 CPU devices against " in out
+    assert "device 0:" not in out
     assert not (run_dir / "memory_plan.txt").exists()
     rc, out = cli(capsys, *refused, "logging.memory_plan=true")
     assert rc == 2 and "memory plan (GiB per device" in out and "  device 7: " in out
