@@ -16,6 +16,9 @@ import pytest
 import regex
 import torch
 from gguf import GGMLQuantizationType as Q
+from test_model_parity import (
+    hf_logits,  # tests/test_model_parity.py: logits of a transformers model
+)
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -218,16 +221,6 @@ def batch(vocab: int, seed: int = 1):
     return tokens, mask, positions
 
 
-def torch_logits(model, tokens, mask, positions) -> np.ndarray:
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens),
-            attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(positions),
-        )
-    return out.logits.float().numpy()
-
-
 def dora_logits(directory: Path, tokens, mask, positions) -> np.ndarray:
     cfg = load_hf_config(directory)
     params = load_hf_params(directory, cfg)
@@ -305,9 +298,9 @@ def test_converted_logits_match_transformers_gguf_loading(case, tmp_path):
     assert np.abs(q - llama_cpp_permute(hf["blk.0.attn_q.weight"], N)).max() > 4 * step
 
     tokens, mask, positions = batch(cfg["vocab_size"])
-    ref = torch_logits(ref_model, tokens, mask, positions)
+    ref = hf_logits(ref_model, tokens, mask, positions)
     assert np.abs(ref).max() > 1.0  # not a comparison of near-zero logits
-    assert max_real_diff(ref, torch_logits(conv_model, tokens, mask, positions), mask) <= TOL
+    assert max_real_diff(ref, hf_logits(conv_model, tokens, mask, positions), mask) <= TOL
     assert max_real_diff(ref, dora_logits(out, tokens, mask, positions), mask) <= TOL
 
 
@@ -584,11 +577,11 @@ def test_prepared_smollm2_matches_transformers_gguf_loading():
     )
     ids = np.asarray([ours.encode(prompt)])
     mask, positions = np.ones_like(ids), np.arange(ids.shape[1])[None]
-    ref = torch_logits(gguf_model(src), ids, mask, positions)
+    ref = hf_logits(gguf_model(src), ids, mask, positions)
     conv = AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    assert max_real_diff(ref, torch_logits(conv, ids, mask, positions), mask) <= TOL
+    assert max_real_diff(ref, hf_logits(conv, ids, mask, positions), mask) <= TOL
     # 30 float32 layers: transformers' and dora_jax's forwards each sit 9.8e-5 from transformers'
     # float64 forward of this directory, and 1.1e-4 from each other (measured on this prompt,
     # logits up to 39), so this comparison is held to 2e-4 and the same greedy token everywhere.
