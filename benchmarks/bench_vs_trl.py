@@ -50,7 +50,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from quiet import add_arguments, provenance, rel, wait_for_quiet  # noqa: E402
 
 from dora_jax.config import ExperimentConfig, load_config  # noqa: E402
-from dora_jax.curves import binomial_se  # noqa: E402
 from dora_jax.data.rewards import final_number_reward  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "recipes" / "smollm2-add-cpu.yaml"
@@ -252,6 +251,10 @@ def per_step(seconds: Sequence[float]) -> dict[str, float]:
         "mean": statistics.fmean(seconds) if seconds else math.nan,
         "first": seconds[0] if seconds else math.nan,
     }
+
+
+def binomial_se(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
 
 
 def dora_jax_figures(run_dir: Path, num_prompts: int) -> dict[str, Any]:

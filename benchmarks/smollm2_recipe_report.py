@@ -28,9 +28,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from quiet import commit, rel  # noqa: E402
 
-from dora_jax.config import load_config  # noqa: E402
-from dora_jax.curves import binomial_se, reward_curve_plot  # noqa: E402
+from dora_jax.curves import reward_curve_plot  # noqa: E402
 from dora_jax.metrics import read_metrics  # noqa: E402
+
+
+def binomial_se(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -44,8 +47,13 @@ def run_figures(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     n = len({r["problem"] for r in samples if r["step"] == evals[0]["step"]})
 
-    cfg = load_config(run_dir / "config.yaml")  # the run's resolved config
-    per_step = cfg.train.group_size * cfg.orchestrator.train_batch_prompts
+    cfg = (run_dir / "config.yaml").read_text()
+    for line in cfg.splitlines():
+        if line.strip().startswith("group_size:"):
+            g = int(line.split(":")[1])
+        if line.strip().startswith("train_batch_prompts:"):
+            tbs = int(line.split(":")[1].split("#")[0])
+    per_step = g * tbs
     held = [
         {
             "step": e["step"],

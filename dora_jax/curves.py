@@ -1,7 +1,6 @@
 """Curves against consumed samples: one line per run (:func:`reward_curve_plot`), or several
 seeds per run with their mean and its standard-error band (:func:`seed_band`,
-:func:`seed_band_plot`); the standard error of a measured share (:func:`binomial_se`). Drawn
-with ``matplotlib.figure.Figure`` (Agg; no pyplot)."""
+:func:`seed_band_plot`). Drawn with ``matplotlib.figure.Figure`` (Agg; no pyplot)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,6 @@ from typing import Any
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
-
-
-def binomial_se(p: float, n: int) -> float:
-    """Standard error of a share ``p`` measured on ``n`` independent problems."""
-    return float(np.sqrt(max(p * (1 - p), 0.0) / max(n, 1)))
 
 
 def reward_curve_plot(

@@ -34,7 +34,6 @@ import numpy as np
 
 from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
-from dora_jax.curves import binomial_se as binomial_se  # re-exported for its callers
 from dora_jax.data.examples import Example
 from dora_jax.data.reward_pool import Outcome
 from dora_jax.data.scoring import Scorer, with_finish_reason
@@ -103,6 +102,11 @@ def at_k_metrics(scores: np.ndarray) -> dict[str, float]:
     for j in js:
         out[f"pass@{j}"] = float(np.mean([pass_at_k(k, int(c), j) for c in solved]))
     return out
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of a share ``p`` measured on ``n`` independent problems."""
+    return float(np.sqrt(max(p * (1 - p), 0.0) / max(n, 1)))
 
 
 class Evaluator:
