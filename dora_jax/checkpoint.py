@@ -40,6 +40,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -105,16 +106,24 @@ def no_space(free: int, need: int) -> str | None:
 
 class _QuietSaveFailures(logging.Filter):
     """Once a run's checkpointer is open, orbax's own reports of a failed background save (error
-    logs with tracebacks, and the 'Event loop is closed' errors tensorstore prints when its writes
-    end after orbax gave up, possibly much later) are left out: :class:`CheckpointSaveError`
-    reports the failure once, with its cause. Installed for the rest of the process."""
+    logs with tracebacks, asyncio's reports of its write tasks' exceptions that nobody retrieved
+    once the save was abandoned, and the 'Event loop is closed' errors tensorstore prints when
+    its writes end after orbax gave up, possibly much later) are left out:
+    :class:`CheckpointSaveError` reports the failure once, with its cause. Installed for the rest
+    of the process."""
 
     def __init__(self):
         super().__init__()
         self._hook = self._unraisable = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+        if record.levelno < logging.ERROR:
+            return True
+        if record.name == "asyncio":  # "Task exception was never retrieved" of a failed write
+            tb = record.exc_info[2] if record.exc_info else None
+            files = [f.filename for f, _ in traceback.walk_tb(tb)]
+            return not any("orbax" in f for f in files) and "orbax" not in record.getMessage()
+        return "orbax" not in record.pathname
 
     def _excepthook(self, tp, value, tb):
         if tp is RuntimeError and str(value) == "Event loop is closed":
@@ -129,6 +138,7 @@ class _QuietSaveFailures(logging.Filter):
     def install(self) -> None:
         if self._hook is None:
             logging.getLogger("absl").addFilter(self)
+            logging.getLogger("asyncio").addFilter(self)
             self._hook, sys.excepthook = sys.excepthook, self._excepthook
             self._unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisablehook
 

@@ -89,6 +89,7 @@ RULES: tuple[tuple[str, str, str], ...] = (
     ("logging.", APPLY, "logging from now on"),
     ("env.workers", APPLY, _ENV_POOL),
     ("env.timeout_s", APPLY, _ENV_POOL),
+    ("env.max_workers", APPLY, _ENV_POOL),
     ("env.max_turns", APPLY, _ENV_LIMITS),
     ("env.max_env_seconds", APPLY, _ENV_LIMITS),
     ("env.reward", APPLY, "rewards are computed when conversations end"),

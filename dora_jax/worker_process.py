@@ -111,6 +111,11 @@ class WorkerPool:
     def _timeout_message(self, job: Any) -> str:
         return f"no answer within {self.timeout_s:g} s"
 
+    def _wake_times(self) -> list[float]:
+        """Moments (``time.monotonic``) besides the calls' deadlines when :meth:`_assign` has
+        something to do."""
+        return []
+
     # -- the caller's side -----------------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -140,6 +145,7 @@ class WorkerPool:
                     break
                 self._assign()
                 ends = [w.job.deadline for w in self._workers if w.job is not None]
+                ends += self._wake_times()
                 timeout = max(0.0, min(ends) - time.monotonic()) + 1e-3 if ends else None
                 fds = [self._wake_r] + [w.fd for w in self._workers if not w.dead]
             readable, _, _ = select.select(fds, [], [], timeout)

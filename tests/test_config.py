@@ -93,6 +93,7 @@ def test_every_preset_loads(preset):
         ),
         ("data.task=jsonl", r"^data\.path: must be set when task is 'jsonl'"),
         ("env.workers=0", r"^env\.workers: must be > 0, got 0 \(from"),
+        ("env.max_workers=-1", r"^env\.max_workers: must be a whole number >= 0, got -1 \(from"),
         ("env.timeout_s=0", r"^env\.timeout_s: must be > 0, got 0\.0 \(from"),
         ("env.max_turns=0", r"^env\.max_turns: must be > 0, got 0 \(from"),
         ("env.max_tokens=1", r"^env\.max_tokens: must be >= 2, or 0 \(rollout\.max_prompt_len"),

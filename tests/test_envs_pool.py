@@ -146,6 +146,54 @@ def test_hanging_calls_on_several_workers_time_out_together(flaky):
         pool.close()
 
 
+def test_hanging_calls_queued_on_one_worker_time_out_together(flaky):
+    """Episodes that live on one worker: their hanging calls do not wait in its queue one
+    timeout each (they did: n x timeout), they move to workers started for them and time out
+    together; with ``max_workers`` 0 the pool keeps to its one worker and they do queue."""
+    timeout, n = 2.0, 4
+    for max_workers, bound in ((n, 2.0 * timeout), (0, None)):
+        pool = EnvPool(flaky, None, workers=1, timeout_s=timeout, max_workers=max_workers)
+        try:
+            eps = [pool.reset(0, {}) for _ in range(n)]
+            assert [f.result(timeout=60).error for _, f in eps] == [None] * n
+            t0 = time.monotonic()
+            outs = [f.result(timeout=120) for f in [pool.step(e, "hang") for e, _ in eps]]
+            elapsed = time.monotonic() - t0
+            assert [o.error for o in outs] == ["timeout"] * n
+            if bound is not None:
+                assert elapsed < bound, elapsed
+                assert len(pool._workers) == n and pool.moved == n - 1
+            else:
+                assert elapsed >= n * timeout and len(pool._workers) == 1 and pool.moved == 0
+        finally:
+            pool.close()
+
+
+def test_a_call_moved_off_a_busy_worker_goes_on_from_its_episode(flaky):
+    """A call waiting behind another episode's hanging call moves to a worker started for it,
+    which rebuilds its episode by replay: its results go on as if it had stayed, and the worker
+    it left no longer holds it (a later call there would replay it, never reuse the stale
+    instance)."""
+    pool = EnvPool(flaky, None, workers=1, timeout_s=4.0, max_workers=2)  # moves after 1 s
+    try:
+        stuck, f1 = pool.reset(0, {})
+        moved, f2 = pool.reset(0, {})
+        f1.result(timeout=60), f2.result(timeout=60)
+        assert pool.step(moved, "ok").result(timeout=30).step.observation == "ok 1"
+        hung = pool.step(stuck, "hang")
+        t0 = time.monotonic()
+        out = pool.step(moved, "ok").result(timeout=30)
+        assert out.step.observation == "ok 2" and time.monotonic() - t0 < 3.5
+        assert not hung.done() and pool.moved == 1 and pool._episodes[moved].worker == 1
+        with pool._lock:  # its instance on worker 0 is freed as soon as that worker is free
+            left = pool._workers[0].queue
+            assert [(j.op, j.episode) for j in left] == [("close", moved)]
+        assert hung.result(timeout=30).error == "timeout"
+        assert pool.step(moved, "ok").result(timeout=30).step.terminated  # "ok 3"
+    finally:
+        pool.close()
+
+
 def test_an_episode_that_cannot_be_replayed_ends_crash(flaky):
     pool = EnvPool(flaky, None, workers=1, timeout_s=1.0)
     try:

@@ -444,6 +444,9 @@ class EnvConfig:
     # Left out of the config's hash (a dict has none); equality still compares them.
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     workers: int = 2  # worker processes running the environment's calls
+    # more are started, up to this many, for calls that wait behind a busy worker (a hanging
+    # call holds up only itself); 0 or fewer than ``workers``: no more than ``workers``
+    max_workers: int = 16
     timeout_s: float = 30.0  # a call past it is stopped (its worker killed) and ends the episode
     max_turns: int = 16  # model turns per episode
     # tokens of a whole episode, prompt included; 0: rollout.max_prompt_len +
@@ -471,6 +474,11 @@ class EnvConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError("kwargs", f"must be plain JSON data ({e})") from None
         check_positive(self, "workers", "max_turns")
+        _check(
+            isinstance(self.max_workers, int) and self.max_workers >= 0,
+            "max_workers",
+            f"must be a whole number >= 0, got {self.max_workers!r}",
+        )
         _check(
             self.timeout_s > 0 and math.isfinite(self.timeout_s),
             "timeout_s",

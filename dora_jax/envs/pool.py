@@ -10,6 +10,12 @@ environment raised), ``invalid`` (it returned junk), ``crash`` (the worker died,
 closed) or None. A failed call ends its episode (further steps are refused); the pool and the
 other episodes go on.
 
+A call does not wait long behind another episode's call on a busy worker: once it has waited
+``spill_after_s`` (a quarter of the timeout, at most 1 s) it moves to an idle worker, or to a
+worker started for it while the pool holds fewer than ``max_workers``; its episode is rebuilt
+there by replay, as below. A round of calls that all hang thus costs about one timeout, not one
+per call queued on a worker.
+
 Episodes that shared a killed worker are not lost: their next call carries their seed, task and
 actions, and the fresh worker replays them first (the replay has one ``timeout_s`` per replayed
 call; the call itself has its own ``timeout_s`` from the replay's end, so a call that hangs after
@@ -59,6 +65,7 @@ class _Job:
     episode: int
     msg: dict[str, Any]
     fut: Future
+    queued: float = field(default_factory=time.monotonic)
     sent: float = 0.0  # time.monotonic()
     t0: float = 0.0  # now()
     limit: float = 0.0
@@ -66,6 +73,11 @@ class _Job:
     @property
     def deadline(self) -> float:
         return self.sent + self.limit
+
+
+def _close(episode: int) -> _Job:
+    """Free the episode's instance in the worker whose queue this goes to (if it holds one)."""
+    return _Job(-1, "close", episode, {"op": "close", "episode": episode}, Future())
 
 
 class _Worker(WorkerProcess):
@@ -86,9 +98,13 @@ class EnvPool(WorkerPool):
         timeout_s: float,
         now: Callable[[], float] = time.monotonic,
         start_timeout_s: float = 120.0,
+        max_workers: int = 0,
     ):
         if workers < 1 or timeout_s <= 0:
             raise ValueError(f"need workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
+        self.max_workers = max(workers, max_workers)  # 0: never more than ``workers``
+        self.spill_after_s = min(1.0, timeout_s / 4)
+        self.moved = 0  # calls moved off a busy worker
         self.spec = spec
         self._kwargs_json = json.dumps(kwargs or {})
         self.spans: deque[tuple[str, str, float, float]] = deque(maxlen=100_000)
@@ -133,9 +149,7 @@ class EnvPool(WorkerPool):
             ep = self._episodes.pop(episode, None)
             if ep is not None:
                 w = self._workers[ep.worker]
-                w.queue.append(
-                    _Job(-1, "close", episode, {"op": "close", "episode": episode}, Future())
-                )
+                w.queue.append(_close(episode))
         self._wake()
 
     def episode_state(self, episode: int) -> dict[str, Any]:
@@ -206,7 +220,45 @@ class EnvPool(WorkerPool):
             fresh.queue = old.queue
         return fresh
 
+    def _wake_times(self) -> list[float]:
+        return [
+            job.queued + self.spill_after_s
+            for w in self._workers
+            if w.job is not None
+            for job in w.queue
+            if job.cid >= 0
+        ]
+
+    def _spill(self) -> None:
+        """Move calls that waited ``spill_after_s`` behind another call on a busy worker to an
+        idle one, starting one while the pool is below ``max_workers`` (the call waits there
+        for its start)."""
+        t = time.monotonic()
+        for w in list(self._workers):
+            if w.job is None:
+                continue
+            for job in [j for j in w.queue if j.cid >= 0 and t - j.queued >= self.spill_after_s]:
+                idle = [v for v in self._workers if v.ready and v.job is None and not v.queue]
+                if idle:
+                    target = idle[0]
+                elif len(self._workers) < self.max_workers and self._fatal is None:
+                    target = self._spawn(None)
+                    self._workers.append(target)
+                else:
+                    return
+                w.queue.remove(job)
+                job.queued = t
+                target.queue.append(job)
+                self.moved += 1
+                ep = self._episodes.get(job.episode)
+                if ep is not None:
+                    ep.worker = self._workers.index(target)
+                if job.episode in w.holds:  # its instance there is left behind: freed, and
+                    # a later call sent back to ``w`` replays the episode afresh
+                    w.queue.append(_close(job.episode))
+
     def _assign(self) -> None:
+        self._spill()
         for w in self._workers:
             while w.ready and w.job is None and w.queue:
                 job = w.queue.popleft()
