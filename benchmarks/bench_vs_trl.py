@@ -51,6 +51,7 @@ from quiet import add_arguments, provenance, rel, wait_for_quiet  # noqa: E402
 
 from dora_jax.config import ExperimentConfig, load_config  # noqa: E402
 from dora_jax.data.rewards import final_number_reward  # noqa: E402
+from dora_jax.metrics import binomial_se  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "recipes" / "smollm2-add-cpu.yaml"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "bench_vs_trl.json"
@@ -251,10 +252,6 @@ def per_step(seconds: Sequence[float]) -> dict[str, float]:
         "mean": statistics.fmean(seconds) if seconds else math.nan,
         "first": seconds[0] if seconds else math.nan,
     }
-
-
-def binomial_se(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
 
 
 def dora_jax_figures(run_dir: Path, num_prompts: int) -> dict[str, Any]:

@@ -29,11 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from quiet import commit, rel  # noqa: E402
 
 from dora_jax.curves import reward_curve_plot  # noqa: E402
-from dora_jax.metrics import read_metrics  # noqa: E402
-
-
-def binomial_se(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+from dora_jax.metrics import binomial_se, read_metrics  # noqa: E402
 
 
 def read_rows(path: Path) -> list[dict]:

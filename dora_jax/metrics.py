@@ -102,6 +102,11 @@ def is_number(x: Any) -> bool:
     return isinstance(x, bool | int | float | np.bool_ | np.integer | np.floating)
 
 
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of a share ``p`` measured on ``n`` independent problems."""
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+
+
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for k, v in metrics.items():

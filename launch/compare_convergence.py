@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 from dora_jax.config import load_config  # noqa: E402
 from dora_jax.curves import seed_band_plot  # noqa: E402
-from dora_jax.pipeline.evaluation import binomial_se  # noqa: E402
+from dora_jax.metrics import binomial_se  # noqa: E402
 from dora_jax.pipeline.experiment import build, run  # noqa: E402
 
 VARIANTS = {

@@ -183,8 +183,7 @@ def run_grpo(rec: Recorder, plan, out_dir: Path | None) -> dict:
     import jax
 
     from dora_jax.config import load_config
-    from dora_jax.metrics import read_metrics
-    from dora_jax.pipeline.evaluation import binomial_se
+    from dora_jax.metrics import binomial_se, read_metrics
     from dora_jax.pipeline.experiment import build, run
     from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
 

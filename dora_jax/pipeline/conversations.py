@@ -507,15 +507,8 @@ def build_env(
     max_prompt_len = max_prompt_len or cfg.rollout.max_prompt_len
     max_new_tokens = max_new_tokens or cfg.rollout.max_new_tokens
     limits = env_limits(env, max_prompt_len, max_new_tokens)
-    extra = {} if now is None else {"now": now}
-    pool = EnvPool(
-        resolve_spec(env.spec),
-        env.kwargs,
-        env.workers,
-        env.timeout_s,
-        max_workers=env.max_workers,
-        **extra,
-    )
+    extra = {"max_workers": env.max_workers} | ({} if now is None else {"now": now})
+    pool = EnvPool(resolve_spec(env.spec), env.kwargs, env.workers, env.timeout_s, **extra)
     try:
         driver = EnvTurnDriver(pool, tokenizer, limits, env.reward)
         prompts = EnvPrompts(

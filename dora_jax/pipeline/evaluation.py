@@ -104,11 +104,6 @@ def at_k_metrics(scores: np.ndarray) -> dict[str, float]:
     return out
 
 
-def binomial_se(p: float, n: int) -> float:
-    """Standard error of a share ``p`` measured on ``n`` independent problems."""
-    return float(np.sqrt(max(p * (1 - p), 0.0) / max(n, 1)))
-
-
 class Evaluator:
     def __init__(
         self,

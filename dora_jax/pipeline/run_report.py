@@ -10,9 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 from dora_jax.curves import reward_curve_plot
-from dora_jax.metrics import METRICS_FILE, read_metrics
+from dora_jax.metrics import METRICS_FILE, binomial_se, read_metrics
 from dora_jax.orchestrator.runtime import RunResult
-from dora_jax.pipeline.evaluation import binomial_se
 from dora_jax.pipeline.experiment import Experiment
 from dora_jax.pipeline.grpo import FAILURE_FIGURES
 from dora_jax.pipeline.observers import HeldOutEval, step_reward, step_solved

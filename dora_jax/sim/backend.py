@@ -25,13 +25,8 @@ only (each migrated request brings its own KV).
 training (no rollout progress, no transfer): the trainer calls it when rollout and training share
 the devices.
 
-**One shared device** (``shared_device``: the rollout groups of the CPU preset's two-process
-arrangement, four engines on one pinned core). Each tick's ``tick_s`` is divided among the groups
-with work, water-filled by what each has to do (the rest of its transfers, its prefill, its
-decode until its furthest turn end, at the cost model's rates; what those estimates leave over
-is split evenly among them): a group alone gets the whole tick, four busy ones a quarter
-each. The part of the tick a group does not get counts as idle (it waits for the device), not
-as its environment wait.
+**One shared device** (``shared_device``): each tick's ``tick_s`` is divided among the groups
+with work (:mod:`dora_jax.sim.shared_device`).
 
 **Conversations** (``conversations`` given: :mod:`dora_jax.sim.conversations`). A request
 decodes model turn after model turn. At the end of one (its ``target``) it frees its decode slot
@@ -74,6 +69,7 @@ from dora_jax.orchestrator.backend import (
 )
 from dora_jax.sim.conversations import US, Conversations
 from dora_jax.sim.cost_model import CostModel
+from dora_jax.sim.shared_device import device_shares
 from dora_jax.sim.waiting import WaitingRequests
 from dora_jax.sim.workload import ResponseLengths
 
@@ -475,7 +471,7 @@ class SimBackend(WaitingRequests):
             self.carry[trip] = 0.0
             budget = np.where(trip, 0.0, dt + self.carry)
             if self.shared_device:  # each group's share of the device's tick, and its own carry
-                share, working = self._device_shares(sched, trip)
+                share, working = device_shares(self, sched, trip)
                 budget = share + self.carry
             for c, arr in ((TRANSFER, self.busy), (MIGRATE, self.mig)):
                 use = np.minimum(arr, np.maximum(budget, 0.0))
@@ -510,44 +506,6 @@ class SimBackend(WaitingRequests):
         ticks = tuple(GroupTick(g, v, _ACTIVITY[a], *rest) for g, v, a, *rest in rows)
         self._tick += 1
         return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
-
-    def _device_shares(
-        self, sched: np.ndarray | None, away: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Seconds of this tick each group gets of the one device the groups share: ``tick_s``
-        water-filled by each group's work (the rest of its transfers and KV imports, its
-        pending prefill in one call, and decode steps until its furthest turn end at the cost
-        model's step time for its batch), less what it carried over; and which groups have
-        work. Groups ``away`` (waiting for their weights) take no share."""
-        w = int(self.n.max())
-        valid = self._col[None, :w] < self.n[:, None]
-        live = valid if sched is None else valid & sched
-        pf = np.where(live, self.pf[:, :w], 0)
-        full = self.plen[:, :w] + self.gen[:, :w]
-        pairs = np.where(live, self.cost.causal_pairs(full - pf, full), 0.0)
-        rem = np.where(live, self.target[:, :w] - self.gen[:, :w], 0)
-        nr = (live & (rem > 0)).sum(axis=1)
-        ctx = np.where(live, full, 0).sum(axis=1)
-        step = self.cost.decode_step_s(np.maximum(nr, 1), ctx)
-        need = (
-            self.busy
-            + self.mig
-            + np.where(
-                pf.sum(axis=1) > 0, self.cost.prefill_s(pf.sum(axis=1), pairs.sum(axis=1)), 0.0
-            )
-        )
-        need = need + np.where(nr > 0, step * rem.max(axis=1, initial=0), 0.0)
-        need = np.where(away, 0.0, need)
-        working = need > 0
-        need = np.maximum(need - self.carry, 0.0)
-        share = np.zeros(self.num_groups)
-        left, todo = self.tick_s, [int(g) for g in np.argsort(need, kind="stable") if need[g] > 0]
-        for i, g in enumerate(todo):  # the smallest needs first, each up to an equal split
-            share[g] = min(need[g], left / (len(todo) - i))
-            left -= share[g]
-        if todo and left > 0:  # what no estimate claimed (they are estimates): to all of them
-            share[todo] += left / len(todo)
-        return share, working
 
     def _decode(
         self, w: int, budget: np.ndarray, secs: np.ndarray, sched: np.ndarray | None = None
