@@ -335,3 +335,29 @@ def test_head_keeps_only_the_first_ticks():
     assert len(h.groups) == len(h.cluster) == 50 < len(rec.groups)
     assert all(t < 50 for t, *_ in h.transfers) and all(s.start < 50 for s in h.steps)
     assert all(c.tick < 50 for c in h.consumed) and len(h.consumed) < len(rec.consumed)
+
+
+def test_lag_figures_one_per_lag_with_tokens():
+    """The train step's per-lag arrays become ``lag/<k>/<name>`` figures for the lags that had
+    tokens in the step; the arrays themselves leave the record."""
+    from dora_jax.pipeline.observers import lag_figures
+
+    m = {
+        "loss": 0.5,
+        "lag_tokens": [10.0, 0.0, 4.0],
+        "lag_ess": [1.0, 0.0, 0.75],
+        "lag_clip_frac": [0.0, 0.0, 0.25],
+        "lag_kl": [1e-7, 0.0, 0.02],
+    }
+    assert lag_figures(m) == {
+        "loss": 0.5,
+        "lag/0/tokens": 10.0,
+        "lag/0/ess": 1.0,
+        "lag/0/clip_frac": 0.0,
+        "lag/0/kl": 1e-7,
+        "lag/2/tokens": 4.0,
+        "lag/2/ess": 0.75,
+        "lag/2/clip_frac": 0.25,
+        "lag/2/kl": 0.02,
+    }
+    assert lag_figures({"loss": 1.0}) == {"loss": 1.0}  # a step without them (a fake trainer)

@@ -194,6 +194,31 @@ def np_step_oracle(params, batch, tcfg, ref_params=None):
     }
 
 
+def np_lag_oracle(params, batch, tcfg):
+    """Per staleness bin: response tokens, the normalised ESS of the token importance weights,
+    the clipped share (either side) and the behavior KL (k3), from per-sample loops."""
+    lp, _ = np_token_stats(params, batch, MODEL)
+    adv = np_advantages(batch, tcfg)
+    bins = tcfg.staleness_bins
+    w_of = [[] for _ in range(bins)]
+    clip, kl = np.zeros(bins), np.zeros(bins)
+    for s in range(batch.num_samples):
+        sel = (batch.sample_index == s) & batch.loss_mask
+        if not sel.any():
+            continue
+        k = min(int(batch.staleness[s]), bins - 1)
+        r = np.exp(lp[sel] - batch.behavior_logprobs[sel].astype(np.float64))
+        a = adv[s]
+        w_of[k] += r.tolist()
+        clip[k] += ((a < 0) & (r < 1 - tcfg.clip_eps_low)).sum()
+        clip[k] += ((a > 0) & (r > 1 + tcfg.clip_eps_high)).sum()
+        kl[k] += (r - 1 - np.log(r)).sum()
+    n = np.array([len(w) for w in w_of], np.float64)
+    ess = np.array([np.sum(w) ** 2 / (len(w) * np.sum(np.square(w))) if w else 0.0 for w in w_of])
+    per = lambda x: np.where(n > 0, x / np.maximum(n, 1), 0.0)  # noqa: E731
+    return {"lag_tokens": n, "lag_ess": ess, "lag_clip_frac": per(clip), "lag_kl": per(kl)}
+
+
 def assert_metrics_match(metrics, oracle):
     for k, want in oracle.items():
         np.testing.assert_allclose(float(metrics[k]), want, rtol=2e-5, atol=2e-6, err_msg=k)
@@ -236,6 +261,9 @@ def test_staleness0_ratio_is_one_and_nothing_clipped(first_step, batch0):
     assert abs(float(m["approx_kl"])) < 1e-6 and abs(float(m["mismatch_kl"])) < 1e-6
     assert float(m["mismatch_tokens"]) == float(m["num_tokens"]) == batch0.loss_mask.sum()
     assert int(m["skipped"]) == 0 and int(m["version"]) == 1
+    # every weight 1: the ESS is all of the tokens, at lag 0 only
+    assert abs(float(m["lag_ess"][0]) - 1.0) < 1e-6 and not m["lag_ess"][1:].any()
+    assert float(m["lag_tokens"][0]) == batch0.loss_mask.sum()
 
 
 def test_step_matches_numpy_oracle(base, params0):
@@ -249,6 +277,11 @@ def test_step_matches_numpy_oracle(base, params0):
     assert 0 < oracle["mismatch_tokens"] < oracle["num_tokens"]
     assert_metrics_match(m, oracle)
     assert m["staleness_hist"].tolist() == [4, 0, 4, 0, 0, 0, 0, 0]
+    lags = np_lag_oracle(params0, b, TRAIN)  # the drift by lag: lags 0 and 2 have tokens
+    assert lags["lag_tokens"][[0, 2]].all() and not lags["lag_tokens"][[1, 3]].any()
+    assert 0.3 < lags["lag_ess"][2] < 0.99 and lags["lag_kl"][2] > 0
+    for k, want in lags.items():
+        np.testing.assert_allclose(np.asarray(m[k]), want, rtol=2e-5, atol=2e-6, err_msg=k)
     lens = b.response_lens[b.sample_mask]
     np.testing.assert_allclose(float(m["response_len_mean"]), lens.mean(), rtol=1e-6)
     assert int(m["response_len_max"]) == lens.max()

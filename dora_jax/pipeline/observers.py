@@ -38,6 +38,19 @@ def step_solved(log) -> float:
     return float(np.mean([r >= 1.0 for r in log.rewards]))
 
 
+LAG_FIGURES = ("tokens", "ess", "clip_frac", "kl")
+
+
+def lag_figures(m: dict) -> dict:
+    """The train step's per-lag arrays (``lag_tokens``, ``lag_ess``, ...: one entry per
+    staleness) as one figure per lag that had tokens this step, ``lag/<k>/<name>``."""
+    arrays = {name: m.pop(f"lag_{name}", None) for name in LAG_FIGURES}
+    for k, n in enumerate(arrays["tokens"] or ()):
+        if n > 0:
+            m |= {f"lag/{k}/{name}": arrays[name][k] for name in LAG_FIGURES}
+    return m
+
+
 class MetricsLog:
     """Writes every new step log of the trainer at the version's publication."""
 
@@ -81,7 +94,7 @@ class MetricsLog:
             self.seen += 1
 
     def write(self, log) -> None:
-        m = {k: np.asarray(v).tolist() for k, v in log.metrics.items()}
+        m = lag_figures({k: np.asarray(v).tolist() for k, v in log.metrics.items()})
         reward, solved = step_reward(log), step_solved(log)
         self.tokens += int(m["num_tokens"])
         elapsed = time.perf_counter() - self.t0

@@ -20,11 +20,19 @@ abstract values; :class:`~dora_jax.train.trainer.Trainer` owns and runs it.
 
 All metrics are computed from the logprobs of the params *before* the update. ``mismatch_kl``
 restricts the behavior KL to staleness-0 samples: the trainer and the engine then ran the same
-version, so it measures their numeric mismatch alone. Mixture-of-experts batches carry the
-engine's routes: with ``train.routing_replay`` the forward uses them. ``routing_diff_share`` is
-the share of tokens with recorded routes that the forward sent to another set of experts (in
-any layer) than the engine did: the router's disagreement without replay (numerics, and the
-policy's change for stale samples), 0 with it (the forward reports the experts it used).
+version, so it measures their numeric mismatch alone. The off-policy drift by lag (staleness
+``k``, ``0 .. staleness_bins - 1``, the last bin also counting larger lags), over the response
+tokens of the samples of that lag: ``lag_tokens``; ``lag_ess``, the normalised effective sample
+size of the token importance weights ``w = pi_theta / pi_behavior``, ``(sum w)^2 / (n sum
+w^2)`` (1 when every weight is equal; lag 0's distance from 1 is what engine/trainer numerics
+alone cause, the floor for the others); ``lag_clip_frac`` (tokens outside the clip range, either
+side) and ``lag_kl`` (the behavior KL, ``approx_kl``'s estimator). A lag with no tokens reads 0.
+
+Mixture-of-experts batches carry the engine's routes: with ``train.routing_replay`` the forward uses
+them. ``routing_diff_share`` is the share of tokens with recorded routes that the forward sent to
+another set of experts (in any layer) than the engine did: the router's disagreement without replay
+(numerics, and the policy's change for stale samples), 0 with it (the forward reports the experts it
+used).
 """
 
 from __future__ import annotations
@@ -68,6 +76,8 @@ SUM_KEYS = (
     "routed_tokens",
     "routing_diff",
 )
+LAG_SUM_KEYS = ("lag_tokens", "lag_w", "lag_w2", "lag_clip", "lag_kl")  # float32[staleness_bins]
+MAX_LOG_WEIGHT = 30.0  # |log w| is clipped here for the ESS sums (w^2 stays finite in float32)
 
 
 def _split_microbatches(x: jax.Array, m: int) -> jax.Array:
@@ -142,6 +152,17 @@ def _microbatch_loss(
         "routed_tokens": routed,
         "routing_diff": routing_diff,
     }
+    bins = tcfg.staleness_bins
+    log_w = jnp.clip(lp - toks["behavior"], -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+    w = jnp.exp(log_w)
+    clipped = (sur.clipped_low | sur.clipped_high).astype(jnp.float32)
+
+    def lag_sum(x: jax.Array) -> jax.Array:
+        x = jnp.broadcast_to(jnp.where(mask, x, 0.0).astype(jnp.float32), mask.shape)
+        return jax.ops.segment_sum(x.ravel(), mb["lag"].ravel(), num_segments=bins)
+
+    for key, x in zip(LAG_SUM_KEYS, (1.0, w, w * w, clipped, kl_behavior), strict=True):
+        sums[key] = lag_sum(x)
     return loss, sums
 
 
@@ -180,6 +201,7 @@ def train_step_with_grads(
     idx = batch.sample_index
     adv_tok = jnp.concatenate([adv, jnp.zeros((1,), jnp.float32)])[idx]
     fresh = jnp.concatenate([(batch.staleness == 0) & batch.sample_mask, jnp.zeros((1,), bool)])
+    lags = jnp.clip(jnp.asarray(batch.staleness, jnp.int32), 0, tcfg.staleness_bins - 1)
     mask = batch.loss_mask.astype(bool)
     counts = jnp.concatenate([_valid(batch), jnp.zeros((1,), bool)])[idx] & mask
     per_token = {
@@ -192,6 +214,7 @@ def train_step_with_grads(
         "advantages": adv_tok,
         "weights": token_weights(counts, idx, S, tcfg.loss_agg, tcfg.resolved_loss_norm_len),
         "stale0": fresh[idx] & mask,
+        "lag": jnp.concatenate([lags, jnp.zeros((1,), jnp.int32)])[idx],
     }
     if batch.routes is not None:
         per_token["routes"] = batch.routes
@@ -205,7 +228,9 @@ def train_step_with_grads(
     # w.r.t. them is the one w.r.t. the master copy (a cast's transpose is a cast), so only the
     # float32 accumulator is master-sized.
     params = model_params(state) if uses_master(state.model_cfg, tcfg) else state.params
-    zero_sums = {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS}
+    zero_sums = {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS} | {
+        k: jnp.zeros((tcfg.staleness_bins,), jnp.float32) for k in LAG_SUM_KEYS
+    }
 
     def body(carry, mb):
         g_acc, loss_acc, sums_acc = carry
@@ -296,7 +321,15 @@ def _metrics(
     bins = tcfg.staleness_bins
     hist_idx = jnp.clip(batch.staleness, 0, bins - 1)
     lens = jnp.where(valid, batch.response_lens, 0)
+    lag_n = sums["lag_tokens"]
+    some = lag_n > 0
+    per_lag = lambda x: jnp.where(some, x / jnp.maximum(lag_n, 1.0), 0.0)  # noqa: E731
+    ess = sums["lag_w"] ** 2 / jnp.maximum(lag_n * sums["lag_w2"], 1e-30)
     return {
+        "lag_tokens": lag_n,
+        "lag_ess": jnp.where(some, ess, 0.0),
+        "lag_clip_frac": per_lag(sums["lag_clip"]),
+        "lag_kl": per_lag(sums["lag_kl"]),
         "loss": loss,
         "pg_loss": sums["pg_loss"],
         "kl_ref": sums["kl_ref"],
