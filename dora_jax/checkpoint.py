@@ -121,7 +121,7 @@ class _QuietSaveFailures(logging.Filter):
             return True
         if record.name == "asyncio":  # "Task exception was never retrieved" of a failed write
             tb = record.exc_info[2] if record.exc_info else None
-            files = [f.filename for f, _ in traceback.walk_tb(tb)]
+            files = [f.filename for f in traceback.extract_tb(tb)] if tb is not None else []
             return not any("orbax" in f for f in files) and "orbax" not in record.getMessage()
         return "orbax" not in record.pathname
 

@@ -170,3 +170,32 @@ def test_the_no_space_message_shows_free_below_needed():
         assert got, text
         assert float(got[1].replace(",", "")) < float(got[3].replace(",", "")), text
     assert "KiB" in no_space(50_000, 49_000) and "MiB" in no_space(20 * mib, 19 * mib)
+
+
+def test_asyncio_reports_of_orbax_write_tasks_are_left_out():
+    """After a failed save, asyncio reports orbax's abandoned write tasks ("Task exception was
+    never retrieved", with the traceback): the run's filter leaves those out, and only those."""
+    import logging
+    import sys
+
+    from dora_jax.checkpoint import _QuietSaveFailures
+
+    ns: dict = {}
+    exec(compile("def write():\n    raise ValueError('disk')\n", "/x/orbax/fake.py", "exec"), ns)
+    try:
+        ns["write"]()
+    except ValueError:
+        from_orbax = sys.exc_info()
+    try:
+        raise KeyError("user")
+    except KeyError:
+        from_user = sys.exc_info()
+
+    def record(exc_info, msg="Task exception was never retrieved"):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, (), exc_info)
+
+    quiet = _QuietSaveFailures()
+    assert not quiet.filter(record(from_orbax))
+    assert not quiet.filter(record(None, "future: <Task ... orbax-checkpoint-tmp ...>"))
+    assert quiet.filter(record(from_user))  # someone else's task: still reported
+    assert quiet.filter(record(None, "an unrelated asyncio error"))

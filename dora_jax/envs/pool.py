@@ -221,6 +221,11 @@ class EnvPool(WorkerPool):
         return fresh
 
     def _wake_times(self) -> list[float]:
+        # only while a call could move: else a saturated pool's overdue calls would wake the
+        # dispatcher at once, again and again (a worker's answer or start wakes it anyway)
+        grow = len(self._workers) < self.max_workers and self._fatal is None
+        if not grow and not any(v.ready and v.job is None and not v.queue for v in self._workers):
+            return []
         return [
             job.queued + self.spill_after_s
             for w in self._workers
