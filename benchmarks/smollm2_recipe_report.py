@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from quiet import commit, rel  # noqa: E402
 
+from dora_jax.config import load_config  # noqa: E402
 from dora_jax.curves import reward_curve_plot  # noqa: E402
 from dora_jax.metrics import binomial_se, read_metrics  # noqa: E402
 
@@ -43,13 +44,8 @@ def run_figures(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     n = len({r["problem"] for r in samples if r["step"] == evals[0]["step"]})
 
-    cfg = (run_dir / "config.yaml").read_text()
-    for line in cfg.splitlines():
-        if line.strip().startswith("group_size:"):
-            g = int(line.split(":")[1])
-        if line.strip().startswith("train_batch_prompts:"):
-            tbs = int(line.split(":")[1].split("#")[0])
-    per_step = g * tbs
+    cfg = load_config(run_dir / "config.yaml")
+    per_step = cfg.train.group_size * cfg.orchestrator.train_batch_prompts
     held = [
         {
             "step": e["step"],
