@@ -220,11 +220,16 @@ class EnvPool(WorkerPool):
             fresh.queue = old.queue
         return fresh
 
+    def _idle(self) -> list[_Worker]:
+        return [v for v in self._workers if v.ready and v.job is None and not v.queue]
+
+    def _can_grow(self) -> bool:
+        return len(self._workers) < self.max_workers and self._fatal is None
+
     def _wake_times(self) -> list[float]:
         # only while a call could move: else a saturated pool's overdue calls would wake the
         # dispatcher at once, again and again (a worker's answer or start wakes it anyway)
-        grow = len(self._workers) < self.max_workers and self._fatal is None
-        if not grow and not any(v.ready and v.job is None and not v.queue for v in self._workers):
+        if not self._can_grow() and not self._idle():
             return []
         return [
             job.queued + self.spill_after_s
@@ -243,10 +248,10 @@ class EnvPool(WorkerPool):
             if w.job is None:
                 continue
             for job in [j for j in w.queue if j.cid >= 0 and t - j.queued >= self.spill_after_s]:
-                idle = [v for v in self._workers if v.ready and v.job is None and not v.queue]
+                idle = self._idle()
                 if idle:
                     target = idle[0]
-                elif len(self._workers) < self.max_workers and self._fatal is None:
+                elif self._can_grow():
                     target = self._spawn(None)
                     self._workers.append(target)
                 else:

@@ -37,6 +37,8 @@ used).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -77,7 +79,7 @@ SUM_KEYS = (
     "routing_diff",
 )
 LAG_SUM_KEYS = ("lag_tokens", "lag_w", "lag_w2", "lag_clip", "lag_kl")  # float32[staleness_bins]
-MAX_LOG_WEIGHT = 30.0  # |log w| is clipped here for the ESS sums (w^2 stays finite in float32)
+MAX_WEIGHT = math.exp(30.0)  # w is capped here for the ESS sums (w^2 stays finite)
 
 
 def _split_microbatches(x: jax.Array, m: int) -> jax.Array:
@@ -153,8 +155,7 @@ def _microbatch_loss(
         "routing_diff": routing_diff,
     }
     bins = tcfg.staleness_bins
-    log_w = jnp.clip(lp - toks["behavior"], -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
-    w = jnp.exp(log_w)
+    w = jnp.minimum(jax.lax.stop_gradient(sur.ratio), MAX_WEIGHT)  # the surrogate's own ratio
     clipped = (sur.clipped_low | sur.clipped_high).astype(jnp.float32)
 
     def lag_sum(x: jax.Array) -> jax.Array:
