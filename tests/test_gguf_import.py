@@ -556,15 +556,22 @@ def test_prepare_refuses_a_wheel_with_the_wrong_sha256(tiny_known, tmp_path, mon
 # the real model, when prepared
 
 
+def _prepared_gguf(out: Path) -> Path | None:
+    """The GGUF file a prepared ``out`` was converted from, if both are there."""
+    marker = read_marker(out)
+    src = Path(marker["gguf_file"]) if marker is not None else None
+    return src if src is not None and src.is_file() else None
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(
+    _prepared_gguf(ROOT / "models" / "smollm2-135m-instruct") is None,
+    reason="needs python launch/prepare_model.py smollm2-135m-instruct (the converted directory "
+    "and the GGUF file its conversion.json names)",
+)
 def test_prepared_smollm2_matches_transformers_gguf_loading():
     out = ROOT / "models" / "smollm2-135m-instruct"
-    marker = read_marker(out)
-    if marker is None:
-        pytest.skip(f"{out} is not prepared (python launch/prepare_model.py smollm2-135m-instruct)")
-    src = Path(marker["gguf_file"])
-    if not src.is_file():
-        pytest.skip(f"the GGUF {src} named by {out / 'conversion.json'} is gone")
+    src = _prepared_gguf(out)
     ours = HFTokenizer(out)
     gguf_tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     specials = [gguf_tok.convert_ids_to_tokens(i) for i in range(17)]  # the control tokens
