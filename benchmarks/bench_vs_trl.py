@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -95,15 +96,17 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def lr_factor(total_steps: int, warmup_steps: int, schedule: str, n: int) -> float:
-    """dora_jax's learning-rate multiplier at optimizer step ``n`` (0-based; see
-    ``dora_jax.train.state.lr_schedule``): a linear warmup ``(n + 1) / W``, then constant or a
-    cosine decay to 0 at ``total_steps``. (transformers' own warmup is ``n / W``: one step later,
-    and the first step at learning rate 0, so TRL's trainer is given this one instead.)"""
-    warm = min(1.0, (n + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if schedule == "constant":
-        return warm
-    progress = min(max((n - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0), 1.0)
-    return warm * 0.5 * (1.0 + math.cos(math.pi * progress))
+    """dora_jax's learning-rate multiplier at optimizer step ``n`` (0-based), from
+    ``dora_jax.train.state.lr_schedule`` itself: a linear warmup ``(n + 1) / W``, then constant
+    or a cosine decay to 0 at ``total_steps``. (transformers' own warmup is ``n / W``: one step
+    later, and the first step at learning rate 0, so TRL's trainer is given this one instead.)"""
+    from dora_jax.config import TrainConfig
+    from dora_jax.train.state import lr_schedule  # jax: after main() chose the platform
+
+    cfg = dataclasses.replace(
+        TrainConfig(), lr=1.0, total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule
+    )
+    return float(lr_schedule(cfg)(n))
 
 
 def micro_batch(cfg: ExperimentConfig) -> int:
