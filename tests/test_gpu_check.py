@@ -331,3 +331,22 @@ def test_grpo_section_smoke_with_the_real_model(tmp_path):
     assert row["rollout_tokens"] > 0 and row["rollout_tokens_per_s"] > 0
     assert row["train_real_tokens_per_s"] > 0 and row["held_out_problems"] == 2
     assert (tmp_path / "gc" / "gpu_check_grpo_metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_the_train_probe_times_a_variant_and_records_a_bad_one(tmp_path):
+    """launch/gpu_train_probe.py at the smoke plan's shapes: the check's own step is timed and
+    written; a variant the CPU cannot run (cuDNN attention) is recorded as an error, not raised."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(ROOT / "launch" / "gpu_train_probe.py"), "--cpu-smoke"]
+    cmd += ["--out", str(tmp_path), "--repeats", "1", "--only", "as_check", "--only", "cudnn"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_train_probe.json").read_text())["variants"]
+    assert set(rows) == {"as_check", "cudnn"}
+    assert rows["as_check"]["status"] == "ok"
+    assert rows["as_check"]["step_s"] > 0 and rows["as_check"]["tokens_per_s"] > 0
+    assert (
+        rows["cudnn"]["status"].startswith("error: ValueError")
+        and "cudnn" in rows["cudnn"]["status"]
+    )
