@@ -10,7 +10,8 @@ first) this process reaches ``POINT``, it does ``ACTION``:
 The points: ``save`` (a checkpoint handed to orbax, still being written when saves are async),
 ``train_step`` (the jitted step dispatched, its results not yet taken in), ``migration`` (requests
 left their source group's books, not yet moved), ``eval`` (inside a held-out evaluation),
-``warm_start`` (after a warm-start step).
+``warm_start`` (after a warm-start step), ``engine_step`` (a rollout engine about to take a step:
+``raise`` there is a failed engine, which the run recovers from).
 Unset, :func:`point` costs one dictionary lookup.
 """
 
@@ -22,7 +23,7 @@ import signal
 from collections import Counter
 
 ENV = "DORA_FAULT"
-POINTS = ("save", "train_step", "migration", "eval", "warm_start")
+POINTS = ("save", "train_step", "migration", "eval", "warm_start", "engine_step")
 ACTIONS = ("kill", "raise", "enospc")
 _reached: Counter = Counter()
 _parsed: tuple[str, dict[str, tuple[int, str]]] | None = None

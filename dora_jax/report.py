@@ -489,6 +489,11 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
         ("weight transfers", str(s.weight_transfers)),
         ("re-prefill tokens", str(s.reprefill_tokens)),
         ("discarded requests", str(s.discarded)),
+        (
+            "failed rollout groups / requests recovered",
+            f"{s.group_failures} / "
+            + (", ".join(f"{n} from {k}" for k, n in sorted(s.recovered.items())) or "0"),
+        ),
         ("plans (mean / max ms)", f"{s.plans} ({_f(s.plan_ms_mean)} / {_f(s.plan_ms_max)})"),
         (
             f"reward start -> end (mean of {rw['n_avg']} steps)",

@@ -40,6 +40,7 @@ _ENV_POOL = (
     "the environment worker pool is started afresh from the config; episodes in flight are "
     "rebuilt on it from their seed, task and actions"
 )
+_RECOVERY = "how a failed rollout group's requests are recovered from now on (not what they sample)"
 _ENV_LIMITS = "the episode limits of conversations from now on, those in flight included"
 
 # (field or section prefix, action, why): the first entry that matches a field decides.
@@ -49,6 +50,8 @@ RULES: tuple[tuple[str, str, str], ...] = (
     ("model.remat", APPLY, "rematerialisation changes memory and speed, not results"),
     ("model.", REFUSE, "the checkpoint's params, optimizer state and KV pages have this model"),
     ("mesh.", REFUSE, "the checkpoint's requests and KV pages live on these groups and devices"),
+    ("rollout.backup_every_steps", APPLY, _RECOVERY),
+    ("rollout.max_group_restarts", APPLY, _RECOVERY),
     ("rollout.", REFUSE, "requests in flight were sampled and their KV pages laid out under it"),
     ("train.group_size", REFUSE, "prompt groups in flight have this many members"),
     ("train.fp32_master_weights", REFUSE, _LAYOUT),

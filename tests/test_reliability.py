@@ -360,6 +360,29 @@ def test_total_steps_is_the_number_of_updates(tmp_path):
     assert len(exp.runtime.records.consumed) == 2 * 2 * 2
 
 
+@pytest.mark.slow  # one training run
+def test_a_failed_rollout_engine_costs_its_work_not_the_run(tmp_path, capsys, monkeypatch):
+    """The train command with an engine step that raises: the group is rebuilt, its requests go
+    on elsewhere, the run finishes with every prompt group consumed once."""
+    monkeypatch.setenv(faults.ENV, "engine_step@30:raise")
+    run_dir = tmp_path / "run"
+    rc, out = cli(
+        capsys, f"run_dir={run_dir}", *T, "train.total_steps=3", "rollout.backup_every_steps=2"
+    )
+    expect("engine-failure", out, rc)
+    summary = json.loads((run_dir / "summary.json").read_text())["summary"]
+    assert summary["group_failures"] == 1
+    assert sum(summary["recovered"].values()) > 0 and set(summary["recovered"]) <= {
+        "kv",
+        "tokens",
+        "prompt",
+    }
+    rows = (run_dir / "consumed.jsonl").read_text().splitlines()
+    ids = [json.loads(line)["request_id"] for line in rows]
+    assert ids and len(ids) == len(set(ids))  # nothing consumed twice
+    assert all(json.loads(line)["version_span"] == 1 for line in rows)
+
+
 @pytest.mark.slow  # a run to its stop: 13 s (the default suite stays under 15 minutes)
 def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path, capsys):
     """lr=1e30 after a short warm start: the update blows the params up, the next steps are

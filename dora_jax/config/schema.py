@@ -57,9 +57,18 @@ class RolloutConfig:
     # Token ids that also end a response, besides the tokenizer's EOS ids (its eos_token and the
     # model's generation_config.json eos_token_id, which may list several)
     extra_eos_ids: tuple[int, ...] = ()
+    # Host copies of every group's requests (their tokens, and the KV of those holding it on the
+    # device), taken every this many engine steps (ticks on the logical clock). A group whose
+    # engine fails continues them on a group of their version from the copy, with nothing
+    # prefilled again. 0: no copies (a failed group's requests go on from their tokens so far,
+    # re-prefilled, or from their prompts).
+    backup_every_steps: int = 0
+    # Times one group's engine may fail (and be rebuilt on its devices) before the run stops.
+    max_group_restarts: int = 3
 
     def __post_init__(self):
         check_positive(self, "max_slots", "page_size", "max_prompt_len", "max_new_tokens")
+        check_non_negative(self, "backup_every_steps", "max_group_restarts")
         check_positive(self, "prefill_chunk")
         check_non_negative(self, "temperature", "top_k")
         _check(

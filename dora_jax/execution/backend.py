@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.execution import commands as c
 from dora_jax.execution.commands import GroupEvent
-from dora_jax.execution.group import GroupWorker, Place
+from dora_jax.execution.group import GroupWorker, Place, error_text
 from dora_jax.execution.payloads import Completion, PromptPayload
+from dora_jax.execution.recovery import GroupRecovery
 from dora_jax.execution.transport import Inline, Threaded, done
 from dora_jax.execution.turns import TurnDriver, TurnOutcome
 from dora_jax.model.params import Params
@@ -54,6 +56,7 @@ from dora_jax.orchestrator.backend import (
     FinishedRequest,
     GroupInfo,
     GroupTick,
+    HealthChange,
     PartialRequest,
     RequestSpec,
     Source,
@@ -63,6 +66,7 @@ from dora_jax.orchestrator.backend import (
 )
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.rollout import Engine, EngineFinished, Request, request_key
+from dora_jax.rollout.moves import EngineSnapshot
 
 WAIT_S = 600.0  # the longest wait for a group's answer (a snapshot, an interrupt, a step)
 
@@ -78,7 +82,7 @@ class Overheads:
     log: list[tuple[str, int, float, float]] = field(default_factory=list)  # kind, group, t0, s
 
 
-class EngineBackend:
+class EngineBackend(GroupRecovery):
     """Groups = engines on ``meshes``; version 0 (``initial_params``) is loaded everywhere.
 
     ``eos_id``: one id or several (any of them ends a response; the engines add
@@ -116,6 +120,9 @@ class EngineBackend:
         self.cluster = cluster  # multi-process: groups on other processes get remote transports
         self.me = cluster.index if cluster is not None else 0
         place = Place(cluster.transfers if cluster is not None else None)
+        # what rebuilding a failed group's engine on its devices needs
+        self._place, self._meshes = place, list(meshes)
+        self._build = (model_cfg, rollout_cfg, eos_id, interpret)
         self._new_ticket = cluster.transfers.new_id if cluster else itertools.count(1).__next__
         self.handles: list[Any] = []  # a transport per group
         self._hosts: list[int] = []
@@ -165,6 +172,21 @@ class EngineBackend:
         self._held_turns: dict[int, list[tuple[int, ...]]] = {}
         self._over: dict[int, TurnOutcome] = {}
         self._ended: list[FinishedRequest] = []
+        # failed groups (docs/reliability.md, "A rollout group that fails"): host copies of each
+        # group's requests every ``backup_every`` of its engine steps (the latest one taken, and
+        # one asked for on the wall clock), engine steps since its last copy, rebuilds per group,
+        # requests recovered by source (and each recovered id's source), and the recovered
+        # requests and health changes for the next step()'s events
+        self.backup_every = rollout_cfg.backup_every_steps
+        self.max_restarts = rollout_cfg.max_group_restarts
+        self._backups: dict[int, EngineSnapshot] = {}
+        self._backup_asked: dict[int, Future] = {}
+        self._since_backup = [0] * n
+        self.restarts = [0] * n
+        self.recoveries: Counter = Counter()
+        self.recovered_ids: dict[int, str] = {}
+        self._recovered: list[PartialRequest] = []
+        self._health: list[HealthChange] = []
 
     # -- queries ---------------------------------------------------------------------------------
     def groups(self) -> list[GroupInfo]:
@@ -235,7 +257,7 @@ class EngineBackend:
         free = self._free_slots(group)
         if len(requests) > free:
             raise BackendError(f"{len(requests)} requests, group {group} has {free} free slots")
-        reqs, over = [], []
+        reqs, over, imports = [], [], []
         for spec in requests:
             rid = spec.request_id
             if spec.version != self._version[group]:
@@ -243,17 +265,27 @@ class EngineBackend:
                     f"request {rid} of version {spec.version} "
                     f"submitted to group {group} of version {self._version[group]}"
                 )
-            if spec.resume is not None:  # partial rollout: continue under the new version
+            if spec.resume is not None:  # partial rollout (a new version) or recovery (its own)
                 if rid not in self._meta or rid in self._where:
                     raise BackendError(f"request {rid} was not interrupted")
+                versions = self._meta[rid][2]
                 r: Request = spec.resume.payload
+                if spec.resume.source == "kv":  # a host copy of its KV: continues from it
+                    if spec.version == versions[-1]:
+                        imports.append(spec.resume.payload)
+                        continue
+                    r = spec.resume.payload.requests[0]  # moved on to a newer version (partial
+                    r.kv_len = 0  # rollout): its KV is the old version's, it is re-prefilled
+                if spec.resume.source == "prompt" and r.multi_turn:  # a new episode
+                    self.turns.begin(rid, self._meta[rid][1])
                 for obs in self._held_turns.pop(r.id, ()):  # its environment answered meanwhile
                     r.append_env_turn(list(obs))
                 if r.id in self._over:  # its episode ended meanwhile: it finishes now
                     over.append(r.id)
                     continue
                 r.version = spec.version
-                self._meta[rid][2].append(spec.version)
+                if versions[-1] != spec.version:
+                    versions.append(spec.version)
             else:
                 prompt = spec.payload
                 if not isinstance(prompt, PromptPayload):
@@ -276,10 +308,13 @@ class EngineBackend:
             reqs.append(r)
         for rid in over:
             self._ended.append(self._conversation_over(rid, self._over.pop(rid)))
-        for r in reqs:
-            self._join(r.id, group)
+        for rid in [r.id for r in reqs] + [x.requests[0].id for x in imports]:
+            self._join(rid, group)
         if reqs:
             self._send(group, c.Submit(group, tuple(reqs)))
+        if imports:
+            self._send(group, c.Import(group, tuple(imports)))
+            self._backup_due(group)
 
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         self._check_group(src)
@@ -295,6 +330,7 @@ class EngineBackend:
         ticket, remote = self._new_ticket(), self._hosts[src] != self._hosts[dst]
         self._send(src, c.SendRequests(src, tuple(request_ids), ticket, remote))
         self._send(dst, c.ReceiveRequests(dst, ticket, remote))
+        self._backup_due(dst)
 
     def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]:
         by_group: dict[int, list[int]] = {}
@@ -381,6 +417,7 @@ class EngineBackend:
     def step(self) -> StepEvents:
         """Logical clock: one engine step of every group. Wall clock: every report since the last
         call (waiting at most ``WAIT_S`` for the first)."""
+        self._take_backups()  # (before the engines step: what was admitted or moved in too)
         if self.wall and self.turns is not None:  # the answers that have come
             self._take_outcomes(wait=False)
         if self.cluster is not None:
@@ -388,23 +425,38 @@ class EngineBackend:
         if self.wall:
             events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
         else:
-            steps = [self._send(g, c.Step(g)) for g in range(len(self.handles))]
-            events = [e for f in steps for e in f.result(WAIT_S)]
+            events = []
+            for g in range(len(self.handles)):
+                try:
+                    events += self._send(g, c.Step(g)).result(WAIT_S)
+                except Exception as e:  # noqa: BLE001 - its engine failed: recovered below
+                    if self._hosts[g] != self.me:
+                        raise
+                    t = self.clock.now()  # (its tick's record: it did nothing)
+                    idle = GroupTick(g, self._version[g], "idle", 0, 0, 0, 0, 0.0, t, t)
+                    events += [GroupEvent(g, span=idle), GroupEvent(g, error=error_text(e))]
             if self.turns is not None:  # every answer to the turns of earlier ticks: a call
                 self._take_outcomes(wait=True)  # takes one tick, its answer fed the next
         ticks, finished = [], self._ended
         self._ended = []
         for e in events:
             if e.error is not None:
-                raise BackendError(f"group {e.group}'s worker failed:\n{e.error}")
+                if self._hosts[e.group] != self.me:
+                    raise BackendError(f"group {e.group}'s worker failed:\n{e.error}")
+                self._fail(e.group, e.error)
+                continue
             if e.span is not None:
                 self._account(e.span)
                 if self.wall or e.span.activity not in ("transfer", "migrate"):
                     ticks.append(e.span)  # logical: one record per group and tick
+                if e.span.activity in ("prefill", "decode"):
+                    self._since_backup[e.group] += 1
             finished += [self._finish(f, f.finish_reason) for f in e.finished if f.id in self._meta]
             for rec in e.turn_ends:
                 self._turn_ended(rec)
-        out = StepEvents(self._tick, tuple(finished), tuple(ticks))
+        recovered, health = tuple(self._recovered), tuple(self._health)
+        self._recovered, self._health = [], []
+        out = StepEvents(self._tick, tuple(finished), tuple(ticks), recovered, health)
         self._tick += 1
         return out
 
@@ -457,6 +509,7 @@ class EngineBackend:
             "members": [list(m) for m in self._members],
             "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
             "overheads": self.overheads,
+            "recovered": list(self._recovered),  # (requests of a failed group, not yet handed on)
             "engines": [
                 self._send(g, c.Snapshot(g)).result(WAIT_S) for g in range(len(self.handles))
             ],
@@ -486,6 +539,7 @@ class EngineBackend:
         self._members = [dict.fromkeys(m) for m in state["members"]]
         self._where = {rid: g for g, m in enumerate(self._members) for rid in m}
         self._version = list(state["versions"])
+        self._recovered = list(state.get("recovered", ()))
         conv = state.get("conversations")
         if (conv is None) != (self.turns is None):
             raise BackendError(

@@ -118,6 +118,14 @@ class Snapshot(GroupCommand):
 
 
 @dataclass(frozen=True)
+class Import(GroupCommand):
+    """Continue requests of a failed group of this version from host copies of their KV
+    (``ExportedRequests``, one request each): nothing is prefilled again."""
+
+    parts: tuple = ()
+
+
+@dataclass(frozen=True)
 class Restore(GroupCommand):
     """Load the snapshot's version (``params`` of this process, or handover ``ticket``) and
     continue from ``snapshot``."""
@@ -204,6 +212,7 @@ RECORDS = (
     Pause,
     Resume,
     Snapshot,
+    Import,
     Restore,
     StartTrainer,
     TrainStep,

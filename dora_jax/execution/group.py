@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from dora_jax import faults
 from dora_jax.execution import commands as c
 from dora_jax.execution.commands import GroupEvent, GroupStatus
 from dora_jax.orchestrator.backend import GroupTick
@@ -95,6 +96,7 @@ class GroupWorker:
             c.Resume: self._resume,
             c.Snapshot: lambda cmd: self.engine.snapshot(),
             c.Restore: self._restore,
+            c.Import: self._import,
         }
 
     # -- the transports' entry points -------------------------------------------------------------
@@ -181,6 +183,18 @@ class GroupWorker:
         self.engine.restore(cmd.snapshot)
         self._loaded(cmd.snapshot.version, self.engine.params)
 
+    def _import(self, cmd: c.Import) -> None:
+        """Requests recovered from host copies of their KV: they continue here (or wait parked
+        until slots and pages allow); a recovery is not a migration."""
+        t0 = self.now()
+        for part in cmd.parts:
+            moves = [r.migrations for r in part.requests]
+            self.engine.move_in(Handover(part, [], []))
+            for r, m in zip(part.requests, moves, strict=True):
+                r.migrations = m
+        jax.block_until_ready(self.engine.cache)
+        self._event("migrate", t0, self.engine.num_requests)
+
     # -- requests ---------------------------------------------------------------------------------
     def _submit(self, cmd: c.Submit) -> None:
         self.engine.submit(list(cmd.requests))
@@ -256,6 +270,7 @@ class GroupWorker:
     def _step_event(self) -> GroupEvent:
         t0 = self.now()
         ld = self.engine.load()
+        faults.point("engine_step")
         rep = self.engine.step()
         kind = "prefill" if rep.prefill_tokens else "decode" if rep.decode_tokens else "idle"
         span = self._span(

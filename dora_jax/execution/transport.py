@@ -9,7 +9,8 @@ transport to a group of another process, with the same two calls).
   order, steps the engine whenever it holds work and is not paused, and posts every
   :class:`~dora_jax.execution.commands.GroupEvent` to the run's bus as it happens. A command whose
   caller waits for its value (``replies``) hands an error back to it; any other error stops the
-  worker and is posted as its last event.
+  worker and is posted as its last event. The commands a stopped worker never carried out fail
+  (their futures raise :class:`GroupDead`) and are handed to whoever asks (:meth:`unapplied`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ from dora_jax.execution.commands import GroupCommand, GroupEvent, GroupStatus
 from dora_jax.execution.group import GroupWorker, error_text
 
 
+def _failed() -> Future:
+    fut: Future = Future()
+    fut.set_exception(GroupDead("the group's worker stopped"))
+    return fut
+
+
 def done(value: Any = None) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
+
+
+class GroupDead(RuntimeError):
+    """A command sent to a group whose worker has stopped on an error."""
 
 
 class Inline:
@@ -53,6 +64,8 @@ class Threaded(Inline):
         self.post = post
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
+        self.dead = False  # stopped on an error
+        self._lock = threading.Lock()  # (a send and the worker's stop do not cross)
         self._thread = threading.Thread(
             target=self._loop, name=f"group-{worker.group}", daemon=True
         )
@@ -60,8 +73,25 @@ class Threaded(Inline):
 
     def send(self, cmd: GroupCommand) -> Future:
         fut: Future = Future()
-        self._q.put((cmd, fut))
+        with self._lock:
+            if self.dead:
+                fut.set_exception(GroupDead(f"group {self.worker.group}'s worker has stopped"))
+            self._q.put((cmd, fut))
         return fut
+
+    def unapplied(self) -> list[GroupCommand]:
+        """The commands this stopped worker never carried out, in order (each future failed)."""
+        out = []
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return out
+            if item is not None:
+                cmd, fut = item
+                if not fut.done():
+                    fut.set_exception(GroupDead(f"group {self.worker.group}'s worker stopped"))
+                out.append(cmd)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop = True
@@ -91,5 +121,9 @@ class Threaded(Inline):
                     w.idle()
                 for e in w.take_events():
                     self.post(e)
-        except BaseException as e:  # noqa: BLE001 - handed to the control loop, which raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the control loop
+            with self._lock:
+                self.dead = True
+                for cmd in self.unapplied():  # (their futures fail now; kept for the loop)
+                    self._q.put((cmd, _failed()))
             self.post(GroupEvent(w.group, error=error_text(e)))

@@ -151,6 +151,27 @@ class PartialRequest:
     generated: int
     versions: tuple[int, ...]
     payload: object = None  # backend-owned state (tokens so far, logprobs, rng); opaque here
+    # "" for an interrupt; for a request recovered from a failed group, where it continues from
+    # (:data:`RECOVERY_SOURCES`): a host copy of its KV, its tokens so far, or its prompt
+    source: str = ""
+
+
+# Where a failed group's request continues (best first): a host copy of its KV (no re-prefill;
+# the tokens after the copy are sampled again, identically), its tokens so far (re-prefilled under
+# the same version), or its prompt (started again; same request key, so the same tokens).
+RECOVERY_SOURCES = ("kv", "tokens", "prompt")
+
+# A group's health: "dead" when its engine failed (its requests are recovered elsewhere),
+# "restarting" while its engine is rebuilt on its devices, "healthy" once it holds a version again.
+HEALTH_STATES = ("healthy", "dead", "restarting")
+
+
+class HealthChange(NamedTuple):
+    """A group entered ``state`` (one of :data:`HEALTH_STATES`) for ``reason``."""
+
+    group: int
+    state: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -204,6 +225,10 @@ class StepEvents:
     tick: int  # index of the tick that just ran (0, 1, ...)
     finished: tuple[FinishedRequest, ...]
     groups: tuple[GroupTick, ...] = field(default=())
+    # requests of groups that failed during the step, taken out of them: the control plane
+    # resubmits each (``RequestSpec.resume``) to a live group of its version
+    recovered: tuple[PartialRequest, ...] = field(default=())
+    health: tuple[HealthChange, ...] = field(default=())  # group health transitions, in order
 
 
 @runtime_checkable

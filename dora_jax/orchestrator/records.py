@@ -56,6 +56,8 @@ HISTORY_KINDS = (
     "discards",
     "cross_host",
     "k_log",
+    "health",
+    "recoveries",
 )
 
 
@@ -124,6 +126,8 @@ class Summary:
     plans_moving: int = 0  # plans that moved weights or requests (the others changed nothing)
     cross_host_weight_transfers: int = 0  # weight loads from another process
     cross_host_migrated: int = 0  # requests moved with their KV to another process
+    group_failures: int = 0  # rollout groups' engines that failed (and were rebuilt)
+    recovered: dict[str, int] = field(default_factory=dict)  # recovered requests per source
 
 
 @dataclass
@@ -147,6 +151,10 @@ class Records:
     # adaptive K: (version published, K from then on, share of the step's interval the trainer
     # waited for the window)
     k_log: list[tuple[int, int, float]] = field(default_factory=list)
+    # failed rollout groups: (time, group, state, reason) per health change, and (time, request
+    # id, source) per request recovered from a failed group (backend.RECOVERY_SOURCES)
+    health: list[tuple[float, int, str, str]] = field(default_factory=list)
+    recoveries: list[tuple[float, int, str]] = field(default_factory=list)
     # what earlier flushes wrote to the history files (zero while the records stay in memory):
     # logical ticks, consumed trajectories, the files' lengths in bytes, the latest time seen
     ticks_flushed: int = 0
@@ -372,6 +380,8 @@ class Records:
             "max_version_span": max((c.version_span for c in consumed), default=0),
             "cross_host_weight_transfers": sum(1 for m in moves if m[1] == "weights"),
             "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
+            "group_failures": sum(1 for h in self.health if h[0] < end and h[2] == "dead"),
+            "recovered": dict(Counter(r[2] for r in self.recoveries if r[0] < end)),
             **plan_counts(plans),
         }
 

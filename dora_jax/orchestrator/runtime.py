@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from dora_jax.config.schema import OrchestratorConfig
-from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend, Source
+from dora_jax.orchestrator.backend import TRAINER, GroupInfo, RolloutBackend, Source, StepEvents
 from dora_jax.orchestrator.clock import LogicalClock, WallClock
 from dora_jax.orchestrator.modes import Mode, mode_for
 from dora_jax.orchestrator.records import ClusterTick, Records, StepRecord, Summary
@@ -187,8 +187,23 @@ class Runtime:
             if self.manager.status.get(fr.request_id) == DISCARDED:
                 continue
             self.manager.on_finished(fr, t)
+        self._take_recovered(t, events)
         self.records.add_tick(events, cluster)
         self.tick_index += 1
+
+    def _take_recovered(self, t: float, events: StepEvents) -> None:
+        """Requests of groups that failed wait again, first in line, for a group of their own
+        version (those of discarded prompt groups are dropped); health changes are recorded."""
+        for h in events.health:
+            self.records.health.append((t, h.group, h.state, h.reason))
+        by_version: dict[int, list] = {}
+        for p in events.recovered:
+            if self.manager.status.get(p.request_id) == DISCARDED:
+                continue
+            by_version.setdefault(p.versions[-1], []).append(p)
+            self.records.recoveries.append((t, p.request_id, p.source))
+        for version, partials in by_version.items():
+            self.manager.requeue(partials, version)
 
     @contextmanager
     def quiesce(self) -> Iterator[None]:

@@ -102,6 +102,12 @@ def write_run_report(
         f"bubble {s.bubble:.1%}{overlap}, staleness mean {s.staleness_mean:.2f} max "
         f"{s.staleness_max}, {s.migrated} migrated, {s.reprefill_tokens} re-prefill tokens"
     )
+    if s.group_failures:
+        parts = ", ".join(f"{n} from {src}" for src, n in sorted(s.recovered.items()))
+        print(
+            f"rollout groups failed {s.group_failures} time(s), each rebuilt; the requests they "
+            f"held went on elsewhere: {parts or 'none held'}"
+        )
     if rewards:
         r, x = reward_stats(rewards), reward_stats(solved)  # summary.json's "reward" too
         k = r["n_avg"]

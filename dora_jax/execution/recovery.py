@@ -1,0 +1,201 @@
+"""Failed rollout groups of this process (docs/reliability.md, "A rollout group that fails"):
+host copies of each group's requests, the recovery of a failed group's requests and the rebuild
+of its engine, mixed into :class:`~dora_jax.execution.backend.EngineBackend`.
+
+A group's engine that raises is *dead*: every request it held leaves it, to continue on a group
+of its own version from, best first, a host copy of its KV (``"kv"``: nothing prefilled again),
+its tokens so far (``"tokens"``: re-prefilled under the same version) or its prompt
+(``"prompt"``: same sampling key, so the same tokens); the backend hands them to the control
+plane as ``StepEvents.recovered``. The group is then *restarting* (a new engine on its devices
+with the version it held) and *healthy* again (``StepEvents.health``). On the wall clock the
+commands its worker never carried out are read back: requests it was to send elsewhere return to
+it, and those it was to take in keep their KV copies or records as sources.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+from dora_jax.execution import commands as c
+from dora_jax.execution.group import GroupWorker
+from dora_jax.execution.payloads import PromptPayload
+from dora_jax.execution.transport import Inline, Threaded, done
+from dora_jax.orchestrator.backend import BackendError, HealthChange, PartialRequest
+from dora_jax.rollout import Engine, Request, request_key
+from dora_jax.rollout.moves import Handover, split_parked
+from dora_jax.rollout.requests import ExportedRequests
+
+
+class GroupRecovery:
+    """Host copies, recovery and rebuild of failed groups (the backend's state: ``_members``,
+    ``_meta``, ``_version``, ``handles``, ``_loads`` and the fields its constructor sets for
+    them)."""
+
+    def _take_backups(self) -> None:
+        """Ask each group of this process that has taken ``backup_every`` engine steps since its
+        last host copy for a new one, before the engines step (logical clock: taken now, with
+        what this round admitted and moved in; wall clock: when its worker gets to it, the
+        previous copy serving until then)."""
+        if not self.backup_every:
+            return
+        for g, fut in list(self._backup_asked.items()):
+            if fut.done():
+                del self._backup_asked[g]
+                if fut.exception() is None:
+                    self._backups[g] = fut.result()
+        for g in range(len(self.handles)):
+            if self._hosts[g] != self.me or g in self._backup_asked:
+                continue
+            if not self._members[g]:
+                self._backups.pop(g, None)
+                self._since_backup[g] = 0
+            elif self._since_backup[g] >= self.backup_every:
+                self._since_backup[g] = 0
+                fut = self._send(g, c.Snapshot(g))
+                if fut.done() and fut.exception() is None:
+                    self._backups[g] = fut.result()
+                else:
+                    self._backup_asked[g] = fut
+
+    def _backup_due(self, g: int) -> None:
+        """``g`` took in requests with KV: its next host copy is taken before it steps again."""
+        if self.backup_every:
+            self._since_backup[g] = max(self._since_backup[g], self.backup_every)
+
+    def _fail(self, g: int, error: str) -> None:
+        """Group ``g``'s engine failed: every request it held leaves it, to continue on a group
+        of its version from, best first, a host copy of its KV, its tokens so far, or its prompt
+        (the next step()'s ``recovered``); the engine is rebuilt on the group's devices with the
+        version the group held, and the group takes requests again."""
+        self.restarts[g] += 1
+        reason = error.strip().splitlines()[-1] if error.strip() else "unknown error"
+        if self.restarts[g] > self.max_restarts:
+            raise BackendError(
+                f"rollout group {g}'s engine failed {self.restarts[g]} times "
+                f"(rollout.max_group_restarts: {self.max_restarts}); the last error:\n{error}"
+            )
+        self._health.append(HealthChange(g, "dead", reason))
+        old = self.handles[g]
+        kv, tokens = self._unapplied(g, old)
+        snap = self._backups.pop(g, None)
+        self._backup_asked.pop(g, None)
+        self._since_backup[g] = 0
+        if snap is not None:
+            parts = split_parked(snap.running) if snap.running.requests else []
+            for x in [*parts, *snap.parked]:
+                kv.setdefault(x.requests[0].id, x)
+            for r in snap.pending:
+                if r.tokens:
+                    tokens.setdefault(r.id, r)
+        salvaged = _host_records(old.worker.engine)
+        ids = list(self._members[g])
+        version = self._version[g]
+        for rid in ids:
+            self._leave(rid)
+            self._recovered.append(self._recover(rid, version, kv, salvaged, tokens))
+        old.stop(1.0)
+        old.worker.engine.cache = None  # (its device memory, before the new engine takes its own)
+        self._health.append(HealthChange(g, "restarting", f"rebuilding its engine ({reason})"))
+        self._rebuild(g)
+        self._health.append(HealthChange(g, "healthy", f"engine rebuilt, v{self._version[g]}"))
+
+    def _recover(
+        self,
+        rid: int,
+        version: int,
+        kv: dict[int, ExportedRequests],
+        salvaged: dict[int, Request],
+        tokens: dict[int, Request],
+    ) -> PartialRequest:
+        """Request ``rid`` of a failed group, to resubmit under ``version``: from a host copy
+        of its KV, else its tokens so far (the failed engine's host record, else the copy's),
+        else its prompt. A conversation starts a new episode from its prompt."""
+        pg, prompt, versions = self._meta[rid]
+        conversation = prompt.conversation is not None
+        if conversation:
+            self._forget_conversation(rid)
+        payload: Any = None
+        if not conversation and rid in kv:
+            source, payload = "kv", kv[rid]
+            generated = len(payload.requests[0].tokens)
+        else:
+            records = [] if conversation else [salvaged.get(rid), tokens.get(rid)]
+            usable = [x for x in records if x and x.tokens and len(x.tokens) == len(x.logprobs)]
+            if usable:  # the one furthest on
+                source, payload = "tokens", copy.deepcopy(max(usable, key=lambda x: len(x.tokens)))
+                payload.kv_len = 0
+            else:
+                source, payload = "prompt", self._new_request(rid, version, prompt)
+            generated = len(payload.tokens)
+        self.recoveries[source] += 1
+        self.recovered_ids[rid] = source
+        return PartialRequest(
+            rid, pg, len(prompt.tokens), generated, tuple(versions), payload, source
+        )
+
+    def _unapplied(self, g: int, handle: Any) -> tuple[dict, dict]:
+        """Wall clock: the commands the failed worker never carried out. Requests it was to send
+        to another group come back to it (the receiver gets an empty handover); requests it was
+        to take in by KV copy or resubmission keep those as their recovery sources."""
+        kv: dict[int, ExportedRequests] = {}
+        tokens: dict[int, Request] = {}
+        for cmd in handle.unapplied() if hasattr(handle, "unapplied") else []:
+            if isinstance(cmd, c.SendRequests):
+                for rid in cmd.ids:
+                    if rid in self._where:
+                        self._leave(rid)
+                        self._join(rid, g)
+                if not cmd.remote:
+                    self._place.handoffs.slot(cmd.ticket).set_result(Handover(None, [], []))
+            elif isinstance(cmd, c.ReceiveRequests) and not cmd.remote:
+                slot = self._place.handoffs.slot(cmd.ticket)  # packed by now: its KV to host
+                if slot.done() and slot.exception() is None:
+                    running = self._place.handoffs.take(cmd.ticket, 0).running
+                    if running is not None:
+                        running.kv = np.asarray(running.kv)
+                        kv.update((x.requests[0].id, x) for x in split_parked(running))
+            elif isinstance(cmd, c.Import):
+                kv.update((x.requests[0].id, x) for x in cmd.parts)
+            elif isinstance(cmd, c.Submit):
+                tokens.update((r.id, r) for r in cmd.requests if r.tokens)
+        return kv, tokens
+
+    def _new_request(self, rid: int, version: int, prompt: PromptPayload) -> Request:
+        """Request ``rid`` as it was first submitted (same sampling key: same tokens)."""
+        budget = prompt.max_new_tokens or self.max_new_tokens
+        r = Request(rid, list(prompt.tokens), version, request_key(self.seed, rid), budget)
+        if prompt.conversation is not None:
+            r.multi_turn, r.stop_seqs = True, self.turns.stop_sequences
+        return r
+
+    def _rebuild(self, g: int) -> None:
+        """A new engine on group ``g``'s devices with the version it held (the newest published
+        one if that version's params are no longer kept)."""
+        model_cfg, rollout_cfg, eos_id, interpret = self._build
+        v = self._version[g]
+        try:
+            params = self.trainer_params(v)
+        except KeyError:
+            v = self._version[g] = self.published
+            params = self.trainer_params(v)
+        e = Engine(model_cfg, rollout_cfg, self._meshes[g], eos_id, interpret=interpret)
+        e.load_params(params, v)
+        w = GroupWorker(g, e, self.clock.now, self._place)
+        self.handles[g] = Threaded(w, self.bus.post) if self.wall else Inline(w)
+        self._loads[g] = done()
+        if self._paused:  # the others are paused: so is it, until resume()
+            self._paused[g] = self._send(g, c.Pause(g))
+
+
+def _host_records(engine: Engine) -> dict[int, Request]:
+    """The request records a failed engine holds on the host (tokens and logprobs so far), or
+    none where they cannot be read."""
+    try:
+        held = [*engine._device_requests(), *engine._without_kv()]
+        held += [r for p in engine.parked for r in p.requests]
+        return {r.id: r for r in held}
+    except Exception:  # noqa: BLE001 - a broken engine: its requests recover from elsewhere
+        return {}

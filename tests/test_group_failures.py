@@ -1,0 +1,247 @@
+"""A rollout group whose engine fails mid-run costs its work, not the run (docs/reliability.md,
+"A rollout group that fails"): real engines, 4 groups, ``dora`` K=2, a fault injected into one
+engine step (``DORA_FAULT=engine_step@N:raise``).
+
+- Logical clock, three fault points: the run finishes; the control plane's invariants hold
+  (every prompt group consumed once, version span 1, staleness within K, no re-prefill with a
+  host copy taken every engine step); every request the failed group held is recovered, counted
+  by source; and each recovered request consumed gives exactly the tokens and logprobs of the
+  same request in the run without the fault, a request continued from its KV copy without being
+  prefilled again.
+- Without host copies the requests go on from their tokens so far (re-prefilled, counted) or
+  their prompts.
+- Wall clock: the run finishes (no hang) and counts the failure and its recoveries.
+- A group that keeps failing stops the run past ``rollout.max_group_restarts``, naming it.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from invariants import assert_run_invariants  # tests/invariants.py
+
+from dora_jax import faults
+from dora_jax.config import load_config
+from dora_jax.config.schema import OrchestratorConfig
+from dora_jax.execution import EngineBackend, PromptPayload, ThreadedTrainer
+from dora_jax.mesh import build_meshes
+from dora_jax.model import init_params
+from dora_jax.orchestrator import BackendError, RequestSpec, Runtime
+from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
+from dora_jax.orchestrator.rollout_manager import PromptSpec
+from dora_jax.pipeline.grpo import GRPOTrainer
+from dora_jax.train import Trainer
+
+NO_EOS = -1
+G = 4  # samples per prompt
+REAL = [
+    "model.vocab_size=32",
+    "model.hidden_size=32",
+    "model.intermediate_size=48",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "rollout.max_slots=4",
+    "rollout.page_size=8",
+    "rollout.num_pages=64",
+    "rollout.max_prompt_len=16",
+    "rollout.max_new_tokens=96",
+    "rollout.prefill_chunk=16",
+    f"train.group_size={G}",
+    "train.length_buckets=[128]",
+    "train.lr=1e-3",
+]
+ORCH = OrchestratorConfig(
+    mode="dora",
+    staleness_k=2,
+    train_batch_prompts=2,
+    rollout_batch_prompts=4,
+    plan_period_ticks=8,
+    stall_s=120,
+    kv_pressure_threshold=0.3,
+)
+
+
+class Prompts:
+    """Random prompts; response lengths lognormal (median 8), capped at 96."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.index = 0
+
+    def next_prompt(self) -> PromptSpec:
+        n = int(self.rng.integers(4, 17))
+        tokens = tuple(int(t) for t in self.rng.integers(3, 32, n))
+        length = int(np.clip(round(8 * np.exp(1.07 * self.rng.standard_normal())), 1, 96))
+        self.index += 1
+        return PromptSpec(n, PromptPayload(self.index, tokens, "", max_new_tokens=length))
+
+
+class _Tok:
+    eos_id = NO_EOS
+    vocab_size = 32
+
+    def decode(self, ids, skip_special=True):
+        return "x" * len(ids)
+
+
+@pytest.fixture(scope="module")
+def base():
+    cfg = load_config(None, REAL)
+    return cfg, build_meshes(cfg.mesh), init_params(cfg.model, jax.random.key(0))
+
+
+def run(base, *, wall: bool = False, backup_every: int = 1, steps: int = 3):
+    """One run to its drain: (result, backend, {request id: completion} of what was consumed,
+    the trainer's batches)."""
+    cfg, meshes, params = base
+    rollout = dataclasses.replace(
+        cfg.rollout, backup_every_steps=backup_every, max_group_restarts=2
+    )
+    clock, bus = (WallClock() if wall else LogicalClock()), Bus()
+    grpo = GRPOTrainer(
+        Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params),
+        _Tok(),
+        lambda response, answer: float(len(response) % 3),
+        train_ticks=3,
+    )
+    consumed = {}
+    grpo.on_consume.append(lambda rid, version, comp: consumed.setdefault(rid, (version, comp)))
+    backend = EngineBackend(
+        cfg.model,
+        rollout,
+        meshes.groups,
+        NO_EOS,
+        params,
+        lambda v: grpo.params_for(v) if v in grpo.params else params,
+        seed=cfg.seed,
+        clock=clock,
+        bus=bus,
+    )
+    trainer = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
+    runtime = Runtime(ORCH, G, backend, trainer, Prompts(0), clock=clock)
+    try:
+        result = runtime.run(steps, drain=True, max_ticks=100_000, stall_s=ORCH.stall_s)
+    finally:
+        backend.close()
+        if wall:
+            trainer.close()
+    batches = [(s.version - 1, tuple(s.trajectories)) for s in grpo.log]
+    return result, backend, runtime, consumed, batches
+
+
+@pytest.fixture(scope="module")
+def no_fault(base):
+    faults.reset()
+    return run(base)
+
+
+def _with_fault(monkeypatch, visit: int):
+    monkeypatch.setenv(faults.ENV, f"engine_step@{visit}:raise")
+    faults.reset()
+
+
+SEEDS = [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_failed_engine_costs_its_work_not_the_run(base, no_fault, monkeypatch, seed):
+    clean_result = no_fault[0]
+    steps = sum(
+        g.activity in ("prefill", "decode") for row in clean_result.records.groups for g in row
+    )
+    # the engine step that fails: somewhere in the first 60% of the run's engine steps
+    visit = int(np.random.default_rng(seed).integers(5, int(0.6 * steps)))
+    _with_fault(monkeypatch, visit)
+    result, backend, runtime, consumed, batches = run(base)
+    s = result.summary
+    assert s.steps >= 3
+    assert s.group_failures == 1
+    assert backend.restarts.count(1) == 1 and sum(backend.restarts) == 1
+    recovered = backend.recovered_ids
+    assert recovered, "the failed group held no request: choose another fault point"
+    assert s.recovered == dict(backend.recoveries) and sum(s.recovered.values()) == len(recovered)
+    assert set(s.recovered) <= {"kv", "prompt"}  # a copy every step: nothing to re-prefill
+    assert all(len(row) == 4 for row in result.records.groups)  # every tick records every group
+    states = [h[2] for h in result.records.full().health]
+    assert states == ["dead", "restarting", "healthy"]
+    assert_run_invariants(
+        mode="dora",
+        k=runtime.mode.k,
+        group_size=G,
+        num_groups=4,
+        plan_period_ticks=ORCH.plan_period_ticks,
+        runtime=runtime,
+        records=result.records,
+        ledger=result.ledger,
+        trainer_batches=batches,
+        live_requests=backend.live_requests(),
+    )
+    # every recovered request that was consumed equals the same request of the run without the
+    # fault, token for token and logprob for logprob
+    _, _, _, clean, _ = no_fault
+    checked = 0
+    for rid, source in recovered.items():
+        if rid not in consumed or rid not in clean:
+            continue
+        (version, comp), (clean_version, clean_comp) = consumed[rid], clean[rid]
+        assert version == clean_version
+        assert comp.tokens == clean_comp.tokens, (rid, source)
+        assert comp.logprobs == clean_comp.logprobs, (rid, source)
+        if source == "kv":
+            assert comp.prefill_tokens == len(comp.prompt.tokens)  # never prefilled again
+        checked += 1
+    assert checked >= min(4, len(recovered))
+    assert "kv" in s.recovered
+
+
+def test_without_host_copies_requests_go_on_from_their_tokens(base, monkeypatch):
+    _with_fault(monkeypatch, 60)
+    result, backend, runtime, consumed, batches = run(base, backup_every=0)
+    s = result.summary
+    assert s.group_failures == 1
+    assert "kv" not in s.recovered and s.recovered.get("tokens", 0) > 0
+    assert s.reprefill_tokens > 0  # their tokens so far, prefilled again under their version
+    assert all(c.version_span == 1 for c in result.records.full().consumed)
+    fed = [rid for _, ids in batches for rid in ids]
+    assert len(fed) == len(set(fed)) == runtime.manager.dispatched_prompt_groups * G
+
+
+def test_a_failed_engine_on_the_wall_clock_does_not_hang_the_run(base, monkeypatch):
+    _with_fault(monkeypatch, 40)
+    result, backend, runtime, consumed, batches = run(base, wall=True, backup_every=2)
+    s = result.summary
+    assert s.steps >= 3 and s.group_failures == 1
+    assert sum(s.recovered.values()) == len(backend.recovered_ids) > 0
+    assert all(c.version_span == 1 for c in result.records.full().consumed)
+    fed = [rid for _, ids in batches for rid in ids]
+    assert len(fed) == len(set(fed)) == runtime.manager.dispatched_prompt_groups * G
+
+
+def test_a_group_that_keeps_failing_stops_the_run_naming_it(base, monkeypatch):
+    cfg, meshes, params = base
+    backend = EngineBackend(
+        cfg.model,
+        dataclasses.replace(cfg.rollout, max_group_restarts=1),
+        meshes.groups,
+        NO_EOS,
+        params,
+        lambda v: params,
+        seed=0,
+    )
+    backend.submit(0, [_spec(1), _spec(2)])
+    monkeypatch.setenv(faults.ENV, "engine_step@1:raise")
+    faults.reset()
+    events = backend.step()  # the first failure: rebuilt, its two requests recovered
+    assert [p.request_id for p in events.recovered] == [1, 2]
+    assert [p.source for p in events.recovered] == ["prompt", "prompt"]  # none had started
+    assert [h.state for h in events.health] == ["dead", "restarting", "healthy"]
+    assert backend.groups()[0].requests == () and backend.live_requests() == 0
+    faults.reset()
+    backend.submit(0, [_spec(3)])
+    with pytest.raises(BackendError, match=r"group 0's engine failed 2 times.*max_group_restarts"):
+        backend.step()
+
+
+def _spec(rid: int):
+    return RequestSpec(rid, rid, 0, 4, PromptPayload(rid, (3, 4, 5, 6), "", 8))
