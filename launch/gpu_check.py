@@ -170,6 +170,26 @@ def train_flops_per_token(cfg, seq_len: int) -> float:
     return 6 * (L * per_layer + d * v) + 6 * L * n * h * seq_len
 
 
+def random_trajectories(vocab: int, seq: int, rows: int) -> list:
+    """``rows`` trajectories of ``seq`` random tokens (1/8 prompt, 7/8 response), rewards
+    alternating 0 and 1: the train section's batch (seeded, the same every run)."""
+    from dora_jax.train import Trajectory
+
+    rng = np.random.default_rng(0)
+    prompt, resp = seq // 8, seq - seq // 8
+    return [
+        Trajectory(
+            rng.integers(1, vocab, prompt).tolist(),
+            rng.integers(1, vocab, resp).tolist(),
+            (-rng.random(resp)).tolist(),
+            float(i % 2),
+            0,
+            0,
+        )
+        for i in range(rows)
+    ]
+
+
 def train_section(rec: Recorder, plan: Plan) -> None:
     """Train-step tokens/s and MFU at each of ``plan.train_lengths`` tokens per row: the GRPO
     step (bf16 compute, float32 master weights and Adam moments, blockwise attention, nested
@@ -202,20 +222,7 @@ def train_section(rec: Recorder, plan: Plan) -> None:
             lr=1e-6, fp32_master_weights=True, length_buckets=(seq,), group_size=plan.train_rows
         )
         trainer = Trainer(cfg, tcfg)
-        rng = np.random.default_rng(0)
-        prompt, resp = seq // 8, seq - seq // 8
-        trajs = [
-            Trajectory(
-                rng.integers(1, cfg.vocab_size, prompt).tolist(),
-                rng.integers(1, cfg.vocab_size, resp).tolist(),
-                (-rng.random(resp)).tolist(),
-                float(i % 2),
-                0,
-                0,
-            )
-            for i in range(plan.train_rows)
-        ]
-        batch = trainer.pack(trajs)
+        batch = trainer.pack(random_trajectories(cfg.vocab_size, seq, plan.train_rows))
         step_s, metrics = timed_steps(trainer, batch)
         tokens = batch.num_rows * batch.seq_len
         achieved = train_flops_per_token(cfg, seq) * tokens / step_s

@@ -26,10 +26,9 @@ import time
 import traceback
 
 import jax
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_check import peak_flops, train_flops_per_token  # noqa: E402
+from gpu_check import peak_flops, random_trajectories, train_flops_per_token  # noqa: E402
 from gpu_check_plan import gpu_plan, smoke_plan  # noqa: E402
 
 # name -> (ModelConfig changes, TrainConfig changes), against the check's own step
@@ -47,7 +46,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
 
 def run_variant(plan, seq: int, model_changes: dict, train_changes: dict, repeats: int) -> dict:
     from dora_jax.config import ModelConfig, TrainConfig
-    from dora_jax.train import Trainer, Trajectory
+    from dora_jax.train import Trainer
 
     fields = dict(plan.train_model, param_dtype="bfloat16", compute_dtype="bfloat16")
     fields["remat"] = "nested"
@@ -58,20 +57,7 @@ def run_variant(plan, seq: int, model_changes: dict, train_changes: dict, repeat
     )
     tfields.update(train_changes)
     trainer = Trainer(cfg, TrainConfig(**tfields))
-    rng = np.random.default_rng(0)
-    prompt, resp = seq // 8, seq - seq // 8
-    trajs = [
-        Trajectory(
-            rng.integers(1, cfg.vocab_size, prompt).tolist(),
-            rng.integers(1, cfg.vocab_size, resp).tolist(),
-            (-rng.random(resp)).tolist(),
-            float(i % 2),
-            0,
-            0,
-        )
-        for i in range(plan.train_rows)
-    ]
-    batch = trainer.pack(trajs)
+    batch = trainer.pack(random_trajectories(cfg.vocab_size, seq, plan.train_rows))
     t0 = time.perf_counter()
     trainer.step(batch)
     jax.block_until_ready(trainer.state.params)

@@ -11,9 +11,9 @@ JAX engines on the logical and on the wall clock.
 """
 
 import jax
-import numpy as np
 import pytest
 from invariants import assert_run_invariants  # tests/invariants.py
+from real_engines import NO_EOS, REAL, FixedTok, LongTailPrompts  # tests/real_engines.py
 
 from dora_jax.config import load_config
 from dora_jax.config.schema import OrchestratorConfig
@@ -31,7 +31,6 @@ from dora_jax.orchestrator import (
     Runtime,
 )
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
-from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.pipeline.grpo import GRPOTrainer
 from dora_jax.rollout import Engine, Request, request_key
 from dora_jax.sim.backend import SimBackend
@@ -44,23 +43,6 @@ from dora_jax.sim.workload import ResponseLengths, SimPrompts
 from dora_jax.train import Trainer
 
 BACKENDS = ("fake", "sim", "real-logical", "real-wall")
-NO_EOS = -1  # real engines: responses run to their drawn length (a long tail by construction)
-REAL = [
-    "model.vocab_size=32",
-    "model.hidden_size=32",
-    "model.intermediate_size=48",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "rollout.max_slots=4",
-    "rollout.page_size=8",
-    "rollout.num_pages=64",
-    "rollout.max_prompt_len=16",
-    "rollout.max_new_tokens=96",
-    "rollout.prefill_chunk=16",
-    "train.group_size=4",
-    "train.length_buckets=[128]",
-    "train.lr=1e-3",
-]
 TOY = ModelSpec(
     "toy",
     2e8,
@@ -71,29 +53,6 @@ TOY = ModelSpec(
     attn_flops_per_pair=8192.0,
     allreduces_per_forward=8,
 )
-
-
-class LongTailPrompts:
-    """Random prompts; response lengths lognormal (median 8, p99/median ~ 12), capped at 96."""
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-        self.index = 0
-
-    def next_prompt(self) -> PromptSpec:
-        n = int(self.rng.integers(4, 17))
-        tokens = tuple(int(t) for t in self.rng.integers(3, 32, n))
-        length = int(np.clip(round(8 * np.exp(1.07 * self.rng.standard_normal())), 1, 96))
-        self.index += 1
-        return PromptSpec(n, PromptPayload(self.index, tokens, "", max_new_tokens=length))
-
-
-class _FixedTok:
-    eos_id = NO_EOS
-    vocab_size = 32  # the model's: no sampled id is undecodable
-
-    def decode(self, ids, skip_special=True):
-        return "x" * len(ids)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +105,7 @@ class Setup:
             clock, bus = (WallClock() if wall else LogicalClock()), Bus()
             grpo = GRPOTrainer(
                 Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params),
-                _FixedTok(),
+                FixedTok(),
                 lambda response, answer: float(len(response) % 3),
                 train_ticks=3,
             )

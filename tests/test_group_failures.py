@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 from invariants import assert_run_invariants  # tests/invariants.py
+from real_engines import NO_EOS, REAL, FixedTok, LongTailPrompts  # tests/real_engines.py
 
 from dora_jax import faults
 from dora_jax.config import load_config
@@ -29,28 +30,10 @@ from dora_jax.mesh import build_meshes
 from dora_jax.model import init_params
 from dora_jax.orchestrator import BackendError, RequestSpec, Runtime
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
-from dora_jax.orchestrator.rollout_manager import PromptSpec
 from dora_jax.pipeline.grpo import GRPOTrainer
 from dora_jax.train import Trainer
 
-NO_EOS = -1
-G = 4  # samples per prompt
-REAL = [
-    "model.vocab_size=32",
-    "model.hidden_size=32",
-    "model.intermediate_size=48",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "rollout.max_slots=4",
-    "rollout.page_size=8",
-    "rollout.num_pages=64",
-    "rollout.max_prompt_len=16",
-    "rollout.max_new_tokens=96",
-    "rollout.prefill_chunk=16",
-    f"train.group_size={G}",
-    "train.length_buckets=[128]",
-    "train.lr=1e-3",
-]
+G = 4  # samples per prompt (REAL's train.group_size)
 ORCH = OrchestratorConfig(
     mode="dora",
     staleness_k=2,
@@ -60,29 +43,6 @@ ORCH = OrchestratorConfig(
     stall_s=120,
     kv_pressure_threshold=0.3,
 )
-
-
-class Prompts:
-    """Random prompts; response lengths lognormal (median 8), capped at 96."""
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-        self.index = 0
-
-    def next_prompt(self) -> PromptSpec:
-        n = int(self.rng.integers(4, 17))
-        tokens = tuple(int(t) for t in self.rng.integers(3, 32, n))
-        length = int(np.clip(round(8 * np.exp(1.07 * self.rng.standard_normal())), 1, 96))
-        self.index += 1
-        return PromptSpec(n, PromptPayload(self.index, tokens, "", max_new_tokens=length))
-
-
-class _Tok:
-    eos_id = NO_EOS
-    vocab_size = 32
-
-    def decode(self, ids, skip_special=True):
-        return "x" * len(ids)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +61,7 @@ def run(base, *, wall: bool = False, backup_every: int = 1, steps: int = 3):
     clock, bus = (WallClock() if wall else LogicalClock()), Bus()
     grpo = GRPOTrainer(
         Trainer(cfg.model, cfg.train, mesh=meshes.trainer, params=params),
-        _Tok(),
+        FixedTok(),
         lambda response, answer: float(len(response) % 3),
         train_ticks=3,
     )
@@ -119,7 +79,7 @@ def run(base, *, wall: bool = False, backup_every: int = 1, steps: int = 3):
         bus=bus,
     )
     trainer = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
-    runtime = Runtime(ORCH, G, backend, trainer, Prompts(0), clock=clock)
+    runtime = Runtime(ORCH, G, backend, trainer, LongTailPrompts(0), clock=clock)
     try:
         result = runtime.run(steps, drain=True, max_ticks=100_000, stall_s=ORCH.stall_s)
     finally:
