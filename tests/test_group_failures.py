@@ -203,5 +203,58 @@ def test_a_group_that_keeps_failing_stops_the_run_naming_it(base, monkeypatch):
         backend.step()
 
 
-def _spec(rid: int):
-    return RequestSpec(rid, rid, 0, 4, PromptPayload(rid, (3, 4, 5, 6), "", 8))
+def _spec(rid: int, new_tokens: int = 8):
+    return RequestSpec(rid, rid, 0, 4, PromptPayload(rid, (3, 4, 5, 6), "", new_tokens))
+
+
+def test_requests_recovered_from_kv_survive_a_checkpoint_and_finish_identically(base, monkeypatch):
+    """Two requests decode on group 0 (a host copy every step), group 0 fails, and their
+    recovered state (KV copies) goes through the checkpoint codec before group 1 takes it: they
+    finish with the tokens and logprobs of the same requests on a backend that never failed,
+    prefilled once."""
+    from dora_jax import state_codec
+
+    cfg, meshes, params = base
+
+    def backend(every: int) -> EngineBackend:
+        rollout = dataclasses.replace(cfg.rollout, backup_every_steps=every)
+        return EngineBackend(
+            cfg.model, rollout, meshes.groups, NO_EOS, params, lambda v: params, seed=0
+        )
+
+    def finish(b: EngineBackend) -> dict:
+        done = {}
+        for _ in range(100):
+            done.update({f.request_id: f.payload for f in b.step().finished})
+            if len(done) == 2:
+                return done
+        raise AssertionError("the requests did not finish")
+
+    clean = backend(0)
+    clean.submit(0, [_spec(1, 24), _spec(2, 24)])
+    expected = finish(clean)
+
+    b = backend(1)
+    b.submit(0, [_spec(1, 24), _spec(2, 24)])
+    for _ in range(5):  # prefilled and decoding, with copies
+        assert not b.step().finished
+    monkeypatch.setenv(faults.ENV, "engine_step@1:raise")
+    faults.reset()
+    events = b.step()
+    assert [p.source for p in events.recovered] == ["kv", "kv"]
+    assert all(p.generated > 0 for p in events.recovered)
+    tree, arrays = state_codec.encode(list(events.recovered))
+    restored = state_codec.decode(tree, arrays)
+    monkeypatch.delenv(faults.ENV)
+    b.submit(
+        1,
+        [
+            RequestSpec(p.request_id, p.prompt_group, 0, p.prompt_len, p.payload, resume=p)
+            for p in restored
+        ],
+    )
+    got = finish(b)
+    for rid in (1, 2):
+        assert got[rid].tokens == expected[rid].tokens
+        assert got[rid].logprobs == expected[rid].logprobs
+        assert got[rid].prefill_tokens == len(got[rid].prompt.tokens)  # never prefilled again
