@@ -11,6 +11,7 @@ Timestamps come from the workers themselves: each engine step, weight load and K
 ``[t0, t1)`` of the run's clock.
 """
 
+import itertools
 import time
 
 import jax
@@ -133,12 +134,17 @@ def test_groups_keep_decoding_while_weights_and_kv_move(setup):
     assert len(transfers) == loads and len(migrations) == 2 * moves  # packing and unpacking
     assert any(_overlaps(x, d) for x in transfers for d in decoding), "no decode during a load"
     assert any(_overlaps(m, d) for m in migrations for d in decoding), "no decode during a move"
-    # group 2 was never stalled by the moves: it decoded during every one of them, and kept at
-    # least half its pace of the same length of time before them (a fixed bound on the longest
-    # gap between its steps failed when another process took the core for 0.6 s)
-    for move in transfers + migrations:
-        assert any(_overlaps(move, d) for d in decoding), f"group 2 stalled during {move}"
+    # group 2 was never stalled by the moves: it decoded during every one of them that lasted
+    # longer than its longest gap between two decode steps before the moves (a shorter move can
+    # fall in such a gap without stalling anything: that failed 1 run in 8 beside another pytest
+    # worker), and kept at least half its pace of the same length of time before them (a fixed
+    # bound on the longest gap failed when another process took the core for 0.6 s)
     a, b = min(x.t0 for x in transfers + migrations), max(x.t1 for x in transfers + migrations)
+    earlier = sorted((d.t0, d.t1) for d in decoding if d.t1 <= a)
+    jitter = max((n[0] - p[1] for p, n in itertools.pairwise(earlier)), default=0.0)
+    checked = [m for m in transfers + migrations if m.t1 - m.t0 > jitter]
+    for move in checked:  # (moves of a few ms often all are shorter: the pace check below)
+        assert any(_overlaps(move, d) for d in decoding), f"group 2 stalled during {move}"
     during = sum(a <= d.t0 < b for d in decoding)
     before = sum(a - (b - a) <= d.t0 < a for d in decoding)
     assert during > 10 and during >= 0.5 * before, (during, before, b - a)
