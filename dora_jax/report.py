@@ -455,6 +455,10 @@ def _f(x: Any, pct: bool = False) -> str:
     return str(x)
 
 
+def _by_source(s: Summary) -> str:
+    return ", ".join(f"{n} from {k}" for k, n in sorted(s.recovered.items())) or "0"
+
+
 def _short(v: Any) -> str:
     if isinstance(v, list | tuple) and len(v) > 10:
         return f"{len(v)} items (see summary.json)"
@@ -489,11 +493,7 @@ def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
         ("weight transfers", str(s.weight_transfers)),
         ("re-prefill tokens", str(s.reprefill_tokens)),
         ("discarded requests", str(s.discarded)),
-        (
-            "failed rollout groups / requests recovered",
-            f"{s.group_failures} / "
-            + (", ".join(f"{n} from {k}" for k, n in sorted(s.recovered.items())) or "0"),
-        ),
+        ("failed rollout groups / requests recovered", f"{s.group_failures} / {_by_source(s)}"),
         ("plans (mean / max ms)", f"{s.plans} ({_f(s.plan_ms_mean)} / {_f(s.plan_ms_max)})"),
         (
             f"reward start -> end (mean of {rw['n_avg']} steps)",

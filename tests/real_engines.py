@@ -3,6 +3,7 @@ its config overrides, a long-tailed prompt stream and a tokenizer that never end
 
 import numpy as np
 
+from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.execution import PromptPayload
 from dora_jax.orchestrator.rollout_manager import PromptSpec
 
@@ -48,3 +49,16 @@ class FixedTok:
 
     def decode(self, ids, skip_special=True):
         return "x" * len(ids)
+
+
+def small_orchestrator(mode: str) -> OrchestratorConfig:
+    """The control plane of these tests: K=2, TBS 2, RBS 4, plans every 8 ticks."""
+    return OrchestratorConfig(
+        mode=mode,
+        staleness_k=2,
+        train_batch_prompts=2,
+        rollout_batch_prompts=4,
+        plan_period_ticks=8,
+        stall_s=120,
+        kv_pressure_threshold=0.3,
+    )

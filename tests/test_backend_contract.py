@@ -13,7 +13,7 @@ JAX engines on the logical and on the wall clock.
 import jax
 import pytest
 from invariants import assert_run_invariants  # tests/invariants.py
-from real_engines import NO_EOS, REAL, FixedTok, LongTailPrompts  # tests/real_engines.py
+from real_engines import NO_EOS, REAL, FixedTok, LongTailPrompts, small_orchestrator
 
 from dora_jax.config import load_config
 from dora_jax.config.schema import OrchestratorConfig
@@ -191,15 +191,7 @@ RUNS = [
 
 @pytest.mark.parametrize(("kind", "mode"), RUNS)
 def test_run_invariants(kind, mode, real_setup):
-    orch = OrchestratorConfig(
-        mode=mode,
-        staleness_k=2,
-        train_batch_prompts=2,
-        rollout_batch_prompts=4,
-        plan_period_ticks=8,
-        stall_s=120,
-        kv_pressure_threshold=0.3,
-    )
+    orch = small_orchestrator(mode)
     s = Setup(kind, real_setup, orch)
     try:
         result = s.runtime.run(3, drain=True, max_ticks=100_000, stall_s=orch.stall_s)

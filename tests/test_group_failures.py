@@ -20,11 +20,10 @@ import jax
 import numpy as np
 import pytest
 from invariants import assert_run_invariants  # tests/invariants.py
-from real_engines import NO_EOS, REAL, FixedTok, LongTailPrompts  # tests/real_engines.py
+from real_engines import NO_EOS, REAL, FixedTok, LongTailPrompts, small_orchestrator
 
 from dora_jax import faults
 from dora_jax.config import load_config
-from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.execution import EngineBackend, PromptPayload, ThreadedTrainer
 from dora_jax.mesh import build_meshes
 from dora_jax.model import init_params
@@ -34,15 +33,7 @@ from dora_jax.pipeline.grpo import GRPOTrainer
 from dora_jax.train import Trainer
 
 G = 4  # samples per prompt (REAL's train.group_size)
-ORCH = OrchestratorConfig(
-    mode="dora",
-    staleness_k=2,
-    train_batch_prompts=2,
-    rollout_batch_prompts=4,
-    plan_period_ticks=8,
-    stall_s=120,
-    kv_pressure_threshold=0.3,
-)
+ORCH = small_orchestrator("dora")
 
 
 @pytest.fixture(scope="module")
