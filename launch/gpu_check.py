@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -411,6 +412,7 @@ def environment() -> dict:
         devices=[str(d) for d in devices],
         device_kind=str(devices[0].device_kind),
         compute_capability=getattr(devices[0], "compute_capability", None),
+        load_average_before=[round(x, 2) for x in os.getloadavg()],
     )
 
 

@@ -108,6 +108,7 @@ def main(argv: list[str]) -> int:
         seq_len=seq,
         rows=plan.train_rows,
         model=plan.train_model,
+        load_average_before=[round(x, 2) for x in os.getloadavg()],
         variants={},
     )
     start = time.perf_counter()
@@ -124,6 +125,7 @@ def main(argv: list[str]) -> int:
                 row["status"] = f"error: {type(e).__name__}: {e}"[:2000]
                 row["traceback"] = traceback.format_exc()[-3000:]
         out["variants"][name] = row
+        out["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
         shown = {k: v for k, v in row.items() if k not in ("traceback",)}
         print(name, json.dumps(shown, default=str), flush=True)
         with open(os.path.join(a.out, "gpu_train_probe.json"), "w") as f:
