@@ -29,7 +29,6 @@ environment is reproducible; on the wall clock each answer is applied when it co
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -48,7 +47,12 @@ from dora_jax.execution.group import GroupWorker, Place, error_text
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.execution.recovery import GroupRecovery
 from dora_jax.execution.transport import Inline, Threaded, done
-from dora_jax.execution.turns import TurnDriver, TurnOutcome
+from dora_jax.execution.turns import (
+    TurnDriver,
+    TurnOutcome,
+    conversations_state,
+    load_conversations_state,
+)
 from dora_jax.model.params import Params
 from dora_jax.orchestrator.backend import (
     TRAINER,
@@ -513,18 +517,7 @@ class EngineBackend(GroupRecovery):
             "engines": [
                 self._send(g, c.Snapshot(g)).result(WAIT_S) for g in range(len(self.handles))
             ],
-            "conversations": None
-            if self.turns is None
-            else {
-                "driver": self.turns.state_dict(),
-                "waiting": sorted(self._waiting),
-                "last_turn": dict(self._last_turn),
-                "held_turns": {
-                    rid: [list(o) for o in obs] for rid, obs in self._held_turns.items()
-                },
-                "over": {rid: dataclasses.asdict(o) for rid, o in self._over.items()},
-                "ended": list(self._ended),
-            },
+            "conversations": conversations_state(self),
         }
 
     def load_state_dict(self, state: dict[str, Any], params_for: Callable[[int], Params]) -> None:
@@ -540,21 +533,7 @@ class EngineBackend(GroupRecovery):
         self._where = {rid: g for g, m in enumerate(self._members) for rid in m}
         self._version = list(state["versions"])
         self._recovered = list(state.get("recovered", ()))
-        conv = state.get("conversations")
-        if (conv is None) != (self.turns is None):
-            raise BackendError(
-                "the checkpoint's conversations and this run's env section disagree (a run "
-                "with multi-turn environments resumes with the same env.spec)"
-            )
-        if conv is not None:
-            self.turns.load_state_dict(conv["driver"])
-            self._waiting = set(conv["waiting"])
-            self._last_turn = dict(conv["last_turn"])
-            self._held_turns = {
-                rid: [tuple(o) for o in obs] for rid, obs in conv["held_turns"].items()
-            }
-            self._over = {rid: _outcome(o) for rid, o in conv["over"].items()}
-            self._ended = list(conv["ended"])
+        load_conversations_state(self, state.get("conversations"))
         for g, snap in enumerate(state["engines"]):
             if snap.version != self._version[g]:
                 raise BackendError(
@@ -604,10 +583,3 @@ class EngineBackend(GroupRecovery):
         if self.on_finished is not None:
             self.on_finished(f.id, comp)
         return FinishedRequest(f.id, pg, len(prompt.tokens), len(f.tokens), tuple(versions), comp)
-
-
-def _outcome(d: dict) -> TurnOutcome:
-    obs = None if d["observation"] is None else tuple(d["observation"])
-    return TurnOutcome(
-        d["request_id"], obs, float(d["reward"]), tuple(d["loss_mask"]), d["figures"]
-    )
