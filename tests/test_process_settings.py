@@ -61,13 +61,16 @@ def test_initialize_binds_a_schedulers_run_where_listen_host_says(monkeypatch, p
         return SimpleNamespace(address=lambda: address)
 
     monkeypatch.setattr(transfer, "start_transfer_server", server)
-    kv = SimpleNamespace(key_value_set=lambda k, v: calls.update(kv=(k, v)))
+    kv = SimpleNamespace(key_value_set=lambda k, v, **o: calls.setdefault("kv", []).append((k, v)))
     monkeypatch.setattr(distributed.global_state, "client", kv)
     proc = process.initialize(spec_from(SimpleNamespace(), {"SLURM_NTASKS": "2"}))
     args, kwargs = calls["init"]
     assert args == ("10.1.0.5:8476", 2, pid)
     assert kwargs["coordinator_bind_address"] == f"{expected}:8476"
     assert calls["server"] == f"{expected}:0" and proc.bind == expected
+    # its transfer server's address and its join token (the epoch of its messages)
+    assert [k for k, _ in calls["kv"]] == [f"dora/addr/{proc.index}", f"dora/join/{proc.index}"]
+    assert calls["kv"][1][1] == proc.token and len(proc.token) == 16
 
 
 def test_the_local_launcher_tells_its_processes_its_flags(tmp_path):

@@ -1,9 +1,13 @@
 """Ordered messages between processes over the runtime's key-value store.
 
-A message is a msgpack map (``codec.py``) stored under ``dora/m/<to>/<from>/<seq>``; the sender
-numbers its messages to each destination, and the receiver reads them in that order with bounded
-blocking gets (one thread per sender), deletes each once read, and hands it to a handler. No
-socket protocol of our own: the store, its blocking reads and its liveness are JAX's.
+A message is a msgpack map (``codec.py``) stored under ``dora/m/<to>/<from>/<epoch>/<seq>``; the
+sender numbers its messages to each destination, and the receiver reads them in that order with
+bounded blocking gets (one thread per sender), deletes each once read, and hands it to a handler.
+No socket protocol of our own: the store, its blocking reads and its liveness are JAX's.
+
+The epoch is the join token of the process other than 0 at either end (``Process.token``, new
+each time that process starts): a rollout host started again after it died talks to process 0
+under a new epoch, numbered from 0, and nothing its earlier incarnation left unread is read.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ POLL_MS = 1000  # how long one blocking read waits before the receiver checks wh
 
 
 class Channel:
-    def __init__(self, client: Any, me: int, prefix: str = "dora/m"):
+    def __init__(self, client: Any, me: int, prefix: str = "dora/m", token: str = ""):
         self.client, self.me, self.prefix = client, me, prefix
         self._seq: dict[int, int] = defaultdict(int)
+        self._epoch: dict[int, str] = defaultdict(lambda: token)  # peer -> epoch (both ways)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -33,17 +38,39 @@ class Channel:
         with self._lock:  # numbers are given in send order, per destination
             seq = self._seq[to]
             self._seq[to] += 1
-            self.client.key_value_set_bytes(f"{self.prefix}/{to}/{self.me}/{seq}", data)
+            key = f"{self.prefix}/{to}/{self.me}/{self._epoch[to]}/{seq}"
+        self.client.key_value_set_bytes(key, data)
+
+    def epoch_of(self, peer: int) -> str | None:
+        return self._epoch.get(peer)
+
+    def reconnect(self, peer: int, token: str) -> None:
+        """Talk to ``peer`` under epoch ``token`` from now on (numbered from 0 both ways); the
+        listener of its earlier epoch stops, and what either side left unread there is
+        deleted."""
+        with self._lock:
+            old, self._epoch[peer], self._seq[peer] = self._epoch.get(peer), token, 0
+        if old is not None and old != token:
+            for key in (
+                f"{self.prefix}/{peer}/{self.me}/{old}",
+                f"{self.prefix}/{self.me}/{peer}/{old}",
+            ):
+                try:
+                    self.client.key_value_delete(key)
+                except Exception:  # noqa: BLE001 - nothing left there
+                    pass
 
     def listen(self, sender: int, handler: Callable[[dict], None], on_error=None) -> None:
         """Hand every message from ``sender`` to ``handler``, in order, on a thread of its own.
         A handler that raises is reported to ``on_error`` (default: printed) and listening goes
         on."""
 
+        epoch = self._epoch[sender]
+
         def run() -> None:
             seq = 0
-            while not self._stop.is_set():
-                key = f"{self.prefix}/{self.me}/{sender}/{seq}"
+            while not self._stop.is_set() and self._epoch[sender] == epoch:
+                key = f"{self.prefix}/{self.me}/{sender}/{epoch}/{seq}"
                 try:
                     data = self.client.blocking_key_value_get_bytes(key, POLL_MS)
                 except Exception as e:  # noqa: BLE001 - a timeout, or the coordinator is gone

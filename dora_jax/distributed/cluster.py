@@ -3,6 +3,9 @@ to the others, and starting and stopping the groups they host."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
+
 from jax.sharding import Mesh
 
 from dora_jax.distributed.channel import Channel
@@ -19,6 +22,8 @@ class Cluster:
         self.channel = Channel(proc.client, proc.index)
         self.transfers = Transfers(proc)
         self.link: HostLink | None = None
+        self.joins: dict[int, int] = {}  # rollout host -> times it was started again
+        self._init: dict = {}
 
     def owner(self, mesh: Mesh, what: str) -> int:
         """The process whose devices hold ``mesh`` (a rollout group lives on one process)."""
@@ -29,24 +34,58 @@ class Cluster:
             )
         return procs[0]
 
-    def connect(self, post, now, stage_shardings) -> None:
-        """Start listening to every other process (their reports go to ``post``)."""
+    def connect(self, post, now, stage_shardings, essential: set[int]) -> None:
+        """Start listening to every other process (their reports go to ``post``). A process not
+        in ``essential`` (the trainer's processes) that dies is a lost rollout host: the run goes
+        on without it, and takes it back when it is started again (:meth:`start_host`)."""
         hosts = [p for p in range(self.count) if p != self.index]
+        for p in hosts:
+            self.channel.reconnect(p, self._token(p))
         self.link = HostLink(self.channel, self.transfers, hosts, post, now, stage_shardings)
+        self.proc.essential = frozenset(essential) | {self.index}
+        self.proc.on_host_lost = self._lost
+        self.proc.on_host_joined = self._joined
+
+    def _lost(self, p: int, why: str) -> None:
+        print(
+            f"process {p} is gone ({why}): the run goes on without its rollout groups, whose "
+            f"requests continue elsewhere; start it again with its own command to bring them back",
+            flush=True,
+        )
+        self.link.host_lost(p, why)
+
+    def _token(self, p: int, not_: str | None = None, timeout_s: float = 120.0) -> str:
+        """Process ``p``'s join token (a new one, other than ``not_``, once it was started
+        again)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(1, int((deadline - time.monotonic()) * 1e3))
+            token = self.proc.client.blocking_key_value_get(f"dora/join/{p}", left)
+            if token != not_ or time.monotonic() > deadline:
+                return token
+            time.sleep(0.2)
+
+    def _joined(self, p: int) -> None:
+        old = self.channel.epoch_of(p)
+        self.joins[p] = self.joins.get(p, 0) + 1
+        self.link.host_joined(p, self._token(p, not_=old))
+        print(
+            f"process {p} is back: its rollout groups rejoin once they hold a version", flush=True
+        )
 
     def start_hosts(self, config: dict, eos_ids: list[int], seed: int, wall: bool) -> None:
         """Every other process builds the engines of its groups (a bounded wait for each); any of
         ``eos_ids`` ends a response there too."""
+        self._init = {"op": "init", "config": config, "eos_ids": list(eos_ids), "seed": seed}
+        self._init["wall"] = wall
         for p in range(self.count):
             if p != self.index:
-                msg = {
-                    "op": "init",
-                    "config": config,
-                    "eos_ids": list(eos_ids),
-                    "seed": seed,
-                    "wall": wall,
-                }
-                self.link.request(p, msg, wait=True).result(WAIT_S)
+                self.start_host(p).result(WAIT_S)
+
+    def start_host(self, p: int) -> Future:
+        """Process ``p`` builds the engines of its groups (again, when it was started again):
+        the future completes with its reply."""
+        return self.link.request(p, self._init | {"epoch": self.joins.get(p, 0)}, wait=True)
 
     def remote(self, group: int, host: int, sync: bool, pages_total: int) -> RemoteTransport:
         return RemoteTransport(group, host, self.link, sync, pages_total)
@@ -69,7 +108,7 @@ class Cluster:
 
     def stop_hosts(self) -> None:
         for p in range(self.count):
-            if p != self.index:
+            if p != self.index and p not in self.link.lost:
                 try:  # the calls still queued go first: the shutdown travels alone
                     self.link.flush(p)
                     self.link.request(p, {"op": "shutdown"}, wait=False)

@@ -24,7 +24,7 @@ def serve(proc: Process, log=print) -> int:
     from dora_jax.mesh import build_meshes, processes
     from dora_jax.rollout import Engine
 
-    channel = Channel(proc.client, proc.index)
+    channel = Channel(proc.client, proc.index, token=proc.token)
     transfers = Transfers(proc)
     done = threading.Event()
     host: list[GroupHost] = []
@@ -42,6 +42,7 @@ def serve(proc: Process, log=print) -> int:
 
     def on_message(msg: dict) -> None:
         if msg["op"] == "init":
+            transfers.epoch = msg.get("epoch", 0)
             cfg = from_dict(ExperimentConfig, msg["config"])
             meshes = build_meshes(cfg.mesh)
             mine = {g: m for g, m in enumerate(meshes.groups) if processes(m) == {proc.index}}

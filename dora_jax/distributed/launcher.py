@@ -89,6 +89,10 @@ def launch_local(
         )
         procs.append(p)
         (logs / f"process_{i}.pid").write_text(str(p.pid))
+        # the command that starts this process again (a rollout host that died rejoins the run)
+        keep = (ENV_LAUNCH, ENV_COORDINATOR, ENV_NUM, ENV_ID, "XLA_FLAGS", "PYTHONUNBUFFERED")
+        again = " ".join(f"{k}={shlex.quote(env[k])}" for k in keep) + " " + shlex.join(cmd)
+        (logs / f"process_{i}.cmd").write_text(again + "\n")
         t = threading.Thread(target=_pump, args=(p, logs / f"process_{i}.log", i == 0), daemon=True)
         t.start()
         pumps.append(t)
@@ -138,22 +142,22 @@ def _pump(p: subprocess.Popen, path: Path, echo: bool) -> None:
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
-    """Process 0's exit code when it failed by itself, else the first non-zero one (the others
-    are ended after ``GRACE_S``), else 0."""
-    failed_at, code, killed = None, 0, False
+    """Process 0's exit code; once it has ended, the others get ``GRACE_S`` to end by
+    themselves, then are ended. Another process that fails first is reported, and the run goes
+    on as process 0 decides (a rollout host's loss costs its work; a trainer process's stops the
+    run, and process 0 says so)."""
+    lead_at, reported = None, set()
     while any(p.poll() is None for p in procs):
         for i, p in enumerate(procs):
             rc = p.poll()
-            if rc and not code:
-                code, failed_at = rc, time.monotonic()
+            if rc and i not in reported:
+                reported.add(i)
                 print(f"process {i} exited with code {rc}", file=sys.stderr)
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
-            for i, p in enumerate(procs):
+        if lead_at is None and procs[0].poll() is not None:
+            lead_at = time.monotonic()
+        if lead_at is not None and time.monotonic() - lead_at > GRACE_S:
+            for p in procs:
                 if p.poll() is None:
-                    killed = killed or i == 0
                     p.kill()
         time.sleep(0.2)
-    lead = procs[0].returncode
-    if lead and not killed:  # process 0 says what went wrong (the others lost it after)
-        return lead
-    return code or next((p.returncode for p in procs if p.returncode), 0)
+    return procs[0].returncode

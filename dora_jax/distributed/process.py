@@ -29,6 +29,7 @@ import os
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +132,12 @@ class Process:
     _conns: dict[str, Any] = field(default_factory=dict)
     _finishing: threading.Event | None = None  # set when this process leaves (the watchdog's)
     on_peer_lost: Callable[[str], None] | None = None  # says what to do next (last checkpoint)
+    token: str = ""  # this incarnation's join token (``dora/join/<index>``): its messages' epoch
+    # process 0: the processes whose loss stops the run (the trainer's); any other (a rollout
+    # host) lost goes to on_host_lost(process, why) and, started again, to on_host_joined(process)
+    essential: frozenset[int] = frozenset()
+    on_host_lost: Callable[[int, str], None] | None = None
+    on_host_joined: Callable[[int], None] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -145,23 +152,59 @@ class Process:
         return self._conns[address]
 
     def start_watchdog(self, period_s: float = 2.0) -> None:
-        """End this process (exit code 3) with a message when a peer stops answering."""
+        """Watch the other processes. A peer that stops answering (or restarted: a new
+        incarnation) ends this process (exit 3) with a message, except on process 0 for a
+        process outside :attr:`essential` (it hosts rollout groups only): that one is handed to
+        :attr:`on_host_lost`, and its coming back to :attr:`on_host_joined`. Processes other than
+        0 care only about process 0 (which decides for the others)."""
         self._finishing = threading.Event()
 
         def watch() -> None:
             everyone = list(range(self.count))
+            known: dict[int, Any] = {}  # process -> the incarnation last seen live
+            first = True
             while not self._finishing.wait(period_s):
                 try:
                     live = self.client.get_live_nodes(everyone)
-                    lost = [p for p in everyone if p not in live]
                 except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone
-                    lost, why = [0], f"the coordinator does not answer ({type(e).__name__})"
-                else:
-                    why = "it stopped answering"
-                if lost and not self._finishing.is_set():
-                    self.lost(f"process {lost[0]} is gone: {why}")
+                    if not self._finishing.is_set():
+                        self.lost(
+                            f"process 0 is gone: the coordinator does not answer "
+                            f"({type(e).__name__})"
+                        )
+                    return
+                if self._finishing.is_set():
+                    return
+                if not isinstance(live, dict):  # (a list where the runtime gives no incarnations)
+                    live = dict.fromkeys(live, 0)
+                for p in everyone:
+                    now, before = live.get(p), known.get(p)
+                    if now is None and (before is not None or first):
+                        known.pop(p, None)
+                        self._peer_lost(p, "it stopped answering")
+                    elif now is not None and before is not None and now != before:
+                        known[p] = now
+                        self._peer_lost(p, "it was restarted")
+                        self._peer_joined(p)
+                    elif now is not None and before is None:
+                        known[p] = now
+                        if not first:
+                            self._peer_joined(p)
+                first = False
 
         threading.Thread(target=watch, name="dora-watchdog", daemon=True).start()
+
+    def _peer_lost(self, p: int, why: str) -> None:
+        if p == self.index:
+            return
+        if self.is_main and self.on_host_lost is not None and p not in self.essential:
+            self.on_host_lost(p, why)
+        elif self.is_main or p == 0:
+            self.lost(f"process {p} is gone: {why}")
+
+    def _peer_joined(self, p: int) -> None:
+        if self.is_main and p != self.index and self.on_host_joined is not None:
+            self.on_host_joined(p)
 
     def finish(self, timeout_s: float = 60.0) -> None:
         """Leave the run: meet every process at a last barrier (bounded), then disconnect."""
@@ -226,5 +269,8 @@ def initialize(spec: ProcessSpec, *, heartbeat_s: int = 10, timeout_s: int = 300
     server = transfer.start_transfer_server(
         jax.local_devices()[0].client, f"{bind}:0", [f"{bind}:0"]
     )
-    client.key_value_set(f"dora/addr/{index}", server.address())
-    return Process(index, count, client, server, bind)
+    # (a process started again after it died takes its place: its keys are overwritten)
+    client.key_value_set(f"dora/addr/{index}", server.address(), allow_overwrite=True)
+    token = uuid.uuid4().hex[:16]
+    client.key_value_set(f"dora/join/{index}", token, allow_overwrite=True)
+    return Process(index, count, client, server, bind, token=token)

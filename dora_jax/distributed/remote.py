@@ -34,7 +34,7 @@ from dora_jax.distributed.channel import Channel
 from dora_jax.distributed.transfers import Transfers
 from dora_jax.execution.commands import GroupCommand, GroupEvent, GroupStatus
 from dora_jax.execution.group import GroupWorker, Place
-from dora_jax.execution.transport import Inline, Threaded, done
+from dora_jax.execution.transport import GroupDead, Inline, Threaded, done
 from dora_jax.orchestrator.clock import Bus
 
 WAIT_S = 600.0
@@ -60,7 +60,10 @@ class HostLink:
         self.channel, self.transfers, self.post, self.now = channel, transfers, post, now
         self.stage_shardings = stage_shardings  # the group layout on process 0's devices
         self.groups: dict[int, RemoteTransport] = {}
-        self._replies: dict[int, Future] = {}
+        self._replies: dict[int, tuple[int, Future]] = {}  # reply id -> (host, its future)
+        # rollout hosts that died (and why), and those started again since, for the backend
+        self.lost: dict[int, str] = {}
+        self.joined: list[int] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._staged: dict[int, Future] = {}  # version -> its params staged for pulls
@@ -72,6 +75,8 @@ class HostLink:
         """Send ``msg`` to ``host``. Messages that need no reply wait in an outbox, sent as one
         message by :meth:`flush` (once per control round), in order; one that needs a reply
         flushes first, and its future is the reply's value."""
+        if host in self.lost:  # (nothing reaches it: its groups are recovered elsewhere)
+            return _gone(host, self.lost[host])
         if not wait:
             with self._lock:
                 self._outbox[host].append(msg)
@@ -80,9 +85,43 @@ class HostLink:
         fut: Future = Future()
         rid = next(self._ids)
         with self._lock:
-            self._replies[rid] = fut
+            self._replies[rid] = (host, fut)
         self.channel.send(host, msg | {"reply": rid})
         return fut
+
+    def host_lost(self, host: int, why: str) -> None:
+        """``host`` died: every reply it owes fails (:class:`GroupDead`), so do its groups'
+        commands from now on, and the control plane is woken to recover their requests."""
+        with self._lock:
+            self.lost[host] = why
+            self._outbox[host] = []
+            owed = [rid for rid, (h, _) in self._replies.items() if h == host]
+            futures = [self._replies.pop(rid)[1] for rid in owed]
+        for fut in futures:
+            fut.set_exception(GroupDead(f"process {host} is gone: {why}"))
+        for t in list(self.groups.values()):
+            if t.host == host:
+                t.lose(why)
+        self.post(None)
+
+    def host_joined(self, host: int, token: str) -> None:
+        """``host`` was started again (join token ``token``): messages go to the new process;
+        the backend builds its groups (:attr:`joined`)."""
+        self.channel.reconnect(host, token)
+        self.channel.listen(host, lambda msg, h=host: self._on_message(h, msg))
+        with self._lock:
+            self.lost.pop(host, None)
+            self._outbox[host] = []
+            self.joined.append(host)
+        for t in list(self.groups.values()):
+            if t.host == host:
+                t.revive()
+        self.post(None)
+
+    def take_joined(self) -> list[int]:
+        with self._lock:
+            out, self.joined = self.joined, []
+        return out
 
     def flush(self, host: int | None = None) -> None:
         for h in [host] if host is not None else list(self._outbox):
@@ -129,7 +168,10 @@ class HostLink:
             if g in self.groups:  # (transports are made one by one at the start)
                 self.groups[g].report(st, applied)
         if op == "reply":
-            fut = self._replies.pop(msg["reply"])
+            with self._lock:
+                _, fut = self._replies.pop(msg["reply"], (host, None))
+            if fut is None:  # (failed already: its host was taken for dead)
+                return
             if msg.get("error"):
                 fut.set_exception(RemoteError(f"on process {host}: {msg['error']}"))
             else:
@@ -137,6 +179,12 @@ class HostLink:
         elif op == "events":
             for e in msg["items"]:
                 self.post(shift(e, offset, host))
+
+
+def _gone(host: int, why: str) -> Future:
+    fut: Future = Future()
+    fut.set_exception(GroupDead(f"process {host} is gone: {why}"))
+    return fut
 
 
 def shift(e: GroupEvent, offset: float, host: int) -> GroupEvent:
@@ -157,10 +205,13 @@ class RemoteTransport:
         self._sent = 0  # commands sent so far
         self._pending: deque[tuple[int, Future]] = deque()  # (number, future) not yet applied
         self._lock = threading.Lock()
+        self.dead: str | None = None  # why its process is gone (None: it is there)
         link.groups[group] = self
 
     def send(self, cmd: GroupCommand) -> Future:
         wait = self.sync or cmd.replies
+        if self.dead is not None:
+            return _gone(self.host, self.dead)
         with self._lock:
             self._sent += 1
             n = self._sent
@@ -171,8 +222,26 @@ class RemoteTransport:
         if not wait:
             return fut
         if self.sync:  # the logical clock: carried out before the reply
-            return done(reply.result(WAIT_S))
+            try:
+                return done(reply.result(WAIT_S))
+            except GroupDead:  # (its process died meanwhile: the future says so)
+                return reply
         return reply
+
+    def lose(self, why: str) -> None:
+        """Its process died: every command not yet applied fails, and so does every later one
+        (until :meth:`revive`)."""
+        with self._lock:
+            self.dead = why
+            pending, self._pending = list(self._pending), deque()
+        for _, fut in pending:
+            fut.set_exception(GroupDead(f"process {self.host} is gone: {why}"))
+
+    def revive(self) -> None:
+        """Its process was started again: commands are numbered from 0 for the new process."""
+        with self._lock:
+            self.dead, self._sent, self._pending = None, 0, deque()
+            self.status = GroupStatus({}, 0, self.status.pages_total)
 
     def report(self, status: GroupStatus, applied: int) -> None:
         self.status = status

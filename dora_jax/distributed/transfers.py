@@ -28,6 +28,7 @@ import numpy as np
 
 from dora_jax.distributed.codec import decode, dtype_from_tag, dtype_tag, encode
 from dora_jax.distributed.process import Process
+from dora_jax.execution.commands import TransferError
 
 WAIT_S = 600.0
 CHUNK = 4 << 20  # bytes per key-value entry on the host-copy path
@@ -35,10 +36,6 @@ CHUNK = 4 << 20  # bytes per key-value entry on the host-copy path
 # inside jax (seen with jax 0.10: IndexError in copy_to_host_async, four groups served one
 # version's params from four threads)
 _HOST_COPY_LOCK = threading.Lock()
-
-
-class TransferError(RuntimeError):
-    """The holder could not serve the arrays; the message carries its reason."""
 
 
 class Transfers:
@@ -51,10 +48,13 @@ class Transfers:
         )
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        # how many times this process has joined the run before (process 0 says, 0 to 255): a
+        # rollout host started again numbers its transfers apart from its earlier incarnations'
+        self.epoch = 0
 
     def new_id(self) -> int:
         with self._lock:
-            return (self.proc.index << 40) | next(self._ids)
+            return (self.proc.index << 40) | ((self.epoch & 0xFF) << 32) | next(self._ids)
 
     def host_copy(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         """NumPy copies of ``arrays`` (one host copy at a time in this process)."""
@@ -74,6 +74,22 @@ class Transfers:
             self.proc.client.key_value_set_bytes(f"dora/x/{uid}", encode(err))
             raise
 
+    def fail_unless_served(self, uid: int, why: str) -> bool:  # (``why`` names HOST_GONE)
+        """The holder of ``uid`` died: unless it served it already, the receiver gets ``why`` as
+        an error (its :meth:`fetch` raises :class:`TransferError`). True: it never served it."""
+        try:
+            self.proc.client.key_value_set_bytes(f"dora/x/{uid}", encode({"error": why}))
+        except Exception:  # noqa: BLE001 - the record is there: it was served
+            return False
+        return True
+
+    def forget(self, uid: int) -> None:
+        """Delete ``uid``'s record (one fetched with ``keep``)."""
+        try:
+            self.proc.client.key_value_delete(f"dora/x/{uid}")
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+
     def _serve(self, uid: int, arrays: Sequence[Any], meta: dict | None) -> None:
         arrays = list(arrays)
         record = {
@@ -92,14 +108,18 @@ class Transfers:
             self.proc.server.await_pull(uid, arrays)
         self.proc.client.key_value_set_bytes(f"dora/x/{uid}", encode(record))
 
-    def fetch(self, uid: int, shardings: Any, timeout_s: float = WAIT_S) -> tuple[list, dict]:
+    def fetch(
+        self, uid: int, shardings: Any, timeout_s: float = WAIT_S, keep: bool = False
+    ) -> tuple[list, dict]:
         """``(arrays, meta)`` of ``uid``; ``shardings`` is a list (one per array) or a function
-        of ``meta`` returning that list."""
+        of ``meta`` returning that list. ``keep``: the record stays (process 0 deletes it,
+        :meth:`forget`), so that it can tell a transfer served from one that never was."""
         import jax
 
         key = f"dora/x/{uid}"
         record = decode(self.proc.client.blocking_key_value_get_bytes(key, int(timeout_s * 1e3)))
-        self.proc.client.key_value_delete(key)
+        if not keep:
+            self.proc.client.key_value_delete(key)
         if "error" in record:
             raise TransferError(record["error"])
         meta = record["meta"]

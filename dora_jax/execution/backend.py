@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from dora_jax.execution.commands import GroupEvent
 from dora_jax.execution.group import GroupWorker, Place, error_text
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.execution.recovery import GroupRecovery
-from dora_jax.execution.transport import Inline, Threaded, done
+from dora_jax.execution.transport import GroupDead, Inline, Threaded, done
 from dora_jax.execution.turns import (
     TurnDriver,
     TurnOutcome,
@@ -60,7 +59,6 @@ from dora_jax.orchestrator.backend import (
     FinishedRequest,
     GroupInfo,
     GroupTick,
-    HealthChange,
     PartialRequest,
     RequestSpec,
     Source,
@@ -70,7 +68,6 @@ from dora_jax.orchestrator.backend import (
 )
 from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
 from dora_jax.rollout import Engine, EngineFinished, Request, request_key
-from dora_jax.rollout.moves import EngineSnapshot
 
 WAIT_S = 600.0  # the longest wait for a group's answer (a snapshot, an interrupt, a step)
 
@@ -176,25 +173,12 @@ class EngineBackend(GroupRecovery):
         self._held_turns: dict[int, list[tuple[int, ...]]] = {}
         self._over: dict[int, TurnOutcome] = {}
         self._ended: list[FinishedRequest] = []
-        # failed groups (docs/reliability.md, "A rollout group that fails"): host copies of each
-        # group's requests every ``backup_every`` of its engine steps (the latest one taken, and
-        # one asked for on the wall clock), engine steps since its last copy, rebuilds per group,
-        # requests recovered by source (and each recovered id's source), and the recovered
-        # requests and health changes for the next step()'s events
-        self.backup_every = rollout_cfg.backup_every_steps
-        self.max_restarts = rollout_cfg.max_group_restarts
-        self._backups: dict[int, EngineSnapshot] = {}
-        self._backup_asked: dict[int, Future] = {}
-        self._since_backup = [0] * n
-        self.restarts = [0] * n
-        self.recoveries: Counter = Counter()
-        self.recovered_ids: dict[int, str] = {}
-        self._recovered: list[PartialRequest] = []
-        self._health: list[HealthChange] = []
+        self._init_recovery(rollout_cfg, n)
 
     # -- queries ---------------------------------------------------------------------------------
     def groups(self) -> list[GroupInfo]:
-        return [self._info(g) for g in range(len(self.handles))]
+        """The groups in the run (a group whose process died is out until it is back)."""
+        return [self._info(g) for g in range(len(self.handles)) if not self._gone(g)]
 
     def _info(self, g: int) -> GroupInfo:
         st, ids = self.handles[g].status, tuple(self._members[g])
@@ -231,8 +215,13 @@ class EngineBackend(GroupRecovery):
         self._check_group(group)
         if source != TRAINER:
             self._check_group(source)
+        if self._gone(group) or (source != TRAINER and self._gone(source)):
+            return  # (its process died: the next step() takes the group out of the run)
         held, version_of = len(self._members[group]), self._version.__getitem__
-        if not check_set_version(group, version, source, held, self.published, version_of):
+        sendable = self.sendable_versions()
+        if not check_set_version(
+            group, version, source, held, self.published, version_of, sendable
+        ):
             return
         if source == TRAINER:
             src = self._trainer_source(group, version, self.trainer_params(version))
@@ -323,6 +312,8 @@ class EngineBackend(GroupRecovery):
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         self._check_group(src)
         self._check_group(dst)
+        if self._gone(src) or self._gone(dst):
+            return  # (a process died since the plan: the next step() recovers its requests)
         check_migrate(
             request_ids, src, dst, self._version.__getitem__, self._where.get, self._free_slots(dst)
         )
@@ -332,8 +323,15 @@ class EngineBackend(GroupRecovery):
         faults.point("migration")
         self.overheads.migrated_requests += len(request_ids)
         ticket, remote = self._new_ticket(), self._hosts[src] != self._hosts[dst]
-        self._send(src, c.SendRequests(src, tuple(request_ids), ticket, remote))
-        self._send(dst, c.ReceiveRequests(dst, ticket, remote))
+        sent = self._send(src, c.SendRequests(src, tuple(request_ids), ticket, remote))
+        if sent.done() and isinstance(sent.exception(), GroupDead) and self._gone(src):
+            for rid in request_ids:  # its process died: recovered with the rest of its requests
+                self._leave(rid)
+                self._join(rid, src)
+            return
+        fut = self._send(dst, c.ReceiveRequests(dst, ticket, remote))
+        if remote and self._hosts[src] != self.me:
+            self._track_transit(ticket, self._hosts[src], request_ids, dst, fut)
         self._backup_due(dst)
 
     def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]:
@@ -426,24 +424,31 @@ class EngineBackend(GroupRecovery):
             self._take_outcomes(wait=False)
         if self.cluster is not None:
             self.cluster.flush()  # this round's calls to other processes, one message each
+            self._hosts_changed()
         if self.wall:
             events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
         else:
             events = []
             for g in range(len(self.handles)):
                 try:
+                    if self._gone(g):  # (out of the run: its tick's record says it did nothing)
+                        raise GroupDead(f"group {g} is out of the run")
                     events += self._send(g, c.Step(g)).result(WAIT_S)
                 except Exception as e:  # noqa: BLE001 - its engine failed: recovered below
-                    if self._hosts[g] != self.me:
+                    if self._hosts[g] != self.me and not self._gone(g):
                         raise
-                    t = self.clock.now()  # (its tick's record: it did nothing)
+                    t = self.clock.now()
                     idle = GroupTick(g, self._version[g], "idle", 0, 0, 0, 0, 0.0, t, t)
-                    events += [GroupEvent(g, span=idle), GroupEvent(g, error=error_text(e))]
+                    events.append(GroupEvent(g, span=idle))
+                    if self._hosts[g] == self.me:
+                        events.append(GroupEvent(g, error=error_text(e)))
             if self.turns is not None:  # every answer to the turns of earlier ticks: a call
                 self._take_outcomes(wait=True)  # takes one tick, its answer fed the next
         ticks, finished = [], self._ended
         self._ended = []
         for e in events:
+            if self._hosts[e.group] != self.me and self._gone(e.group) and self.wall:
+                continue  # (reports of a group whose process died: its requests are recovered)
             if e.error is not None:
                 if self._hosts[e.group] != self.me:
                     raise BackendError(f"group {e.group}'s worker failed:\n{e.error}")
@@ -458,6 +463,8 @@ class EngineBackend(GroupRecovery):
             finished += [self._finish(f, f.finish_reason) for f in e.finished if f.id in self._meta]
             for rec in e.turn_ends:
                 self._turn_ended(rec)
+        if self.cluster is not None:
+            self._hosts_changed()
         recovered, health = tuple(self._recovered), tuple(self._health)
         self._recovered, self._health = [], []
         out = StepEvents(self._tick, tuple(finished), tuple(ticks), recovered, health)
@@ -514,8 +521,9 @@ class EngineBackend(GroupRecovery):
             "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
             "overheads": self.overheads,
             "recovered": list(self._recovered),  # (requests of a failed group, not yet handed on)
-            "engines": [
-                self._send(g, c.Snapshot(g)).result(WAIT_S) for g in range(len(self.handles))
+            "engines": [  # (None: a group out of the run, its process dead or rejoining)
+                None if self._gone(g) else self._send(g, c.Snapshot(g)).result(WAIT_S)
+                for g in range(len(self.handles))
             ],
             "conversations": conversations_state(self),
         }
@@ -535,6 +543,12 @@ class EngineBackend(GroupRecovery):
         self._recovered = list(state.get("recovered", ()))
         load_conversations_state(self, state.get("conversations"))
         for g, snap in enumerate(state["engines"]):
+            if snap is None:  # out of the run when saved: back now, with the newest version
+                self._version[g] = v = self.published
+                src = self._trainer_source(g, v, params_for(v))
+                self._send(g, c.Load(g, v, **src)).result(WAIT_S)
+                self._loads[g] = done()
+                continue
             if snap.version != self._version[g]:
                 raise BackendError(
                     f"group {g}: snapshot of v{snap.version}, state v{self._version[g]}"

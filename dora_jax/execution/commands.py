@@ -222,3 +222,11 @@ RECORDS = (
     GroupStatus,
     GroupEvent,
 )
+
+
+class TransferError(RuntimeError):
+    """The holder of arrays between processes could not serve them; the message says why."""
+
+
+# in the error of a transfer whose holder's process died ("process 2 is gone: ...")
+HOST_GONE = "is gone:"

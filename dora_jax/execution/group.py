@@ -23,7 +23,7 @@ import jax
 
 from dora_jax import faults
 from dora_jax.execution import commands as c
-from dora_jax.execution.commands import GroupEvent, GroupStatus
+from dora_jax.execution.commands import HOST_GONE, GroupEvent, GroupStatus, TransferError
 from dora_jax.orchestrator.backend import GroupTick
 from dora_jax.rollout import Engine
 from dora_jax.rollout.engine import Handover
@@ -225,11 +225,17 @@ class GroupWorker:
     def _receive(self, cmd: c.ReceiveRequests) -> None:
         p = self.place
         if cmd.remote:
-            arrays, meta = p.transfers.fetch(
-                cmd.ticket,
-                lambda m: [self.engine.buffer_sharding] if m["running"] else [],
-                p.wait_s,
-            )
+            try:
+                arrays, meta = p.transfers.fetch(
+                    cmd.ticket,
+                    lambda m: [self.engine.buffer_sharding] if m["running"] else [],
+                    p.wait_s,
+                    keep=True,
+                )
+            except TransferError as e:
+                if HOST_GONE not in str(e):  # (its holder died: recovered by process 0)
+                    raise
+                arrays, meta = [], {"running": None, "queued": [], "parked": []}  # (recovered)
             r = meta["running"]
             running = None if r is None else dataclasses.replace(r, kv=arrays[0])
             handover = Handover(running, list(meta["queued"]), list(meta["parked"]))

@@ -15,6 +15,8 @@ it, and those it was to take in keep their KV copies or records as sources.
 from __future__ import annotations
 
 import copy
+from collections import Counter
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -25,14 +27,146 @@ from dora_jax.execution.payloads import PromptPayload
 from dora_jax.execution.transport import Inline, Threaded, done
 from dora_jax.orchestrator.backend import BackendError, HealthChange, PartialRequest
 from dora_jax.rollout import Engine, Request, request_key
-from dora_jax.rollout.moves import Handover, split_parked
+from dora_jax.rollout.moves import EngineSnapshot, Handover, split_parked
 from dora_jax.rollout.requests import ExportedRequests
 
 
 class GroupRecovery:
     """Host copies, recovery and rebuild of failed groups (the backend's state: ``_members``,
     ``_meta``, ``_version``, ``handles``, ``_loads`` and the fields its constructor sets for
-    them)."""
+    them), and the groups of rollout hosts that die and are started again."""
+
+    def _init_recovery(self, rollout_cfg: Any, n: int) -> None:
+        # failed groups (docs/reliability.md, "A rollout group that fails"): host copies of each
+        # group's requests every ``backup_every`` of its engine steps (the latest one taken, and
+        # one asked for on the wall clock), engine steps since its last copy, rebuilds per group,
+        # requests recovered by source (and each recovered id's source), and the recovered
+        # requests and health changes for the next step()'s events
+        self.backup_every = rollout_cfg.backup_every_steps
+        self.max_restarts = rollout_cfg.max_group_restarts
+        self._backups: dict[int, EngineSnapshot] = {}
+        self._backup_asked: dict[int, Future] = {}
+        self._since_backup = [0] * n
+        self.restarts = [0] * n
+        self.recoveries: Counter = Counter()
+        self.recovered_ids: dict[int, str] = {}
+        self._recovered: list[PartialRequest] = []
+        self._health: list[HealthChange] = []
+        # rollout hosts that die and come back: each group's health (not "healthy": out of
+        # groups()), hosts whose loss was handled, hosts building their engines again, migrations
+        # whose KV comes from another process (ticket -> its process, the ids, the receiver), and
+        # host losses per group
+        self._state = ["healthy"] * n
+        self._lost_hosts: set[int] = set()
+        self._rejoining: dict[int, Future] = {}
+        self._in_transit: dict[int, tuple[int, list[int], int]] = {}
+        self.host_losses = [0] * n
+
+    def versions_held(self) -> set[int]:
+        """Every version a group holds, groups out of the run included (the versions their
+        recovered requests need: the trainer keeps them)."""
+        return set(self._version)
+
+    def sendable_versions(self) -> frozenset[int]:
+        """Versions older than the newest that the trainer may send (only groups out of the run
+        held them: their recovered requests need a group of that version)."""
+        live = {self._version[g] for g in range(len(self.handles)) if not self._gone(g)}
+        gone = {self._version[g] for g in range(len(self.handles)) if self._gone(g)}
+        return frozenset(gone - live - {self.published})
+
+    # -- rollout hosts that die and come back (multi-process runs) ---------------------------------
+    def _gone(self, g: int) -> bool:
+        """Whether group ``g`` is out of the run (its process died, or is rejoining)."""
+        link = self.cluster.link if self.cluster is not None else None
+        return self._state[g] != "healthy" or (link is not None and self._hosts[g] in link.lost)
+
+    def _set_state(self, g: int, state: str, why: str) -> None:
+        self._state[g] = state
+        self._health.append(HealthChange(g, state, why))
+
+    def _hosts_changed(self) -> None:
+        """Groups of a rollout host that died are dead: their requests are recovered from their
+        prompts (what a lost host held is gone with it). A host started again builds its
+        engines (*restarting*), loads the newest version from the trainer (*stale*), and its
+        groups take work again once it is loaded (*healthy*)."""
+        link = self.cluster.link if self.cluster is not None else None
+        if link is None:
+            return
+        for host, why in list(link.lost.items()):
+            if host in self._lost_hosts:
+                continue
+            self._lost_hosts.add(host)
+            self._rejoining.pop(host, None)
+            for g in self._groups_of(host):
+                self._lose_group(g, f"process {host} is gone: {why}")
+            for ticket in [t for t, x in self._in_transit.items() if x[0] == host]:
+                self._lost_in_transit(ticket, f"process {host} is gone: {why}")
+        for host in link.take_joined():
+            self._lost_hosts.discard(host)
+            for g in self._groups_of(host):
+                self._set_state(g, "restarting", f"process {host} is back: building its engines")
+            self._rejoining[host] = self.cluster.start_host(host)
+        for host, fut in list(self._rejoining.items()):
+            if fut.done():
+                del self._rejoining[host]
+                self._rejoined(host, fut.exception())
+        for g, state in enumerate(self._state):
+            if state == "stale" and self._loads[g].done() and self._hosts[g] not in link.lost:
+                if self._loads[g].exception() is None:
+                    self._set_state(g, "healthy", f"v{self._version[g]} loaded")
+                else:
+                    self._set_state(g, "dead", f"its load failed: {self._loads[g].exception()}")
+
+    def _rejoined(self, host: int, error: BaseException | None) -> None:
+        """``host`` built its engines (or failed to: its groups stay out): each loads the
+        newest version from the trainer before it takes work."""
+        v = self.published
+        for g in self._groups_of(host):
+            if error is not None:
+                self._set_state(g, "dead", f"process {host} could not build its engines: {error}")
+                continue
+            self._version[g] = v
+            src = self._trainer_source(g, v, self.trainer_params(v))
+            self._loads[g] = self._send(g, c.Load(g, v, **src))
+            self._set_state(g, "stale", f"loading v{v}")
+
+    def _groups_of(self, host: int) -> list[int]:
+        return [g for g in range(len(self.handles)) if self._hosts[g] == host]
+
+    def _lose_group(self, g: int, why: str) -> None:
+        """Group ``g``'s process died: every request it held goes on elsewhere, from its prompt
+        under its own version; the group is out of the run until its process is back."""
+        self.host_losses[g] += 1
+        self._set_state(g, "dead", why)
+        self._backups.pop(g, None)
+        self._backup_asked.pop(g, None)
+        self._since_backup[g] = 0
+        for rid in list(self._members[g]):
+            self._leave(rid)
+            self._recovered.append(self._recover(rid, self._version[g], {}, {}, {}))
+
+    def _track_transit(self, ticket: int, src_host: int, ids: list[int], dst: int, fut) -> None:
+        """A migration whose KV comes from another process: if that process dies before it
+        served the KV, the requests are recovered (:meth:`_lost_in_transit`)."""
+        self._in_transit[ticket] = (src_host, list(ids), dst)
+
+        def over(_f) -> None:
+            if self._in_transit.pop(ticket, None) is not None:
+                self.cluster.transfers.forget(ticket)
+
+        fut.add_done_callback(over)
+
+    def _lost_in_transit(self, ticket: int, why: str) -> None:
+        """The source of migration ``ticket`` died: if it never served the KV (the receiver
+        gets an error instead, and takes nothing), its requests are recovered from their
+        prompts; if it did, the receiver has them."""
+        _, ids, dst = self._in_transit.pop(ticket)
+        if not self.cluster.transfers.fail_unless_served(ticket, why):
+            return
+        for rid in ids:
+            if self._where.get(rid) == dst:
+                self._leave(rid)
+                self._recovered.append(self._recover(rid, self._version[dst], {}, {}, {}))
 
     def _take_backups(self) -> None:
         """Ask each group of this process that has taken ``backup_every`` engine steps since its

@@ -15,7 +15,7 @@ Identifiers are plain ints: ``group`` indexes ``groups()``; ``request_id`` is un
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -66,16 +66,17 @@ def check_set_version(
     held: int,
     published: int,
     version_of: Callable[[int], int],
+    sendable: Collection[int] = (),
 ) -> bool:
     """``set_version``'s contract for every backend: ``held`` requests on ``group``, the trainer's
-    ``published`` version, ``version_of(g)``: what group ``g`` holds. False: a no-op (it holds
-    ``version`` already)."""
+    ``published`` version (and the older ``sendable`` ones it still sends), ``version_of(g)``:
+    what group ``g`` holds. False: a no-op (it holds ``version`` already)."""
     if version_of(group) == version:
         return False
     if held:
         raise BackendError(f"set_version: group {group} still holds {held} request(s)")
     if source == TRAINER:
-        if version != published:
+        if version != published and version not in sendable:
             raise BackendError(
                 f"set_version: the trainer only holds version {published}, not {version}"
             )
@@ -161,9 +162,11 @@ class PartialRequest:
 # the same version), or its prompt (started again; same request key, so the same tokens).
 RECOVERY_SOURCES = ("kv", "tokens", "prompt")
 
-# A group's health: "dead" when its engine failed (its requests are recovered elsewhere),
-# "restarting" while its engine is rebuilt on its devices, "healthy" once it holds a version again.
-HEALTH_STATES = ("healthy", "dead", "restarting")
+# A group's health: "dead" when its engine or its process failed (its requests are recovered
+# elsewhere), "restarting" while its engine is rebuilt (on its devices, or by its process started
+# again), "stale" while a rejoining group loads the version it is given, "healthy" once it holds a
+# version again (only healthy groups are in the run).
+HEALTH_STATES = ("healthy", "dead", "restarting", "stale")
 
 
 class HealthChange(NamedTuple):

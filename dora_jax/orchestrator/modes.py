@@ -194,6 +194,7 @@ class Dora(Mode):
             trigger=trigger,
             ready=rt.queue.num_ready,
             train_batch=cfg.train_batch_prompts,
+            sendable=frozenset(getattr(rt.backend, "sendable_versions", frozenset)()),
         )
         collecting = gc.isenabled()
         gc.disable()  # a collection of the whole run's records would land in the plan's time

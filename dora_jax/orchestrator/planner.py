@@ -78,6 +78,9 @@ class Snapshot:
     trigger: str = "manual"
     ready: int = 0  # prompt groups finished and not consumed yet
     train_batch: int = 0  # TBS: prompt groups one train step takes (0: unknown)
+    # older versions the trainer still sends: only groups out of the run held them (their
+    # recovered requests need a group of that version)
+    sendable: frozenset[int] = frozenset()
 
 
 CONSOLIDATE_FILL = 0.9  # KV share an older version's groups are packed to
@@ -417,7 +420,7 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
     pools: dict[int, _Pool] = {}
     for v in sorted(deficit, key=lambda v: (current.get(v, 0) > 0, -v)):
         holding = sorted(kept.get(v, ()))  # groups that can send version v's weights
-        if v != s.latest and not holding:
+        if v != s.latest and not holding and v not in s.sendable:
             continue
         need = deficit[v]
         for j, (n_req, _, gid, u) in enumerate(candidates):
@@ -438,7 +441,7 @@ def plan(snapshot: Snapshot, policy: PlanPolicy) -> Plan:
             kept.setdefault(v, set()).add(gid)
             moved.add(gid)
             source: Source = TRAINER
-            if v != s.latest:  # a ready holder first, then one on the receiver's own host
+            if v != s.latest and holding:  # a ready holder first, then one on the receiver's host
                 host = loads[gid].info.host
                 local = policy.prefer_local
                 source = min(

@@ -443,7 +443,7 @@ def _cluster(
             )
         return staging[0]
 
-    cluster.connect(bus.post, clock.now, stage_shardings)
+    cluster.connect(bus.post, clock.now, stage_shardings, processes(meshes.trainer))
     cluster.start_hosts(to_dict(cfg), list(stops), cfg.seed, cfg.orchestrator.clock == "wall")
     return cluster
 
@@ -535,7 +535,8 @@ class _FreeVersions:
         self.exp = exp
 
     def on_publish(self, runtime: Runtime, version: int) -> None:
-        held = {g.version for g in self.exp.backend.groups()}
+        backend = self.exp.backend  # (groups out of the run too: their requests need them)
+        held = getattr(backend, "versions_held", lambda: {g.version for g in backend.groups()})()
         self.exp.grpo.forget(held | {self.exp.grpo.version})
         if version % TRIM_EVERY == 0:
             release_free_memory()

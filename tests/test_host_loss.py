@@ -1,0 +1,129 @@
+"""A rollout host that dies mid-run costs its work, not the run (docs/reliability.md, "A rollout
+host that dies"): three processes on loopback (the trainer and the control plane on process 0,
+two rollout groups on each of processes 1 and 2), process 2 killed with SIGKILL after the second
+train step, then started again with the command the launcher wrote for it. The run finishes;
+process 2's groups are dead, restarting, stale (loading the newest version) and healthy again,
+and take work after; every prompt group is consumed once, every trajectory by one version.
+(``slow``: the run starts its own processes.)"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+LAYOUT = [
+    "warm_start.steps=20",
+    "eval.num_prompts=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "orchestrator.staleness_k=2",
+    "orchestrator.train_batch_prompts=2",
+    "orchestrator.rollout_batch_prompts=4",
+    "train.group_size=4",
+    "rollout.max_new_tokens=64",
+    "mesh.trainer.devices=0:2",
+    "mesh.trainer.data=1",
+    "mesh.trainer.model=2",
+    "mesh.rollout.devices=2:6",
+    "mesh.rollout.groups=4",
+    "orchestrator.prefer_local_moves=false",
+]
+
+
+def _health(run_dir: Path) -> list[tuple[float, int, str, str]]:
+    rows = []
+    for line in (run_dir / "records.jsonl").read_text().splitlines():
+        rows += [tuple(r) for r in json.loads(line).get("health", [])]
+    return rows
+
+
+def _worked_after(run_dir: Path, groups: set[int], t: float) -> set[int]:
+    """Which of ``groups`` prefilled or decoded after ``t`` (a tick on the logical clock, whose
+    ``groups`` records hold one row per tick; seconds on the wall clock, whose ``spans`` records
+    hold every engine step with its start)."""
+    out, tick = set(), 0
+    for line in (run_dir / "records.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        rows = d.get("groups", [])
+        ticks = [(tick + i, g) for i, row in enumerate(rows) for g in row]
+        tick += len(rows)
+        spans = [(g[8], g) for g in d.get("spans", [])]
+        for when, g in ticks + spans:
+            if g[0] in groups and when > t and g[2] in ("prefill", "decode"):
+                out.add(g[0])
+    return out
+
+
+# logical clock: started again once process 0 has said it is gone (its heartbeat stopped); wall
+# clock: started again at once (process 0 sees a new incarnation of process 2)
+@pytest.mark.parametrize("clock,wait_for_loss", [("logical", True), ("wall", False)])
+def test_a_killed_rollout_host_is_dropped_and_rejoins(tmp_path, clock, wait_for_loss):
+    run_dir = tmp_path / "run"
+    steps = 24
+    args = [
+        sys.executable,
+        str(ROOT / "launch" / "train.py"),
+        "--local-processes",
+        "3",
+        *LAYOUT,
+        f"orchestrator.clock={clock}",
+        f"run_dir={run_dir}",
+        f"train.total_steps={steps}",
+    ]
+    proc = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    logs = run_dir / "logs"
+    os.kill(int((logs / "process_2.pid").read_text()), signal.SIGKILL)
+    again = (logs / "process_2.cmd").read_text()  # the documented command, as written
+    log0 = logs / "process_0.log"
+    while wait_for_loss and "process 2 is gone" not in log0.read_text():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    with open(logs / "process_2.again.log", "w") as out:
+        rejoined = subprocess.Popen(
+            again, shell=True, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=900)
+        finally:
+            rejoined.wait(timeout=120)
+    log0 = log0.read_text()
+    assert proc.returncode == 0, log0[-3000:] + stderr[-2000:]
+    assert rejoined.returncode == 0, (logs / "process_2.again.log").read_text()[-3000:]
+
+    rows = [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    ids = [r["request_id"] for r in rows]
+    assert len(ids) == len(set(ids)) == steps * 2 * 4  # every prompt group once, nothing twice
+    assert all(r["version_span"] == 1 for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())["summary"]
+    assert summary["group_failures"] == 2  # process 2's two groups
+
+    health = _health(run_dir)
+    for g in (2, 3):  # process 2's groups: dead, restarting, stale, healthy, in that order
+        states = [h[2] for h in health if h[1] == g]
+        assert states == ["dead", "restarting", "stale", "healthy"], health
+    back = max(h[0] for h in health if h[2] == "healthy")
+    assert _worked_after(run_dir, {2, 3}, back)  # process 2's groups took work again
+    assert "process 2 is gone" in log0 and "process 2 is back" in log0
