@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from dora_jax.health_marks import draw_health
 from dora_jax.metrics import json_safe
 from dora_jax.orchestrator.backend import ACTIVITIES
 from dora_jax.orchestrator.records import (
@@ -170,16 +171,15 @@ def plot_timeline(
     """Write a PNG: one lane per rollout group over time, coloured by the version it holds.
 
     Full colour: decoding; light shade: prefilling, or holding requests that wait (migration in
-    transit); grey: receiving weights; white: idle. Black ``>`` marks the tick a weight transfer
-    started on a group (``records.transfers``); the "migrations" lane marks each migration with a
-    ``v`` sized by its request count; the "trainer" lane shows each train step's span, coloured
-    and labelled by the version it produces. x is the tick, or seconds when ``tick_seconds`` (one
-    duration per recorded tick) is given or the records are on the wall clock (then each lane
-    shows every engine step, weight load (grey) and KV move (near-black) of its group where it
-    happened, and white where the group did nothing). Runs longer than ``max_cols`` columns are
-    area-averaged (a column's colour is the mean over the time it covers), so 100k ticks x 128
-    groups render as one image, not one rectangle per cell. ``span``: draw only ``[start, end)``
-    (ticks on the logical clock, seconds on the wall clock), on the run's own time axis.
+    transit); grey: receiving weights; white: idle; hatching: a group out of the run
+    (``health_marks.py``). Black ``>`` marks where a weight transfer started on a group; the
+    "migrations" lane marks each migration with a ``v`` sized by its request count; the "trainer"
+    lane shows each train step's span, coloured and labelled by the version it produces. x is the
+    tick, or seconds when ``tick_seconds`` (one duration per recorded tick) is given or the
+    records are on the wall clock (each lane then shows every engine step, weight load (grey) and
+    KV move (near-black) of its group where it happened). Runs longer than ``max_cols`` columns
+    are area-averaged (a column's colour is the mean over the time it covers): 100k ticks x 128
+    groups render as one image. ``span``: draw only ``[start, end)`` (ticks or seconds).
     """
     path = Path(path)
     wall = records.clock == "wall"
@@ -262,20 +262,15 @@ def plot_timeline(
     step = max(1, math.ceil(ngroups / 32))
     gticks = list(range(0, ngroups, step))
     xlabel = "time (s)" if wall or tick_seconds is not None else "tick"
-    ax.set(
-        yticks=gticks,
-        yticklabels=[f"g{g}" for g in gticks],
-        ylim=(ngroups - 0.5, -0.5),
-        xlim=(x0, x1),
-        xlabel=xlabel,
-        ylabel="rollout group",
-    )
+    ax.set(yticks=gticks, yticklabels=[f"g{g}" for g in gticks], ylim=(ngroups - 0.5, -0.5))
+    ax.set(xlim=(x0, x1), xlabel=xlabel, ylabel="rollout group")
     ax.tick_params(axis="y", labelsize=7 if ngroups > 16 else 8)
     head = title or f"{records.mode}: rollout groups by policy version"
     extent = f"{x1 - x0:.1f} s" if wall or tick_seconds is not None else f"{nticks} ticks"
     top.set_title(f"{head}  ({ngroups} groups, {extent}, {len(records.steps)} steps)")
 
     handles = _legend(sorted(versions))
+    handles += draw_health(ax, records.health, x1 if wall else last, x_at)  # groups out of the run
     ncol = 1 if len(handles) * 0.15 < lanes_in + 0.6 else 2
     fig.legend(handles=handles, loc="outside right upper", fontsize=7, frameon=False, ncol=ncol)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ PLACES = (
     ("metrics.py", "report"),
     ("curves.py", "report"),
     ("report.py", "report"),
+    ("health_marks.py", "report"),
     ("wandb_log.py", "report"),
     ("sim/*", "sim"),
     ("execution/*", "execution"),

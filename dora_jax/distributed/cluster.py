@@ -34,7 +34,7 @@ class Cluster:
             )
         return procs[0]
 
-    def connect(self, post, now, stage_shardings, essential: set[int]) -> None:
+    def connect(self, post, now, stage_shardings, essential: set[int] | None = None) -> None:
         """Start listening to every other process (their reports go to ``post``). A process not
         in ``essential`` (the trainer's processes) that dies is a lost rollout host: the run goes
         on without it, and takes it back when it is started again (:meth:`start_host`)."""
@@ -42,7 +42,8 @@ class Cluster:
         for p in hosts:
             self.channel.reconnect(p, self._token(p))
         self.link = HostLink(self.channel, self.transfers, hosts, post, now, stage_shardings)
-        self.proc.essential = frozenset(essential) | {self.index}
+        every = range(self.count) if essential is None else essential  # (None: every process)
+        self.proc.essential = frozenset(every) | {self.index}
         self.proc.on_host_lost = self._lost
         self.proc.on_host_joined = self._joined
 

@@ -67,8 +67,10 @@ from dora_jax.orchestrator.backend import (
     check_set_version,
     check_submit,
 )
+from dora_jax.sim.config import FailureConfig
 from dora_jax.sim.conversations import US, Conversations
 from dora_jax.sim.cost_model import CostModel
+from dora_jax.sim.failures import GroupFailures
 from dora_jax.sim.shared_device import device_shares
 from dora_jax.sim.waiting import WaitingRequests
 from dora_jax.sim.workload import ResponseLengths
@@ -95,7 +97,7 @@ _FIELDS = (
 _GEN, _PF, _RP, _VFLAG = (_FIELDS.index(f) for f in ("gen", "pf", "rp", "vflag"))
 
 
-class SimBackend(WaitingRequests):
+class SimBackend(WaitingRequests, GroupFailures):
     """Simulated rollout groups; see the module docstring for the time and memory model. Its
     clock is logical (ticks of ``tick_s``), so :meth:`pause` and :meth:`resume` do nothing."""
 
@@ -116,6 +118,8 @@ class SimBackend(WaitingRequests):
         kv_capacity_tokens: int | None = None,
         conversations: Conversations | None = None,
         shared_device: bool = False,
+        failures: FailureConfig | None = None,
+        rollout_tp: int = 1,
     ):
         if num_groups < 1 or max_slots < 1 or tick_s <= 0 or page_size < 1:
             raise ValueError("need num_groups, max_slots, page_size >= 1 and tick_s > 0")
@@ -161,6 +165,7 @@ class SimBackend(WaitingRequests):
         self.env_wait_s: list[np.ndarray] = []
         self._done_conversations: list[tuple[int, int, int, int, int]] = []
         self._init_env_workers()
+        self._init_failures(failures, rollout_tp)  # (sim/failures.py; None: groups never fail)
 
     def _bind(self) -> None:
         """Name the rows of ``_data`` (after it was allocated or grown)."""
@@ -237,8 +242,8 @@ class SimBackend(WaitingRequests):
         free = self._free(reserved, self._slots_held(w))
         total = self.capacity // self.page_size
         busy = np.ceil((self.trip + self.busy) / self.tick_s - 1e-9).astype(np.int64)
-        out = []
-        for g in range(self.num_groups):
+        out, down = [], self._down()
+        for g in np.flatnonzero(~down).tolist():  # (a failed group is out until it is back)
             k, v, b = int(self.n[g]), int(self.version[g]), int(busy[g])
             ids, pg = tuple(self.rid[g, :k].tolist()), tuple(pages[g, :k].tolist())
             info = GroupInfo(g, v, b, self.max_slots, int(free[g]), int(used[g]), total, ids, pg)
@@ -266,7 +271,8 @@ class SimBackend(WaitingRequests):
         if source != TRAINER:
             self._group(int(source))
         held, version_of = int(self.n[g]), lambda i: int(self.version[i])
-        if not check_set_version(g, version, source, held, self._published, version_of):
+        sendable = self.sendable_versions()
+        if not check_set_version(g, version, source, held, self._published, version_of, sendable):
             return
         self.version[g] = version
         wait = 0.0 if source == TRAINER else float(self.trip[source] + self.busy[source])
@@ -454,6 +460,7 @@ class SimBackend(WaitingRequests):
             budget[banked] = 0.0
 
     def step(self) -> StepEvents:
+        self._fail_due()
         t, G, dt = self._tick, self.num_groups, self.tick_s
         secs = np.zeros((G, len(CATEGORIES)))
         counts = np.zeros((G, 2), np.int64)  # prefill tokens, re-prefill tokens
@@ -469,7 +476,8 @@ class SimBackend(WaitingRequests):
             trip = self.trip > 0
             self.trip = np.maximum(self.trip - dt, 0.0)
             self.carry[trip] = 0.0
-            budget = np.where(trip, 0.0, dt + self.carry)
+            down = self._down()
+            budget = np.where(trip | down, 0.0, dt + self.carry)
             if self.shared_device:  # each group's share of the device's tick, and its own carry
                 share, working = device_shares(self, sched, trip)
                 budget = share + self.carry
@@ -485,6 +493,8 @@ class SimBackend(WaitingRequests):
             tokens, finished = self._decode(w, budget, secs, sched)
             if bank is not None:
                 self.carry += bank
+        if self.failure_cfg is not None:
+            secs[self._down(), IDLE] = dt  # a failed group, out of the run: idle
         idle_own = secs[:, IDLE].copy()  # idle with nothing to do (not waiting for the device)
         if self.shared_device and t >= self._frozen_until:
             away = np.where(trip, 0.0, dt - share)  # the device runs the other groups meanwhile
@@ -505,7 +515,8 @@ class SimBackend(WaitingRequests):
         rows = zip(range(G), *(c.tolist() for c in cols), strict=True)
         ticks = tuple(GroupTick(g, v, _ACTIVITY[a], *rest) for g, v, a, *rest in rows)
         self._tick += 1
-        return StepEvents(tick=t, finished=tuple(finished), groups=ticks)
+        recovered, health = self._take_failure_events()
+        return StepEvents(t, tuple(finished), ticks, recovered, health)
 
     def _decode(
         self, w: int, budget: np.ndarray, secs: np.ndarray, sched: np.ndarray | None = None

@@ -302,6 +302,28 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class FailureConfig:
+    """Accelerator failures (``sim/failures.py``): each GPU fails at random, at a mean time between
+    failures of ``gpu_mtbf_hours`` (an exponential law), so a rollout group of TP ``t`` fails at
+    ``t`` times that rate. ``recover``: a failed group's requests start again from their prompts
+    on the other groups of their version, and the group is out for ``restart_s``, then loads the
+    newest version; ``stop_resume``: the whole job stops at every failure (computed from the
+    run without failures, ``failures.stop_and_resume``). A trainer GPU's failure stops the job
+    under both policies: ``job_restart_s`` to restart it, and on average half of
+    ``checkpoint_every_s`` of work since the last checkpoint lost."""
+
+    gpu_mtbf_hours: float = 50_000.0
+    restart_s: float = 300.0
+    job_restart_s: float = 600.0
+    checkpoint_every_s: float = 1800.0
+    seed: int = 0
+
+    def __post_init__(self):
+        _positive(self, "gpu_mtbf_hours", "restart_s", "checkpoint_every_s")
+        _at_least(self, 0, "job_restart_s")
+
+
+@dataclass(frozen=True)
 class SimConfig:
     name: str = "sim"
     description: str = ""
@@ -314,6 +336,7 @@ class SimConfig:
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     run: RunConfig = field(default_factory=RunConfig)
     turns: TurnsConfig | None = None  # multi-turn conversations (None: one turn per request)
+    failures: FailureConfig | None = None  # rollout groups that fail (None: never)
     # hardware 'cpu': the calibrate_cpu.json whose measured constants give every cost
     # (benchmarks/calibrate_cpu.py; a relative path is taken from the repository root)
     calibration: str | None = None

@@ -206,6 +206,8 @@ def build(
         admit_reserve_tokens=o.kv_admit_reserve_tokens,
         conversations=conversations,
         shared_device=cfg.cluster.shared_rollout_device,
+        failures=cfg.failures,
+        rollout_tp=cfg.cluster.rollout_tp,
     )
     colocated = backend if placement == "colocated" else None
     devices = cfg.cluster.training_gpus(placement)
