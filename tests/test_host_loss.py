@@ -120,6 +120,13 @@ def test_a_killed_rollout_host_is_dropped_and_rejoins(tmp_path, clock, wait_for_
     assert all(r["version_span"] == 1 for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())["summary"]
     assert summary["group_failures"] == 2  # process 2's two groups
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["recovery/group_failures"] for m in lines) == 2  # per line, since the last
+    recovered = sum(m["recovery/redispatched/prompt"] for m in lines)
+    assert recovered == summary["recovered"].get("prompt", 0)
+    assert all(
+        m["recovery/redispatched/kv"] == m["recovery/redispatched/tokens"] == 0 for m in lines
+    )
 
     health = _health(run_dir)
     for g in (2, 3):  # process 2's groups: dead, restarting, stale, healthy, in that order

@@ -112,7 +112,8 @@ class Cluster:
             if p != self.index and p not in self.link.lost:
                 try:  # the calls still queued go first: the shutdown travels alone
                     self.link.flush(p)
-                    self.link.request(p, {"op": "shutdown"}, wait=False)
+                    msg = {"op": "shutdown", "among": self.proc.present()}  # (its last barrier)
+                    self.link.request(p, msg, wait=False)
                     self.link.flush(p)
                 except Exception:  # noqa: BLE001 - gone already
                     pass

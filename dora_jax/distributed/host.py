@@ -29,6 +29,7 @@ def serve(proc: Process, log=print) -> int:
     done = threading.Event()
     host: list[GroupHost] = []
     follower: list[FollowTrainer] = []  # this process's part of a trainer spanning processes
+    among: list[int] = []  # the processes at the last barrier (process 0 says)
 
     def trainer_failed(e: BaseException) -> None:
         traceback.print_exc()
@@ -57,6 +58,7 @@ def serve(proc: Process, log=print) -> int:
         elif msg["op"] == "trainer":
             follower[0].handle(msg["cmd"], trainer_failed)
         elif msg["op"] == "shutdown":
+            among.extend(msg.get("among", range(proc.count)))
             done.set()
         else:
             host[0].handle(msg)
@@ -79,5 +81,5 @@ def serve(proc: Process, log=print) -> int:
         log(f"process {proc.index}: trainer commands: {json.dumps(record)}", flush=True)
     channel.close()
     log(f"process {proc.index}: done", flush=True)
-    proc.finish()
+    proc.finish(among=among or None)
     return 0

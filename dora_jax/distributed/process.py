@@ -138,6 +138,7 @@ class Process:
     essential: frozenset[int] = frozenset()
     on_host_lost: Callable[[int, str], None] | None = None
     on_host_joined: Callable[[int], None] | None = None
+    gone: set[int] = field(default_factory=set)  # process 0: rollout hosts lost, not back
 
     @property
     def is_main(self) -> bool:
@@ -194,26 +195,35 @@ class Process:
 
         threading.Thread(target=watch, name="dora-watchdog", daemon=True).start()
 
+    def present(self) -> list[int]:
+        """The processes in the run: every one but the rollout hosts gone (and not back)."""
+        return [p for p in range(self.count) if p not in self.gone]
+
     def _peer_lost(self, p: int, why: str) -> None:
         if p == self.index:
             return
         if self.is_main and self.on_host_lost is not None and p not in self.essential:
+            self.gone.add(p)
             self.on_host_lost(p, why)
         elif self.is_main or p == 0:
             self.lost(f"process {p} is gone: {why}")
 
     def _peer_joined(self, p: int) -> None:
         if self.is_main and p != self.index and self.on_host_joined is not None:
+            self.gone.discard(p)
             self.on_host_joined(p)
 
-    def finish(self, timeout_s: float = 60.0) -> None:
-        """Leave the run: meet every process at a last barrier (bounded), then disconnect."""
+    def finish(self, timeout_s: float = 60.0, among: list[int] | None = None) -> None:
+        """Leave the run: meet the processes ``among`` (default: every one that is not gone;
+        process 0 tells the others whom) at a last barrier (bounded), then disconnect."""
         import jax
 
         if self._finishing is not None:
             self._finishing.set()
+        if among is None:
+            among = self.present()
         try:
-            self.client.wait_at_barrier("dora/end", int(timeout_s * 1e3))
+            self.client.wait_at_barrier("dora/end", int(timeout_s * 1e3), among)
         except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to wait for
             print(f"process {self.index}: the last barrier failed ({e}); leaving", file=sys.stderr)
         if not self.is_main:

@@ -5,7 +5,9 @@
   ``logging.every_steps`` steps without one). Besides the train step's numbers a line holds the
   mean reward, the solved share, the means of the reward function's extra metrics
   (``reward/<name>``) and the failed reward calls so far, in all and by kind
-  (``reward_errors``, ``reward_errors/timeout``, ``/exception``, ``/invalid``, ``/crash``).
+  (``reward_errors``, ``reward_errors/timeout``, ``/exception``, ``/invalid``, ``/crash``), and,
+  since the last line, the rollout groups that failed and the requests recovered from them by
+  source (``recovery/group_failures``, ``recovery/redispatched/{kv,tokens,prompt}``).
   Each step's first trajectories as text go to ``samples.jsonl``, TensorBoard and W&B, one of
   them to the terminal every ``logging.samples_every`` steps (:mod:`dora_jax.pipeline.samples`).
 - :class:`HeldOutEval`: the held-out evaluation every ``eval.every_steps`` steps, appended to
@@ -17,12 +19,14 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from dora_jax.config import ExperimentConfig
 from dora_jax.metrics import METRICS_FILE, MetricsWriter, progress, read_metrics
+from dora_jax.orchestrator.backend import RECOVERY_SOURCES as SOURCES
 from dora_jax.pipeline.evaluation import EvalResult
 from dora_jax.pipeline.experiment import Experiment
 from dora_jax.pipeline.samples import EVAL_SAMPLES_FILE, SampleLog, append_rows, cut_eval_samples
@@ -69,6 +73,7 @@ class MetricsLog:
         )
         self.bar.update(done)
         self.seen = done
+        self._recovery: Counter = Counter()  # the backend's recovery counts at the last line
         lg = cfg.logging
         self.samples = SampleLog(
             run_dir,
@@ -93,6 +98,19 @@ class MetricsLog:
             self.write(log)
             self.seen += 1
 
+    def recovery_figures(self) -> dict[str, int]:
+        """Since the last line: rollout groups that failed (their engine or their process) and
+        the requests recovered from them by source (``recovery/redispatched/<source>``)."""
+        b = self.exp.backend
+        if not hasattr(b, "recoveries"):
+            return {}
+        now = Counter(b.recoveries)
+        now["group_failures"] = sum(b.restarts) + sum(b.host_losses)
+        out = {f"recovery/redispatched/{src}": now[src] - self._recovery[src] for src in SOURCES}
+        out["recovery/group_failures"] = now["group_failures"] - self._recovery["group_failures"]
+        self._recovery = now
+        return out
+
     def write(self, log) -> None:
         m = lag_figures({k: np.asarray(v).tolist() for k, v in log.metrics.items()})
         reward, solved = step_reward(log), step_solved(log)
@@ -104,6 +122,7 @@ class MetricsLog:
         extra = {
             (k if k.startswith("env/") else f"reward/{k}"): v for k, v in log.reward_metrics.items()
         }
+        extra |= self.recovery_figures()
         if self.exp.env is not None:  # cumulative: failures by kind, conversations, turns
             extra |= self.exp.env.figures()  # and the conversations waiting on it now
             extra["env/waiting_requests"] = float(self.exp.backend.waiting_requests())
