@@ -8,6 +8,7 @@ public config and its info fields reach the metrics."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import chex
 import jax
@@ -280,9 +281,10 @@ def test_the_shutdown_of_other_processes_travels_alone():
 
     cluster = Cluster.__new__(Cluster)
     cluster.index, cluster.count, cluster.channel = 0, 2, FakeChannel()
+    cluster.proc = SimpleNamespace(present=lambda: [0, 1])  # (whom the last barrier waits for)
     cluster.link = HostLink(cluster.channel, None, [1], lambda e: None, lambda: 0.0, lambda: None)
     cluster.link.request(1, {"op": "extend", "g": 0, "items": [[5, [1, 2]]]}, wait=False)
     cluster.link.request(1, {"op": "end", "g": 0, "ids": [6]}, wait=False)
     cluster.stop_hosts()
-    assert sent[-2] == (1, {"op": "shutdown"}) and sent[-1] == "closed"
+    assert sent[-2] == (1, {"op": "shutdown", "among": [0, 1]}) and sent[-1] == "closed"
     assert [m["op"] for _, m in sent[:-2]] == ["batch"]

@@ -218,10 +218,8 @@ class EngineBackend(GroupRecovery):
         if self._gone(group) or (source != TRAINER and self._gone(source)):
             return  # (its process died: the next step() takes the group out of the run)
         held, version_of = len(self._members[group]), self._version.__getitem__
-        sendable = self.sendable_versions()
-        if not check_set_version(
-            group, version, source, held, self.published, version_of, sendable
-        ):
+        more = self.sendable_versions()  # (older versions only lost groups held)
+        if not check_set_version(group, version, source, held, self.published, version_of, more):
             return
         if source == TRAINER:
             src = self._trainer_source(group, version, self.trainer_params(version))
@@ -344,6 +342,9 @@ class EngineBackend(GroupRecovery):
         for g, ids in by_group.items():
             for rid in ids:
                 self._leave(rid)  # those not returned below finished meanwhile: their event comes
+            if self._gone(g):  # (its process died: they come back with the next step's recovered)
+                self._recovered += [self._recover(r, self._version[g], {}, {}, {}) for r in ids]
+                continue
             for r in self._send(g, c.Interrupt(g, tuple(ids))).result(WAIT_S):
                 pg, prompt, versions = self._meta[r.id]
                 out.append(
