@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from live_runs import start_until_steps  # tests/live_runs.py
 from reliability_cases import expect  # tests/reliability_cases.py
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,25 +81,11 @@ def test_a_killed_rollout_host_is_dropped_and_rejoins(tmp_path, clock, wait_for_
         f"run_dir={run_dir}",
         f"train.total_steps={steps}",
     ]
-    proc = subprocess.Popen(
-        args,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc = start_until_steps(args, tmp_path, run_dir, 2)
     logs = run_dir / "logs"
     os.kill(int((logs / "process_2.pid").read_text()), signal.SIGKILL)
     again = (logs / "process_2.cmd").read_text()  # the documented command, as written
-    log0 = logs / "process_0.log"
+    log0, deadline = logs / "process_0.log", time.time() + 600
     while wait_for_loss and "process 2 is gone" not in log0.read_text():
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.2)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from live_runs import start_until_steps  # tests/live_runs.py
 from reliability_cases import expect  # tests/reliability_cases.py
 
 from dora_jax.distributed.launcher import launch_local
@@ -184,21 +185,7 @@ def test_sigkill_of_one_process_then_resume(tmp_path, layout):
         "checkpoint.async_save=false",
         "logging.tensorboard=false",
     ]
-    proc = subprocess.Popen(
-        args,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc = start_until_steps(args, tmp_path, run_dir, 2)
     pid = int((run_dir / "logs" / "process_1.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     t_kill = time.time()
@@ -217,7 +204,7 @@ def test_sigkill_of_one_process_then_resume(tmp_path, layout):
     final = json.loads((run_dir / "summary.json").read_text())
     ids = final["extra"]["consumed_request_ids"]
     assert len(ids) == len(set(ids)) >= 6 * 2 * 4  # nothing lost, nothing consumed twice
-    lines = metrics.read_text().splitlines()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
     if layout == "trainer_spanning":
         # the followers read their shards of the train state back: the resumed run trains as
