@@ -1,17 +1,18 @@
 """What a rollout host's loss costs, measured and simulated:
 
-    python benchmarks/bench_faults.py [--steps 60] [--sim-config configs/sim/qwen7b_h100_1024.yaml]
+    python benchmarks/bench_faults.py [--steps 60] [--rounds 2] [--sim-config CONFIG]
 
 **Measured** (wall clock, this machine): the default task in four processes on loopback, the
 trainer on process 0 and four rollout groups, one of them alone on process 3
-(``mesh.rollout.devices=3:7``: groups on devices 3, 4, 5 and 6 of 2 per process). Three runs of
-``--steps`` train steps each, one at a time: without a fault; with process 3 killed (SIGKILL)
-once half the steps are done, its group's requests recovered on the others; and with only the
-three other groups from the start (``mesh.rollout.devices=3:6``: what the cluster can do without
-the lost group). Each run's throughput over its second half (trajectories per second from the
-end of step ``steps // 2`` to the last; for the fault run, from the kill, the wait until process 0
-sees the loss (the runtime's heartbeat) included, and from the moment it does) against the
-ideal, 3/4 of the run without the fault, and against the three-group run.
+(``mesh.rollout.devices=3:7``: groups on devices 3, 4, 5 and 6 of 2 per process). ``--rounds``
+rounds (medians reported) of three runs of ``--steps`` train steps each, one at a time: without
+a fault; with process 3 killed (SIGKILL) once half the steps are done, its group's requests
+recovered on the others; and with only the three other groups from the start
+(``mesh.rollout.devices=3:6``: what the cluster can do without the lost group). Each run's
+throughput over its second half (trajectories per second from the end of step ``steps // 2`` to
+the last; for the fault run, from the kill, the wait until process 0 sees the loss (the
+runtime's heartbeat) included, and from the moment it does) against the ideal, 3/4 of the run
+without the fault, and against the three-group run.
 
 **Simulated** (``--sim-config``, 1,024 GPUs by default): ``dora`` without failures and with
 rollout GPUs failing at a stress rate (``--stress-mtbf-hours`` per GPU), recovered in place;
@@ -31,6 +32,7 @@ import dataclasses
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,10 +109,18 @@ def after_time(run: dict, t: float, group_size: int) -> float:
     return sum(pg for _, pg in later) * group_size / (later[-1][0] - t)
 
 
-def measured(steps: int, work: Path) -> dict:
+def measured(steps: int, work: Path, rounds: int) -> dict:
+    """``rounds`` rounds of the three runs; each round's figures, and their medians."""
+    out = [measured_round(steps, work / f"round{i}") for i in range(rounds)]
+    keys = [k for k, v in out[0].items() if isinstance(v, float)]
+    return {"rounds": out, "median": {k: statistics.median(r[k] for r in out) for k in keys}}
+
+
+def measured_round(steps: int, work: Path) -> dict:
     from dora_jax.config import load_config
     from dora_jax.main import DEFAULT_CONFIG
 
+    work.mkdir(parents=True, exist_ok=True)
     group_size = load_config(DEFAULT_CONFIG, []).train.group_size
     half = steps // 2
     base = one_run("no_fault", steps, FOUR, None, work)
@@ -207,6 +217,7 @@ def main() -> None:
     p.add_argument("--stress-mtbf-hours", type=float, default=20.0)
     p.add_argument("--mtbf-hours", default="50000,5000,500")
     p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the three measured runs")
     p.add_argument("--skip-measured", action="store_true")
     quiet.add_arguments(p)
     a = p.parse_args()
@@ -214,17 +225,22 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_faults-"))
     out: dict = {"what": "a rollout host's loss: measured on this machine, simulated at scale"}
     if not a.skip_measured:
-        m = out["measured"] = measured(a.steps, work)
-        t = m["trajectories_per_s_second_half"]
-        print(
-            f"after step {m['killed_after_step']}: no fault {t['no_fault']:.1f} trajectories/s; "
-            f"one of four groups killed there {t['fault']:.1f} ({m['fault_vs_ideal_3_4']:.2f}x the "
-            f"ideal 3/4; seen dead {m['detection_wait_s']:.1f} s later, and from then "
-            f"{t['fault_after_detection']:.1f}: {m['fault_after_detection_vs_ideal_3_4']:.2f}x); "
-            f"three groups from the start {t['three_groups']:.1f} "
-            f"({m['three_groups_vs_no_fault']:.2f}x no fault)",
-            flush=True,
-        )
+        out["measured"] = measured(a.steps, work, a.rounds)
+        for m in out["measured"]["rounds"]:
+            t = m["trajectories_per_s_second_half"]
+            print(
+                f"after step {m['killed_after_step']}: no fault {t['no_fault']:.1f} "
+                f"trajectories/s; one of four groups killed there {t['fault']:.1f} "
+                f"({m['fault_vs_ideal_3_4']:.2f}x the ideal 3/4; seen dead "
+                f"{m['detection_wait_s']:.1f} s later, and from then "
+                f"{t['fault_after_detection']:.1f}: "
+                f"{m['fault_after_detection_vs_ideal_3_4']:.2f}x); three groups from the start "
+                f"{t['three_groups']:.1f} "
+                f"({m['three_groups_vs_no_fault']:.2f}x no fault)",
+                flush=True,
+            )
+        med = out["measured"]["median"]
+        print(f"median of {a.rounds}: {med['fault_vs_ideal_3_4']:.2f}x the ideal 3/4", flush=True)
     mtbfs = [float(x) for x in a.mtbf_hours.split(",")]
     s = out["simulated"] = simulated(a.sim_config, a.stress_mtbf_hours, mtbfs, a.seeds)
     print(
