@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live_runs import start_until_steps  # tests/live_runs.py
+from live_runs import TINY_RUN, start_until_steps  # tests/live_runs.py
 from reliability_cases import expect  # tests/reliability_cases.py
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,18 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 LAYOUT = [
-    "warm_start.steps=20",
-    "eval.num_prompts=0",
-    "logging.progress=false",
+    *TINY_RUN,
     "logging.tensorboard=false",
-    "orchestrator.staleness_k=2",
-    "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4",
-    "train.group_size=4",
-    "rollout.max_new_tokens=64",
-    "mesh.trainer.devices=0:2",
-    "mesh.trainer.data=1",
-    "mesh.trainer.model=2",
     "mesh.rollout.devices=2:6",
     "mesh.rollout.groups=4",
     "orchestrator.prefer_local_moves=false",

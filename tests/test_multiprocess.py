@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from live_runs import start_until_steps  # tests/live_runs.py
+from live_runs import TINY_RUN, start_until_steps  # tests/live_runs.py
 from reliability_cases import expect  # tests/reliability_cases.py
 
 from dora_jax.distributed.launcher import launch_local
@@ -35,17 +35,7 @@ from dora_jax.distributed.launcher import launch_local
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "multiprocess_driver.py"
 TINY = [
-    "warm_start.steps=20",
-    "eval.num_prompts=0",
-    "logging.progress=false",
-    "orchestrator.staleness_k=2",
-    "orchestrator.train_batch_prompts=2",
-    "orchestrator.rollout_batch_prompts=4",
-    "train.group_size=4",
-    "rollout.max_new_tokens=64",
-    "mesh.trainer.devices=0:2",
-    "mesh.trainer.data=1",
-    "mesh.trainer.model=2",
+    *TINY_RUN,
     "mesh.rollout.devices=2:8",
     "mesh.rollout.groups=6",
     "orchestrator.kv_pressure_threshold=0.3",

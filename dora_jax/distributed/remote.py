@@ -98,7 +98,7 @@ class HostLink:
             owed = [rid for rid, (h, _) in self._replies.items() if h == host]
             futures = [self._replies.pop(rid)[1] for rid in owed]
         for fut in futures:
-            fut.set_exception(GroupDead(f"process {host} is gone: {why}"))
+            fut.set_exception(_dead(host, why))
         for t in list(self.groups.values()):
             if t.host == host:
                 t.lose(why)
@@ -181,9 +181,14 @@ class HostLink:
                 self.post(shift(e, offset, host))
 
 
+def _dead(host: int, why: str) -> GroupDead:
+    return GroupDead(f"process {host} is gone: {why}")
+
+
 def _gone(host: int, why: str) -> Future:
+    """A call's future that failed at once: its process is gone."""
     fut: Future = Future()
-    fut.set_exception(GroupDead(f"process {host} is gone: {why}"))
+    fut.set_exception(_dead(host, why))
     return fut
 
 
@@ -235,7 +240,7 @@ class RemoteTransport:
             self.dead = why
             pending, self._pending = list(self._pending), deque()
         for _, fut in pending:
-            fut.set_exception(GroupDead(f"process {self.host} is gone: {why}"))
+            fut.set_exception(_dead(self.host, why))
 
     def revive(self) -> None:
         """Its process was started again: commands are numbered from 0 for the new process."""

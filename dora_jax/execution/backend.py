@@ -343,7 +343,8 @@ class EngineBackend(GroupRecovery):
             for rid in ids:
                 self._leave(rid)  # those not returned below finished meanwhile: their event comes
             if self._gone(g):  # (its process died: they come back with the next step's recovered)
-                self._recovered += [self._recover(r, self._version[g], {}, {}, {}) for r in ids]
+                for r in ids:
+                    self._restart(r, self._version[g])
                 continue
             for r in self._send(g, c.Interrupt(g, tuple(ids))).result(WAIT_S):
                 pg, prompt, versions = self._meta[r.id]
@@ -425,7 +426,6 @@ class EngineBackend(GroupRecovery):
             self._take_outcomes(wait=False)
         if self.cluster is not None:
             self.cluster.flush()  # this round's calls to other processes, one message each
-            self._hosts_changed()
         if self.wall:
             events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
         else:
@@ -464,7 +464,7 @@ class EngineBackend(GroupRecovery):
             finished += [self._finish(f, f.finish_reason) for f in e.finished if f.id in self._meta]
             for rec in e.turn_ends:
                 self._turn_ended(rec)
-        if self.cluster is not None:
+        if self.cluster is not None:  # hosts lost or back (those lost mid-round are out already)
             self._hosts_changed()
         recovered, health = tuple(self._recovered), tuple(self._health)
         self._recovered, self._health = [], []

@@ -143,7 +143,7 @@ class GroupRecovery:
         self._since_backup[g] = 0
         for rid in list(self._members[g]):
             self._leave(rid)
-            self._recovered.append(self._recover(rid, self._version[g], {}, {}, {}))
+            self._restart(rid, self._version[g])
 
     def _track_transit(self, ticket: int, src_host: int, ids: list[int], dst: int, fut) -> None:
         """A migration whose KV comes from another process: if that process dies before it
@@ -160,13 +160,19 @@ class GroupRecovery:
         """The source of migration ``ticket`` died: if it never served the KV (the receiver
         gets an error instead, and takes nothing), its requests are recovered from their
         prompts; if it did, the receiver has them."""
-        _, ids, dst = self._in_transit.pop(ticket)
-        if not self.cluster.transfers.fail_unless_served(ticket, why):
+        moving = self._in_transit.pop(ticket, None)  # (None: it arrived meanwhile)
+        if moving is None or not self.cluster.transfers.fail_unless_served(ticket, why):
             return
+        _, ids, dst = moving
         for rid in ids:
             if self._where.get(rid) == dst:
                 self._leave(rid)
-                self._recovered.append(self._recover(rid, self._version[dst], {}, {}, {}))
+                self._restart(rid, self._version[dst])
+
+    def _restart(self, rid: int, version: int) -> None:
+        """Request ``rid`` (out of every group) goes on from its prompt under ``version``: a
+        recovered request of the next step()'s events."""
+        self._recovered.append(self._recover(rid, version, {}, {}, {}))
 
     def _take_backups(self) -> None:
         """Ask each group of this process that has taken ``backup_every`` engine steps since its
