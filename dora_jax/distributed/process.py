@@ -13,7 +13,9 @@ Where the process settings come from, first match wins:
 :func:`initialize` then starts the runtime (gloo collectives on CPU), a transfer server for
 point-to-point array pulls between processes (its address is published in the runtime's
 key-value store), and a watchdog that ends this process with a message naming the process that
-died or stopped answering.
+died or stopped answering. Every process also holds a lifeline to process 0 (``lifeline.py``): a
+process that ends, however it ends, is seen at once by the other end instead of after the
+runtime's heartbeat timeout (the fallback for a host that vanishes without closing its sockets).
 
 Listeners: the coordinator and the transfer servers accept connections from anyone who can reach
 them and authenticate nothing: keep them on a private network. They bind to ``DORA_BIND_ADDRESS``
@@ -25,6 +27,7 @@ between processes are msgpack (``codec.py``), never pickles.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -130,7 +133,10 @@ class Process:
     server: Any  # jax.experimental.transfer server of this process
     bind: str
     _conns: dict[str, Any] = field(default_factory=dict)
-    _finishing: threading.Event | None = None  # set when this process leaves (the watchdog's)
+    _finishing: threading.Event = field(default_factory=threading.Event)  # set when leaving
+    _lock: threading.RLock = field(default_factory=threading.RLock)  # losses and returns, in order
+    coordinator: str = ""  # "host:port" of process 0
+    lifelines: Any = None  # process 0: lifeline.Lifelines; the others hold theirs (start_watchdog)
     on_peer_lost: Callable[[str], None] | None = None  # says what to do next (last checkpoint)
     token: str = ""  # this incarnation's join token (``dora/join/<index>``): its messages' epoch
     # process 0: the processes whose loss stops the run (the trainer's); any other (a rollout
@@ -157,8 +163,17 @@ class Process:
         incarnation) ends this process (exit 3) with a message, except on process 0 for a
         process outside :attr:`essential` (it hosts rollout groups only): that one is handed to
         :attr:`on_host_lost`, and its coming back to :attr:`on_host_joined`. Processes other than
-        0 care only about process 0 (which decides for the others)."""
-        self._finishing = threading.Event()
+        0 care only about process 0 (which decides for the others). A lifeline closing says the
+        same at once (a loss seen twice is handled once)."""
+        from dora_jax.distributed import lifeline
+
+        if self.is_main:
+            self.lifelines = lifeline.Lifelines(self.bind, self.line_closed, self.count)
+            host = self.coordinator.rsplit(":", 1)[0]  # (the others reach this machine so)
+            self.client.key_value_set("dora/lifeline", f"{host}:{self.lifelines.port}")
+        else:
+            where = self.client.blocking_key_value_get("dora/lifeline", 120_000)
+            lifeline.hold(where, self.index, lambda: self.line_closed(0))
 
         def watch() -> None:
             everyone = list(range(self.count))
@@ -199,27 +214,34 @@ class Process:
         """The processes in the run: every one but the rollout hosts gone (and not back)."""
         return [p for p in range(self.count) if p not in self.gone]
 
+    def line_closed(self, p: int) -> None:
+        """Process ``p``'s lifeline closed: it ended (unless this process is leaving)."""
+        if not self._finishing.is_set():
+            self._peer_lost(p, "it ended (its connection closed)")
+
     def _peer_lost(self, p: int, why: str) -> None:
         if p == self.index:
             return
-        if self.is_main and self.on_host_lost is not None and p not in self.essential:
-            self.gone.add(p)
-            self.on_host_lost(p, why)
-        elif self.is_main or p == 0:
-            self.lost(f"process {p} is gone: {why}")
+        with self._lock:
+            if self.is_main and self.on_host_lost is not None and p not in self.essential:
+                if p not in self.gone:  # (its lifeline and the heartbeat may both say so)
+                    self.gone.add(p)
+                    self.on_host_lost(p, why)
+            elif self.is_main or p == 0:
+                self.lost(f"process {p} is gone: {why}")
 
     def _peer_joined(self, p: int) -> None:
-        if self.is_main and p != self.index and self.on_host_joined is not None:
-            self.gone.discard(p)
-            self.on_host_joined(p)
+        with self._lock:
+            if self.is_main and p != self.index and self.on_host_joined is not None:
+                self.gone.discard(p)
+                self.on_host_joined(p)
 
     def finish(self, timeout_s: float = 60.0, among: list[int] | None = None) -> None:
         """Leave the run: meet the processes ``among`` (default: every one that is not gone;
         process 0 tells the others whom) at a last barrier (bounded), then disconnect."""
         import jax
 
-        if self._finishing is not None:
-            self._finishing.set()
+        self._finishing.set()
         if among is None:
             among = self.present()
         try:
@@ -283,4 +305,8 @@ def initialize(spec: ProcessSpec, *, heartbeat_s: int = 10, timeout_s: int = 300
     client.key_value_set(f"dora/addr/{index}", server.address(), allow_overwrite=True)
     token = uuid.uuid4().hex[:16]
     client.key_value_set(f"dora/join/{index}", token, allow_overwrite=True)
-    return Process(index, count, client, server, bind, token=token)
+    proc = Process(index, count, client, server, bind, token=token, coordinator=coordinator)
+    # leaving on its own (an error returned, the interpreter exiting): what peers do then (they
+    # end too) is no news, and must not turn this exit into "a peer is gone" (exit 3)
+    atexit.register(proc._finishing.set)
+    return proc
