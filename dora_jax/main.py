@@ -435,8 +435,9 @@ def _announce(cfg: ExperimentConfig, run_dir: Path) -> None:
     from dora_jax.model import count_params
 
     o = cfg.orchestrator
+    k = f"auto[{o.k_min},{o.k_max}]" if o.auto_k else o.staleness_k
     print(
-        f"dora_jax: mode={o.mode} clock={o.clock} K={o.staleness_k} TBS={o.train_batch_prompts} "
+        f"dora_jax: mode={o.mode} clock={o.clock} K={k} TBS={o.train_batch_prompts} "
         f"RBS={o.rollout_batch_prompts} G={cfg.train.group_size}; policy {cfg.model.family} "
         f"({count_params(cfg.model):,} params); run dir {run_dir}"
     )

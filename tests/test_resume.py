@@ -97,6 +97,8 @@ OTHER = {
     "env.spec": "tool_arithmetic",
     "env.kwargs": {"median_steps": 4},
     "env.max_tokens": 256,
+    "orchestrator.staleness_k": "auto",
+    "train.lr_boost": [10, 5, 2.0],
 }
 
 

@@ -365,11 +365,12 @@ def test_no_full_vocab_tensor_in_forward_or_backward():
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
-def test_lr_schedule_matches_oracle(schedule):
-    cfg = TrainConfig(lr=1e-3, warmup_steps=4, schedule=schedule, total_steps=20)
+@pytest.mark.parametrize("boost", [(), (6.0, 5.0, 10.0)])
+def test_lr_schedule_matches_oracle(schedule, boost):
+    cfg = TrainConfig(lr=1e-3, warmup_steps=4, schedule=schedule, total_steps=20, lr_boost=boost)
     f = lr_schedule(cfg)
     for n in range(0, 25):
-        warm = min(1.0, (n + 1) / 4)
+        warm = min(1.0, (n + 1) / 4) * (10.0 if boost and 6 <= n < 11 else 1.0)
         if schedule == "constant":
             want = 1e-3 * warm
         else:

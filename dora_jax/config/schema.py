@@ -92,6 +92,9 @@ class TrainConfig:
     lr: float = 1e-5
     warmup_steps: int = 0
     schedule: Literal["constant", "cosine"] = "constant"
+    # [first step, steps, factor]: the learning rate times factor over those optimizer steps (a
+    # drift stress for staleness_k: auto, benchmarks/bench_adaptive_k.py); empty: none
+    lr_boost: tuple[float, ...] = ()
     total_steps: int = 100
     weight_decay: float = 0.0
     adam_b1: float = 0.9
@@ -150,6 +153,11 @@ class TrainConfig:
 
     def __post_init__(self):
         check_positive(self, "lr", "total_steps", "max_grad_norm", "microbatches", "logprob_chunk")
+        _check(
+            not self.lr_boost or (len(self.lr_boost) == 3 and min(self.lr_boost) >= 0),
+            "lr_boost",
+            f"expected [first step, steps, factor], each >= 0, or []; got {list(self.lr_boost)}",
+        )
         check_non_negative(self, "warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high")
         _check(self.group_size >= 2, "group_size", f"must be >= 2, got {self.group_size}")
         _check(
@@ -208,7 +216,7 @@ class OrchestratorConfig:
     # step inline (deterministic, exactly resumable); wall: every group and the trainer on
     # their own worker threads, the control plane reacting to their events (speed)
     clock: Clock = "wall"
-    staleness_k: int = 2
+    staleness_k: int | Literal["auto"] = 2  # K, or auto (k_min, k_max, ess_min below)
     train_batch_prompts: int = 4  # TBS: prompt groups consumed per train step
     rollout_batch_prompts: int = 8  # RBS: prompt groups in flight
     plan_period_ticks: int = 32
@@ -225,29 +233,51 @@ class OrchestratorConfig:
     # older version's weights come from a holder on the receiver's host first (off: the same
     # choices as one process would make, host ignored)
     prefer_local_moves: bool = True
-    # dora, beyond the paper (off by default): re-choose K after every train step within
-    # [adaptive_k_min, staleness_k], raising it when the trainer waited for the window's oldest
-    # version longer than staleness_cost (the share of a step's progress one more unit of
-    # staleness costs), lowering it after calm steps (orchestrator/staleness.py)
-    adaptive_k: bool = False
-    adaptive_k_min: int = 1
-    staleness_cost: float = 0.05
+    # staleness_k: auto (beyond the paper): K re-chosen after every train step within [k_min,
+    # k_max] from the measured drift (the importance weights' ESS by lag) and from how long the
+    # trainer waited for the window's oldest version (orchestrator/staleness.py). ess_min: the
+    # drift budget, the ESS (as a share of lag 0's) allowed at the bound.
+    k_min: int = 1
+    k_max: int = 4
+    ess_min: float = 0.9
     # wall clock: stop with an error after this many seconds without progress (no train step,
     # no trajectory, no dispatch)
     stall_s: float = 600.0
 
+    @property
+    def auto_k(self) -> bool:
+        return self.staleness_k == "auto"
+
+    @property
+    def k_bound(self) -> int:
+        """The largest K the run may use: ``staleness_k``, or ``k_max`` when it is auto."""
+        return self.k_max if self.staleness_k == "auto" else self.staleness_k
+
     def __post_init__(self):
         known = ", ".join(map(repr, get_args(Mode)))
         _check(self.mode in get_args(Mode), "mode", f"expected one of {known}, got {self.mode!r}")
-        check_non_negative(self, "staleness_k", "staleness_cost")
+        if self.staleness_k != "auto":
+            _check(
+                isinstance(self.staleness_k, int) and not isinstance(self.staleness_k, bool),
+                "staleness_k",
+                f"expected an integer or 'auto', got {self.staleness_k!r}",
+            )
+            check_non_negative(self, "staleness_k")
+        check_non_negative(self, "k_min")
+        _check(
+            self.k_max >= self.k_min,
+            "k_max",
+            f"must be >= k_min ({self.k_min}), got {self.k_max}",
+        )
+        _check(0 < self.ess_min < 1, "ess_min", f"must be in (0, 1), got {self.ess_min}")
+        _check(
+            self.staleness_k != "auto" or self.mode == "dora",
+            "staleness_k",
+            f"auto is for mode dora (the others fix K), got mode {self.mode!r}",
+        )
         check_positive(self, "stall_s", "train_batch_prompts", "plan_period_ticks")
         check_choice(self, "clock", ("logical", "wall"))
-        _check(
-            0 <= self.adaptive_k_min <= self.staleness_k or not self.adaptive_k,
-            "adaptive_k_min",
-            f"must be in [0, staleness_k = {self.staleness_k}], got {self.adaptive_k_min}",
-        )
-        check_bool(self, "legacy_fill", "plan_on_idle", "plan_hysteresis", "adaptive_k")
+        check_bool(self, "legacy_fill", "plan_on_idle", "plan_hysteresis")
         _check(
             self.rollout_batch_prompts >= self.train_batch_prompts,
             "rollout_batch_prompts",

@@ -28,11 +28,11 @@ class Mode:
     """A rollout paradigm; this base streams (module docstring), subclasses override hooks."""
 
     name = ""  # the name it is registered under
-    adapts_k = False  # whether orchestrator.adaptive_k re-chooses K after each step
+    adapts_k = False  # whether K is re-chosen after each step (staleness_k: auto)
 
     def __init__(self, cfg: OrchestratorConfig):
         self.cfg = cfg
-        self.k = cfg.staleness_k  # staleness bound the window enforces
+        self.k = cfg.k_bound  # staleness bound the window enforces (auto: the largest)
         self.rollout_batch = cfg.rollout_batch_prompts  # per batch (barrier) or in flight
         self.per_step = cfg.train_batch_prompts  # prompt groups a step takes, as the window counts
 
@@ -138,7 +138,7 @@ class Dora(Mode):
 
     def __init__(self, cfg: OrchestratorConfig):
         super().__init__(cfg)
-        self.adapts_k = cfg.adaptive_k
+        self.adapts_k = cfg.auto_k
         self.plan_policy = planner.PlanPolicy(
             rollout_batch_prompts=self.rollout_batch,
             kv_pressure_threshold=cfg.kv_pressure_threshold,

@@ -148,9 +148,10 @@ class Records:
     # moves between processes: (tick, "weights" | "kv", source group (-1: trainer), dest, n)
     cross_host: list[tuple[float, str, int, int, int]] = field(default_factory=list)
     consumed: list[ConsumedRecord] = field(default_factory=list)
-    # adaptive K: (version published, K from then on, share of the step's interval the trainer
-    # waited for the window)
-    k_log: list[tuple[int, int, float]] = field(default_factory=list)
+    # staleness_k: auto, one row per train step: (time, version published, K from then on,
+    # reason, drift coefficient, ESS ratio predicted at that K, the step's waiting share, its
+    # moving average): orchestrator/staleness.py's Decision
+    k_log: list[tuple] = field(default_factory=list)
     # failed rollout groups: (time, group, state, reason) per health change, and (time, request
     # id, source) per request recovered from a failed group (backend.RECOVERY_SOURCES)
     health: list[tuple[float, int, str, str]] = field(default_factory=list)

@@ -37,7 +37,7 @@ from dora_jax.orchestrator.clock import LogicalClock, WallClock
 from dora_jax.orchestrator.modes import Mode, mode_for
 from dora_jax.orchestrator.records import ClusterTick, Records, StepRecord, Summary
 from dora_jax.orchestrator.rollout_manager import DISCARDED, PromptStream, RolloutManager
-from dora_jax.orchestrator.staleness import AdaptiveK
+from dora_jax.orchestrator.staleness import DriftK
 from dora_jax.orchestrator.transfer_queue import ReadyGroup, TransferQueue
 from dora_jax.orchestrator.versions import VersionWindow
 
@@ -139,14 +139,14 @@ class Runtime:
         self._held = False  # wall clock: the groups are paused (between runs)
         self._train: tuple[float, int, int] | None = None  # (start, new version, max staleness)
         self.engine_steps = 0  # wall clock: engine steps reported by all groups
-        # adaptive K (orchestrator/staleness.py): time the idle trainer waited for the window
-        # since the last publish, when the last publish and round were, the running batch's
-        # mean staleness, and the per-K costs
+        # staleness_k: auto (orchestrator/staleness.py): time the idle trainer waited for the
+        # window since the last publish, when the last publish and round were, the controller
         self._blocked = 0.0
         self._last_publish = 0.0
         self._last_round: float | None = None
-        self._batch_staleness = 0.0
-        self.adaptive = AdaptiveK(min(cfg.adaptive_k_min, self.mode.k), self.mode.k)
+        self.adaptive = DriftK(min(cfg.k_min, self.mode.k), self.mode.k, ess_min=cfg.ess_min)
+        if self.mode.adapts_k:  # an auto K starts at its smallest and grows when it pays
+            self.window.set_k(self.adaptive.k_min)
 
     # -- one tick --------------------------------------------------------------------------------
 
@@ -257,19 +257,18 @@ class Runtime:
             self._blocked += dt
 
     def _adapt_k(self, t: float, version: int) -> None:
-        """Adaptive K: re-choose the bound from the share of the last step's interval the
-        trainer waited for the window and the staleness effect (orchestrator/staleness.py)."""
+        """``staleness_k: auto``: re-choose the bound from the drift the step measured (the
+        trainer's ``drift()``: tokens and ESS per lag) and the share of the step's interval the
+        trainer waited for the window (orchestrator/staleness.py); recorded with its reason."""
         span = t - self._last_publish
         share = self._blocked / span if span > 0 else 0.0
         inner = getattr(self.trainer, "inner", self.trainer)
-        effect = getattr(inner, "staleness_effect", None)
-        cost = effect() if callable(effect) else None
-        cost = self.cfg.staleness_cost if cost is None else cost
-        ran = self.window.target_k
-        self.adaptive.observe(ran, share, self._batch_staleness, cost)
-        target = self.adaptive.choose(ran, share, cost)
-        self.window.set_k(target)
-        self.records.k_log.append((version, target, share))
+        measured = getattr(inner, "drift", None)
+        signal = measured() if callable(measured) else None
+        tokens, ess = signal if signal is not None else ([], [])
+        d = self.adaptive.step(version, self.window.target_k, tokens, ess, share)
+        self.window.set_k(d.k)
+        self.records.k_log.append((t, *d.as_row()))
         self._blocked, self._last_publish = 0.0, t
 
     def _maybe_train(self, t: int) -> None:
@@ -286,7 +285,6 @@ class Runtime:
         self.queue.take(batch, v, t)
         self.manager.on_consumed(batch)
         maxst = max(v - rg.version for rg in batch)
-        self._batch_staleness = sum(v - rg.version for rg in batch) / len(batch)
         self._train = (t, v + 1, maxst)
         self.records.steps.append(StepRecord(t, t, v + 1, len(batch), maxst))
         self.trainer.start(batch, t)
@@ -335,7 +333,7 @@ class Runtime:
                 raise RuntimeError("a train step is running: publish it before saving")
             job = self.trainer._job
         self.records.flush(keep_last_step=self._train is not None)
-        ad, waited = self.adaptive, (self._blocked, self._last_publish, self._last_round)
+        waited = (self._blocked, self._last_publish, self._last_round)
         return {
             "format": self.STATE_FORMAT,
             "clock": self.clock.kind,
@@ -346,7 +344,7 @@ class Runtime:
             "train": self._train,
             "train_job": job,
             **self.mode.state_dict(),
-            "adaptive": (*waited, self._batch_staleness, dict(ad.costs), ad.seen, dict(ad.last)),
+            "adaptive": (*waited, self.adaptive.state_dict()),
             "engine_steps": self.engine_steps,
             "window": self.window.state_dict(),
             "queue": self.queue.state_dict(),
@@ -363,10 +361,10 @@ class Runtime:
         self.tick_index, self.steps_done = state["tick_index"], state["steps_done"]
         self.dispatching, self._train = state["dispatching"], state["train"]
         self.mode.load_state_dict(state)
-        adaptive = state.get("adaptive", (0.0, 0.0, None, 0.0, {}, 0, {}))
-        self._blocked, self._last_publish, self._last_round, self._batch_staleness = adaptive[:4]
-        self.adaptive.costs, self.adaptive.seen = dict(adaptive[4]), adaptive[5]
-        self.adaptive.last = dict(adaptive[6])
+        adaptive = state["adaptive"]
+        self._blocked, self._last_publish, self._last_round = adaptive[:3]
+        if isinstance(adaptive[3], dict):  # (a checkpoint of before staleness_k: auto has none)
+            self.adaptive.load_state_dict(adaptive[3])
         self.engine_steps = state["engine_steps"]
         if isinstance(self.trainer, TickedTrainer):
             self.trainer._job = state["train_job"]
@@ -375,9 +373,9 @@ class Runtime:
                 "the saved state has a train step running, which only a logical run can continue"
             )
         self.window.load_state_dict(state["window"])
-        # a resume may change the mode, K or batch sizes: the bound is this run's K (an adaptive
-        # K keeps the saved one within it); resume.check_restored refuses a K the groups in
-        # flight cannot be consumed within
+        # a resume may change the mode, K or batch sizes: the bound is this run's K (an auto
+        # K keeps the saved one within this run's k_max); resume.check_restored refuses a K the
+        # groups in flight cannot be consumed within
         adapt, w, k = self.mode.adapts_k, self.window, self.mode.k
         w.k = min(w.k, k) if adapt else k
         w.target_k = min(w.target_k, w.k) if adapt else k

@@ -1,67 +1,176 @@
-"""Adaptive staleness (beyond the paper): the bound K chosen per train step within the user's.
+"""The staleness bound K chosen from measured drift (``orchestrator.staleness_k: auto``).
 
-The paper's limitation (sec. 5) is a K fixed by hand. With ``orchestrator.adaptive_k`` the
-runtime re-chooses K after every train step, between ``adaptive_k_min`` and ``staleness_k`` (the
-user's bound, never exceeded), by comparing two costs in one unit, a share of a step:
+A fixed K is a guess: too small wastes the multi-version rollout's throughput, too large lets the
+policy drift away from the versions that sampled the batch. With ``staleness_k: auto`` the runtime
+re-chooses K after every train step, within ``[k_min, k_max]``, from two measurements:
 
-- the **cost of waiting** for the oldest version: the share of the step's interval (publish to
-  publish) the trainer sat idle with a full batch ready because the window's oldest version had
-  not drained (``wait_share``): time a larger K might have saved;
-- the **staleness effect**: ``staleness_cost`` per unit of mean staleness of the batch the step
-  consumed, the share of a step's progress one unit of staleness costs the learning. It is
-  measured by the user (the paper's appendix C.1 bounds it by the on-policy improvement rate per
-  step); a trainer may report a live estimate through an optional ``staleness_effect()`` method.
+- **the drift**: every train step measures, per version lag ``k`` (the trainer's version minus
+  the sampling version), the normalised effective sample size of the token importance weights,
+  ``ESS_k`` (1 when the trainer's policy equals the sampler's; ``dora_jax/train/step.py``). Lag 0's
+  value is what engine/trainer numerics alone cost, so the drift of lag ``k`` is
+  ``loss_k = 1 - ESS_k / ESS_0``. The importance weights of a policy that moved ``k`` steps have a
+  spread that grows with ``k`` and a chi-square divergence that grows as ``k^2`` for small steps,
+  so the step's lags are fitted to ``loss_k = c * k^2`` (token-weighted least squares) and ``c``,
+  the drift coefficient, is kept as a moving average over steps;
+- **what K buys**: the share of the step's interval the trainer sat idle with a full batch ready
+  because the window's oldest version had not drained (``wait_share``): a long-tailed length
+  distribution makes it large, a short one leaves it near 0, and only then does a larger K pay.
 
-Each step scores the K it ran under: ``cost = wait_share + staleness_cost * mean staleness``,
-kept as a moving average per K (:class:`AdaptiveK`). The next K is the one of ``K - 1, K, K + 1``
-(within the bounds) with the lowest average cost, a neighbour not tried for ``revisit`` steps
-first (K + 1 when the step waited more than one unit of staleness costs, else K - 1): the cost
-of a K shows only some steps later (dispatch runs K steps ahead) and drifts with the workload.
-A lower K applies at once to dispatch, and to consumption as soon as the prompt groups already
-dispatched fit it (:meth:`VersionWindow.set_k`); the first ``warmup`` steps (an empty cluster: no
-waiting, no staleness) are not scored. One step at a time, so a burst of waiting cannot swing K
-across its range.
+The rule, after ``warmup`` steps (an empty cluster has neither drift nor waiting to show):
+
+- **lower at once** when the drift predicted at the bound breaks the budget: ``c * K^2 >
+  1 - ess_min``; K drops to the largest value within it (``k_min`` at least);
+- **raise by one** when the trainer waited (``wait_share >= wait_min``, averaged like ``c``), the
+  next K's predicted drift is within half the budget (``c * (K + 1)^2 <= (1 - ess_min) / 2``: the
+  hysteresis band between lowering and raising), and the last change is ``patience`` steps old;
+- otherwise hold.
+
+A lower K applies at once to dispatch (admission: fewer prompt groups on old versions) and to
+consumption as soon as the prompt groups already dispatched fit it (:meth:`VersionWindow.set_k`):
+nothing finished is ever discarded, and every request in flight keeps the bound it was dispatched
+under. Each decision is a record (:class:`Decision`) with its reason and the figures it read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import astuple, dataclass
+
+REASONS = ("warmup", "drift", "waiting", "probe", "hold")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One step's choice of K and what it read."""
+
+    version: int  # the version the step published
+    k: int  # the bound chosen for what follows
+    reason: str  # one of REASONS
+    drift: float | None  # the drift coefficient c (moving average), None before any stale token
+    ess_at_k: float | None  # 1 - c K^2: the ESS ratio predicted at the chosen K
+    wait_share: float  # this step's
+    wait_avg: float  # the moving average the rule read
+
+    def as_row(self) -> tuple:
+        return astuple(self)
 
 
 @dataclass
-class AdaptiveK:
-    """Per-K moving averages of the step cost, and the choice of the next K."""
+class DriftK:
+    """The controller's state and rule (see the module doc)."""
 
     k_min: int
     k_max: int
-    alpha: float = 0.3  # weight of the newest step in a K's moving average
-    warmup: int = 2  # steps not scored
-    revisit: int = 6  # a K not run for this many steps is tried again (its cost has aged)
-    costs: dict[int, float] = field(default_factory=dict)
-    last: dict[int, int] = field(default_factory=dict)  # K -> step it was last scored at
+    ess_min: float = 0.9  # budget: the ESS ratio (to lag 0's) predicted at the bound
+    wait_min: float = 0.05  # the waiting share above which a larger K is worth its drift
+    warmup: int = 3  # steps before the first decision
+    patience: int = 1  # steps between a change and the next raise
+    alpha: float = 0.5  # weight of the newest step in the moving averages
+    min_tokens: int = 32  # a lag's ESS counts only over this many tokens
+    drift: float | None = None
+    wait_avg: float = 0.0
+    floor: float | None = None  # lag 0's ESS (moving average): the numerics' own
     seen: int = 0
+    last_change: int = 0
+    blind: int = 0  # steps in a row without a lag >= 1 measured
 
-    def observe(self, k: int, wait_share: float, staleness: float, staleness_cost: float) -> float:
-        """Score the step that ran under ``k``; return its cost."""
-        cost = wait_share + staleness_cost * staleness
+    def observe(self, lag_tokens, lag_ess) -> float | None:
+        """Fold one train step's per-lag token counts and ESS into the drift coefficient;
+        return the step's own fit (None: no lag with enough tokens)."""
+        a = self.alpha
+        if len(lag_tokens) and lag_tokens[0] >= self.min_tokens and lag_ess[0] > 0:
+            e0 = float(lag_ess[0])
+            self.floor = e0 if self.floor is None else (1 - a) * self.floor + a * e0
+        floor = 1.0 if self.floor is None else self.floor
+        num = den = 0.0
+        for k in range(1, len(lag_tokens)):
+            n = float(lag_tokens[k])
+            if n < self.min_tokens:
+                continue
+            loss = max(0.0, 1.0 - float(lag_ess[k]) / max(floor, 1e-9))
+            num += n * k * k * loss
+            den += n * k**4
+        if den == 0:
+            return None
+        c = num / den
+        self.drift = c if self.drift is None else (1 - a) * self.drift + a * c
+        return c
+
+    def safe_k(self, share: float = 1.0) -> int:
+        """The largest K whose predicted drift is within ``share`` of the budget."""
+        if not self.drift:
+            return self.k_max
+        return int(math.floor(math.sqrt(share * (1 - self.ess_min) / self.drift) + 1e-9))
+
+    def step(self, version: int, k: int, lag_tokens, lag_ess, wait_share: float) -> Decision:
+        """Observe the step that published ``version`` under bound ``k``; choose the next K."""
+        fresh = self.observe(lag_tokens, lag_ess) is not None
         self.seen += 1
+        self.blind = 0 if fresh else self.blind + 1
+        a = self.alpha
+        self.wait_avg = (1 - a) * self.wait_avg + a * wait_share
+        calm = self.seen - self.last_change >= self.patience
+        new, reason = k, "hold"
         if self.seen <= self.warmup:
-            return cost
-        old = self.costs.get(k)
-        self.costs[k] = cost if old is None else (1 - self.alpha) * old + self.alpha * cost
-        self.last[k] = self.seen
-        return cost
+            reason = "warmup"
+        elif self.drift is not None and k > self.k_min and self.drift * k * k > 1 - self.ess_min:
+            new, reason = max(self.k_min, min(k - 1, self.safe_k())), "drift"
+        elif (
+            k < self.k_max and self.wait_avg >= self.wait_min and calm and k + 1 <= self.safe_k(0.5)
+        ):
+            new, reason = k + 1, "waiting"
+        elif k < self.k_max and self.blind >= 4 * self.patience and calm:
+            # no lag >= 1 measured for a while (K = 0, or nothing stale consumed): the drift
+            # read last may be long gone; one more version of room measures it again
+            new, reason = k + 1, "probe"
+        if new != k:
+            self.last_change = self.seen
+        ess = None if self.drift is None else 1 - self.drift * new * new
+        return Decision(version, new, reason, self.drift, ess, wait_share, self.wait_avg)
 
-    def choose(self, k: int, wait_share: float, staleness_cost: float) -> int:
-        """The K for the next step (see the module doc)."""
-        near = [x for x in (k - 1, k, k + 1) if self.k_min <= x <= self.k_max]
-        if self.seen <= self.warmup:
-            return k
-        untried = [x for x in near if self.seen - self.last.get(x, -self.revisit) >= self.revisit]
-        if untried:
-            up = wait_share > staleness_cost
-            for x in (k + 1, k - 1) if up else (k - 1, k + 1):
-                if x in untried:
-                    return x
-            return untried[0]
-        return min(near, key=lambda x: (self.costs[x], x))
+    def state_dict(self) -> dict:
+        return {
+            "drift": self.drift,
+            "wait_avg": self.wait_avg,
+            "floor": self.floor,
+            "seen": self.seen,
+            "last_change": self.last_change,
+            "blind": self.blind,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("drift", "wait_avg", "floor", "seen", "last_change", "blind"):
+            setattr(self, key, state[key])
+
+
+@dataclass(frozen=True)
+class DriftModel:
+    """A stand-in for the train step's measurement, for trainers that run no model (the fake
+    trainer, the simulator): a batch's lag ``k`` reads ``ESS_k = 1 - c k^2`` (at least 0), ``c``
+    being ``coefficient``, times ``stress_factor^2`` for the ``stress_steps`` steps from
+    ``stress_start`` (a learning rate ``f`` times larger moves the policy ``f`` times further a
+    step, and the drift grows as its square)."""
+
+    coefficient: float = 0.001
+    stress_start: int = -1  # the first step of the stress (-1: none)
+    stress_steps: int = 0
+    stress_factor: float = 1.0
+
+    def coefficient_at(self, step: int) -> float:
+        stressed = 0 <= self.stress_start <= step < self.stress_start + self.stress_steps
+        return self.coefficient * (self.stress_factor**2 if stressed else 1.0)
+
+    def signal(self, step: int, lag_tokens: list[int]) -> tuple[list[int], list[float]]:
+        """``(lag_tokens, lag_ess)`` as a train step at ``step`` (0-based) would report them."""
+        c = self.coefficient_at(step)
+        ess = [max(0.0, 1.0 - c * k * k) if n else 0.0 for k, n in enumerate(lag_tokens)]
+        return list(lag_tokens), ess
+
+
+def lag_tokens_of(batch, version: int, bins: int = 8) -> list[int]:
+    """Response tokens per lag (``version`` minus the sampling version, the last bin also
+    counting larger lags) of a batch of ready prompt groups."""
+    out = [0] * bins
+    for rg in batch:
+        out[min(version - rg.version, bins - 1)] += rg.response_tokens
+    return out

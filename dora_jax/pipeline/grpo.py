@@ -313,6 +313,14 @@ class GRPOTrainer:
         self.log.append(StepLog(version, metrics, rewards, ids, means, timing, rows))
         return version
 
+    def drift(self) -> tuple[list[int], list[float]] | None:
+        """The newest step's response tokens and importance-weight ESS per version lag (what
+        ``staleness_k: auto`` reads; ``dora_jax/train/step.py``), or None before any step."""
+        if not self.log:
+            return None
+        m = self.log[-1].metrics
+        return np.asarray(m["lag_tokens"]).tolist(), np.asarray(m["lag_ess"]).tolist()
+
     def step_logs(self, start: int) -> list[StepLog]:
         """The step logs from the ``start``-th on (0: the run's first step)."""
         if start < self.log_start:

@@ -343,7 +343,7 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
     limit, limit_source, shared = device_limit(cfg)
     items: list[Item] = []
     notes: list[str] = []
-    live = o.staleness_k + 1
+    live = o.k_bound + 1
     model_bytes = np.dtype(dtype_of(m.param_dtype)).itemsize
 
     # trainer state

@@ -239,7 +239,7 @@ class OrchestrationConfig:
     ``one_step`` K = 1 whatever ``staleness_k`` says), in modeled seconds where time is involved.
     """
 
-    staleness_k: int = 2
+    staleness_k: int | Literal["auto"] = 2
     train_batch_prompts: int = 512  # TBS (DAPO recipe train_prompt_bsz)
     rollout_batch_prompts: int = 768  # RBS
     group_size: int = 16  # G (DAPO recipe n_resp_per_prompt)
@@ -255,13 +255,18 @@ class OrchestrationConfig:
     consolidate: bool = True  # older versions' tails packed onto the groups their KV needs
     spread: bool = True  # spare groups take over part of the gate version's load
     legacy_fill_margin: int = 2  # legacy fill only at versions >= window's oldest + this
-    # adaptive K within [adaptive_k_min, staleness_k] (orchestrator/staleness.py; dora only)
-    adaptive_k: bool = False
-    adaptive_k_min: int = 1
-    staleness_cost: float = 0.05
+    # staleness_k: auto (dora only): K within [k_min, k_max] from the modeled drift (the drift
+    # section) and the trainer's waiting (orchestrator/staleness.py)
+    k_min: int = 1
+    k_max: int = 4
+    ess_min: float = 0.9
 
     def __post_init__(self):
-        _at_least(self, 0, "staleness_k")
+        if self.staleness_k != "auto":
+            _at_least(self, 0, "staleness_k")
+        _at_least(self, 0, "k_min")
+        _check(self.k_max >= self.k_min, "k_max", "must be >= k_min")
+        _check(0 < self.ess_min < 1, "ess_min", "must be in (0, 1)")
         _at_least(self, 1, "legacy_fill_margin")
         _positive(
             self, "train_batch_prompts", "group_size", "plan_period_s", "kv_admit_reserve_tokens"
@@ -324,6 +329,23 @@ class FailureConfig:
 
 
 @dataclass(frozen=True)
+class DriftConfig:
+    """The modeled off-policy drift a train step would measure (``staleness_k: auto`` reads it):
+    lag ``k`` reads an ESS of ``1 - c k^2``, ``c`` being ``coefficient``, times ``stress_factor^2``
+    for the ``stress_steps`` train steps from ``stress_start`` (a learning rate raised that many
+    times; -1: no stress). ``orchestrator/staleness.py``'s ``DriftModel``."""
+
+    coefficient: float = 0.001
+    stress_start: int = -1
+    stress_steps: int = 0
+    stress_factor: float = 1.0
+
+    def __post_init__(self):
+        _at_least(self, 0, "coefficient", "stress_steps")
+        _positive(self, "stress_factor")
+
+
+@dataclass(frozen=True)
 class SimConfig:
     name: str = "sim"
     description: str = ""
@@ -337,6 +359,7 @@ class SimConfig:
     run: RunConfig = field(default_factory=RunConfig)
     turns: TurnsConfig | None = None  # multi-turn conversations (None: one turn per request)
     failures: FailureConfig | None = None  # rollout groups that fail (None: never)
+    drift: DriftConfig = field(default_factory=DriftConfig)  # read by staleness_k: auto
     # hardware 'cpu': the calibrate_cpu.json whose measured constants give every cost
     # (benchmarks/calibrate_cpu.py; a relative path is taken from the repository root)
     calibration: str | None = None

@@ -35,6 +35,7 @@ import numpy as np
 from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator.records import plan_counts
 from dora_jax.orchestrator.runtime import RunResult, Runtime
+from dora_jax.orchestrator.staleness import DriftModel
 from dora_jax.sim.backend import CATEGORIES, DECODE, PREFILL, SimBackend
 from dora_jax.sim.config import SimConfig
 from dora_jax.sim.conversations import ConversationFigures, Conversations, conversation_figures
@@ -110,11 +111,19 @@ def cost_model(cfg: SimConfig) -> CostModel | MeasuredCost:
     )
 
 
+def _k_for(k: int | str, mode: str, k_max: int) -> int | str:
+    """The K a mode runs with: ``one_step`` at least 1; ``auto`` is dora's alone (the other
+    modes take its largest, ``k_max``, as their bound)."""
+    if k == "auto":
+        return "auto" if mode == "dora" else (max(k_max, 1) if mode == "one_step" else k_max)
+    return max(k, 1) if mode == "one_step" else k
+
+
 def orchestrator_config(cfg: SimConfig, mode: str) -> OrchestratorConfig:
     o = cfg.orchestration
     return OrchestratorConfig(
         mode=mode,
-        staleness_k=max(o.staleness_k, 1) if mode == "one_step" else o.staleness_k,
+        staleness_k=_k_for(o.staleness_k, mode, o.k_max),
         train_batch_prompts=o.train_batch_prompts,
         rollout_batch_prompts=o.rollout_batch_prompts,
         plan_period_ticks=max(1, round(o.plan_period_s / cfg.run.tick_s)),
@@ -122,9 +131,9 @@ def orchestrator_config(cfg: SimConfig, mode: str) -> OrchestratorConfig:
         legacy_fill=o.legacy_fill,
         plan_on_idle=o.plan_on_idle,
         plan_hysteresis=o.plan_hysteresis,
-        adaptive_k=o.adaptive_k,  # (only a mode that adapts K uses it)
-        adaptive_k_min=min(o.adaptive_k_min, o.staleness_k),
-        staleness_cost=o.staleness_cost,
+        k_min=o.k_min,
+        k_max=o.k_max,
+        ess_min=o.ess_min,
     )
 
 
@@ -211,7 +220,11 @@ def build(
     )
     colocated = backend if placement == "colocated" else None
     devices = cfg.cluster.training_gpus(placement)
-    trainer = SimTrainer(cost, devices, r.tick_s, colocated_with=colocated, clock=backend)
+    d = cfg.drift
+    drift = DriftModel(d.coefficient, d.stress_start, d.stress_steps, d.stress_factor)
+    trainer = SimTrainer(
+        cost, devices, r.tick_s, colocated_with=colocated, clock=backend, drift=drift
+    )
     prompts = SimPrompts(cfg.prompt, r.seed)
     runtime = Runtime(orchestrator_config(cfg, mode), o.group_size, backend, trainer, prompts)
     planning = getattr(runtime.mode, "plan_policy", None)  # a mode that plans (dora)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dora_jax.orchestrator.staleness import DriftModel, lag_tokens_of
 from dora_jax.orchestrator.transfer_queue import ReadyGroup
 from dora_jax.sim.backend import SimBackend
 from dora_jax.sim.cost_model import CostModel
@@ -39,6 +40,7 @@ class SimTrainer:
         *,
         clock: SimBackend,
         colocated_with: SimBackend | None = None,
+        drift: DriftModel | None = None,
     ):
         if devices < 1 or tick_s <= 0:
             raise ValueError("need devices >= 1 and tick_s > 0")
@@ -48,6 +50,8 @@ class SimTrainer:
         self.steps: list[TrainStep] = []
         self.batches: list[tuple[int, tuple[int, ...]]] = []  # (version, request ids) per step
         self._pending: tuple[int, int] | None = None  # (id of the batch, ticks)
+        self.drift_model = drift or DriftModel()
+        self._drift: tuple[list[int], list[float]] | None = None
 
     def _measure(self, batch: list[ReadyGroup]) -> tuple[float, int, int, int]:
         lens = np.array([t.prompt_len + t.response_len for rg in batch for t in rg.trajectories])
@@ -60,12 +64,18 @@ class SimTrainer:
         tick = self.clock.tick
         ids = tuple(t.request_id for rg in batch for t in rg.trajectories)
         self.batches.append((self.version, ids))
+        lags = lag_tokens_of(batch, self.version)
+        self._drift = self.drift_model.signal(len(self.steps), lags)
         self.version += 1
         self.steps.append(TrainStep(self.version, tick, seconds, ticks, n, tokens))
         self._pending = (id(batch), ticks)
         if self.colocated_with is not None:
             self.colocated_with.freeze(tick + ticks)
         return self.version
+
+    def drift(self) -> tuple[list[int], list[float]] | None:
+        """The last step's modeled tokens and ESS per lag (``staleness_k: auto`` reads it)."""
+        return self._drift
 
     def duration_ticks(self, batch: list[ReadyGroup]) -> int:
         if self._pending is not None and self._pending[0] == id(batch):

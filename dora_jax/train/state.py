@@ -47,16 +47,23 @@ def uses_master(model_cfg: ModelConfig, train_cfg: TrainConfig) -> bool:
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Learning rate at optimizer step ``n`` (0-based): linear warmup ``lr * (n + 1) / W`` for
-    ``n < W = warmup_steps``, then ``constant`` or a cosine decay to 0 at ``total_steps``."""
+    ``n < W = warmup_steps``, then ``constant`` or a cosine decay to 0 at ``total_steps``; times
+    ``factor`` over ``lr_boost = (first, steps, factor)``'s steps."""
     W, total = cfg.warmup_steps, cfg.total_steps
+
+    def boost(n: jax.Array) -> jax.Array | float:
+        if not cfg.lr_boost:
+            return 1.0
+        first, steps, factor = cfg.lr_boost
+        return jnp.where((n >= first) & (n < first + steps), factor, 1.0)
 
     def schedule(count: jax.Array) -> jax.Array:
         n = jnp.asarray(count, jnp.float32)
         warm = jnp.minimum(1.0, (n + 1.0) / W) if W > 0 else 1.0
         if cfg.schedule == "constant":
-            return cfg.lr * warm
+            return cfg.lr * warm * boost(n)
         progress = jnp.clip((n - W) / max(total - W, 1), 0.0, 1.0)
-        return cfg.lr * warm * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return cfg.lr * warm * boost(n) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
 
     return schedule
 
