@@ -263,7 +263,10 @@ def main() -> None:
                     out["learning"]["summary"] = learning_summary(runs, a.steps)
                     save()
         print(json.dumps(out["learning"]["summary"], indent=1), flush=True)
-    plot(out, a.steps)
+    try:
+        plot(out, a.steps)
+    except ImportError as e:  # (a machine without matplotlib: the JSON is what counts)
+        print(f"no plot: {e}")
     save()
     print(f"wrote {quiet.rel(a.out)} and {quiet.rel(PLOT)}")
 
