@@ -187,3 +187,45 @@ def test_lag_tokens_of_a_batch():
     batch = [G(version=5, response_tokens=10), G(version=3, response_tokens=7)]
     batch += [G(version=5, response_tokens=1), G(version=-9, response_tokens=4)]
     assert lag_tokens_of(batch, 5, bins=4) == [11, 0, 7, 4]
+
+
+def test_a_checkpoint_while_k_changes_resumes_exactly(tmp_path):
+    """The real trainer's drift signal on the tiny task, logical clock: a checkpoint taken in
+    the steps where auto K moves resumes into the same decisions, params and consumption as the
+    run without the stop, the controller's state restored."""
+    import chex
+    import jax
+    from test_checkpoint import make  # tests/test_checkpoint.py
+
+    from dora_jax.checkpoint import RunCheckpointer
+    from dora_jax.pipeline.experiment import run
+
+    auto = ("orchestrator.staleness_k=auto", "orchestrator.k_max=3")
+    straight = make(tmp_path, "straight", *auto)
+    run(straight, 8)
+    rows = straight.runtime.records.k_log
+    changes = [r[1] for prev, r in zip(rows, rows[1:], strict=False) if r[2] != prev[2]]
+    assert changes and min(changes) <= 5  # K moves within the first steps (checked below at 4)
+
+    first = make(tmp_path, "resumed", *auto)
+    ck = RunCheckpointer(tmp_path / "resumed" / "ckpt", async_save=False)
+    run(first, 4, checkpointer=ck)
+    saved = first.runtime.adaptive.state_dict()
+    assert saved["seen"] == 4 and saved["drift"] is not None
+
+    again = make(tmp_path, "resumed", *auto)
+    RunCheckpointer(tmp_path / "resumed" / "ckpt").restore_latest(again)
+    assert again.runtime.adaptive.state_dict() == saved
+    assert (again.runtime.window.k, again.runtime.window.target_k) == (
+        first.runtime.window.k,
+        first.runtime.window.target_k,
+    )
+    run(again, 4)
+    assert again.runtime.records.k_log == rows  # every decision, its figures included
+    assert again.runtime.adaptive.state_dict() == straight.runtime.adaptive.state_dict()
+    chex.assert_trees_all_equal(
+        jax.device_get(straight.trainer.export_params()),
+        jax.device_get(again.trainer.export_params()),
+    )
+    ids = [c.request_id for c in straight.runtime.records.consumed]
+    assert ids == [c.request_id for c in again.runtime.records.consumed]
