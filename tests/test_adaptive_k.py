@@ -2,6 +2,8 @@
 signal, the window that takes a new K safely, the run invariants with K changing under them, and
 a drift stress on the fake backend (K shrinks within a few steps, grows back after)."""
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,8 @@ from dora_jax.config.schema import ConfigError, OrchestratorConfig
 from dora_jax.orchestrator import FakeBackendConfig, VersionWindow, run_fake
 from dora_jax.orchestrator.fake_trainer import FakeTrainer
 from dora_jax.orchestrator.staleness import DriftK, DriftModel, lag_tokens_of
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def signal(c: float, k: int, floor: float = 1.0, tokens: int = 500):
@@ -229,3 +233,25 @@ def test_a_checkpoint_while_k_changes_resumes_exactly(tmp_path):
     )
     ids = [c.request_id for c in straight.runtime.records.consumed]
     assert ids == [c.request_id for c in again.runtime.records.consumed]
+
+
+def test_the_simulator_models_drift_and_auto_k_reacts():
+    """The simulator's drift model (the drift section) feeds the same controller: K grows while
+    the trainer waits, drops the step a 10x learning-rate stress begins, and grows back after."""
+    from dora_jax.sim.config import load_sim_config
+    from dora_jax.sim.run import simulate
+
+    over = ["orchestration.staleness_k=auto", "run.steps=30"]
+    over += ["drift.stress_start=10", "drift.stress_steps=8", "drift.stress_factor=10"]
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "tiny_qwen7b_h100.yaml", overrides=over)
+    rows = simulate(cfg, "dora").runtime.records.k_log
+    k = {r[1]: r[2] for r in rows}  # version published -> K from then on
+    assert max(k[v] for v in range(1, 11)) == 4  # grew to k_max before the stress
+    assert k[11] == 1 and rows[10][3] == "drift"  # step 10 publishes v11: down at once
+    assert all(k[v] == 1 for v in range(11, 19))  # held through it
+    assert max(k[v] for v in range(19, 31)) == 4  # back up after
+    calm = load_sim_config(
+        ROOT / "configs" / "sim" / "tiny_qwen7b_h100.yaml", overrides=over[:2]
+    )  # the same without the stress: it never drops
+    rows = simulate(calm, "dora").runtime.records.k_log
+    assert all(r[3] != "drift" for r in rows) and rows[-1][2] == 4
