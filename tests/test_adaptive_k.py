@@ -183,6 +183,8 @@ def test_a_drift_stress_shrinks_k_and_it_grows_back():
     # the bound is strict throughout: every consumed trajectory within the K of its dispatch
     assert all(c.version_span == 1 for c in out.result.records.consumed)
     assert max(c.staleness for c in out.result.records.consumed) <= 4
+    chosen = out.result.records.summary().k_chosen  # summary.json's figures
+    assert chosen["min"] == 1 and chosen["max"] >= 3 and chosen["reasons"]["drift"] >= 1
 
 
 def test_lag_tokens_of_a_batch():

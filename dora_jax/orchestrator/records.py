@@ -126,8 +126,25 @@ class Summary:
     plans_moving: int = 0  # plans that moved weights or requests (the others changed nothing)
     cross_host_weight_transfers: int = 0  # weight loads from another process
     cross_host_migrated: int = 0  # requests moved with their KV to another process
+    # staleness_k: auto: the K chosen after each step (mean, min, max, last) and the decisions
+    # by reason (empty for a fixed K)
+    k_chosen: dict = field(default_factory=dict)
     group_failures: int = 0  # rollout groups' engines that failed (and were rebuilt)
     recovered: dict[str, int] = field(default_factory=dict)  # recovered requests per source
+
+
+def _k_chosen(rows: list[tuple]) -> dict:
+    """``staleness_k: auto``'s decisions (``k_log`` rows) in a few figures."""
+    if not rows:
+        return {}
+    ks = [r[2] for r in rows]
+    return {
+        "mean": sum(ks) / len(ks),
+        "min": min(ks),
+        "max": max(ks),
+        "last": ks[-1],
+        "reasons": dict(Counter(r[3] for r in rows)),
+    }
 
 
 @dataclass
@@ -383,6 +400,7 @@ class Records:
             "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
             "group_failures": sum(1 for h in self.health if h[0] < end and h[2] == "dead"),
             "recovered": dict(Counter(r[2] for r in self.recoveries if r[0] < end)),
+            "k_chosen": _k_chosen([r for r in self.k_log if r[0] <= end]),
             **plan_counts(plans),
         }
 

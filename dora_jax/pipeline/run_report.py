@@ -103,6 +103,13 @@ def write_run_report(
         f"bubble {s.bubble:.1%}{overlap}, staleness mean {s.staleness_mean:.2f} max "
         f"{s.staleness_max}, {s.migrated} migrated, {s.reprefill_tokens} re-prefill tokens"
     )
+    if s.k_chosen:
+        k = s.k_chosen
+        why = ", ".join(f"{n} {r}" for r, n in sorted(k["reasons"].items()) if r != "hold")
+        print(
+            f"staleness_k auto: K {k['min']}-{k['max']} (mean {k['mean']:.2f}, last "
+            f"{k['last']}); changes and their reasons: {why or 'none'}"
+        )
     if s.group_failures:
         parts = ", ".join(f"{n} from {src}" for src, n in sorted(s.recovered.items()))
         lost = sum(1 for h in rec.health if h[2] == "dead" and HOST_GONE in h[3])
