@@ -11,8 +11,8 @@ recovered on the others; and with only the three other groups from the start
 (``mesh.rollout.devices=3:6``: what the cluster can do without the lost group). Each run's
 throughput over its second half (trajectories per second from the end of step ``steps // 2`` to
 the last; for the fault run, from the kill, the wait until process 0 sees the loss (its
-lifeline to process 3 closing) included, and from the moment it does) against the ideal, 3/4 of the run
-without the fault, and against the three-group run.
+lifeline to process 3 closing) included, and from the moment it does) against the ideal, 3/4 of
+the run without the fault, and against the three-group run.
 
 **Simulated** (``--sim-config``, 1,024 GPUs by default): ``dora`` without failures and with
 rollout GPUs failing at a stress rate (``--stress-mtbf-hours`` per GPU), recovered in place;
