@@ -171,9 +171,17 @@ class Process:
             self.lifelines = lifeline.Lifelines(self.bind, self.line_closed, self.count)
             host = self.coordinator.rsplit(":", 1)[0]  # (the others reach this machine so)
             self.client.key_value_set("dora/lifeline", f"{host}:{self.lifelines.port}")
-        else:
-            where = self.client.blocking_key_value_get("dora/lifeline", 120_000)
-            lifeline.hold(where, self.index, lambda: self.line_closed(0))
+        else:  # (process 0 may open its lifelines later, or never: then the heartbeat alone)
+
+            def attach() -> None:
+                try:
+                    where = self.client.blocking_key_value_get("dora/lifeline", 86_400_000)
+                    if not self._finishing.is_set():
+                        lifeline.hold(where, self.index, lambda: self.line_closed(0))
+                except Exception:  # noqa: BLE001 - no lifeline: the watchdog still watches
+                    return
+
+            threading.Thread(target=attach, name="dora-lifeline-attach", daemon=True).start()
 
         def watch() -> None:
             everyone = list(range(self.count))
