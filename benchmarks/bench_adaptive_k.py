@@ -77,7 +77,8 @@ def one_run(task: str, k: str, seed: int, steps: int, work: Path, extra=()) -> d
         raise SystemExit(f"{task} K={k} seed {seed}: failed\n{(done.stdout + done.stderr)[-3000:]}")
     if not cached.is_dir() and (run_dir / "warm_start").is_dir():
         shutil.copytree(run_dir / "warm_start", cached, dirs_exist_ok=True)
-    evals = {r["step"]: r["eval/solved"] for r in _read_jsonl(run_dir / "eval.jsonl")}
+    # (keys as the JSON has them, so a run read back and a run just made look alike)
+    evals = {str(r["step"]): r["eval/solved"] for r in _read_jsonl(run_dir / "eval.jsonl")}
     k_log = [r for d in _read_jsonl(run_dir / "records.jsonl") for r in d.get("k_log", [])]
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())["summary"]
@@ -107,7 +108,7 @@ def learning_summary(runs: list[dict], steps: int) -> dict:
     out = {}
     for task in sorted({r["task"] for r in runs}):
         mine = [r for r in runs if r["task"] == task]
-        last = lambda r: r["held_out"].get(str(steps), r["held_out"].get(steps))  # noqa: E731
+        last = lambda r: r["held_out"].get(str(steps))  # noqa: E731
         per_k = {}
         for k in dict.fromkeys(r["k"] for r in mine):
             vals = [last(r) for r in mine if r["k"] == k and last(r) is not None]
@@ -258,7 +259,7 @@ def main() -> None:
             for jobs in (first, rest):
                 for r in pool.map(lambda j: one_run(*j, a.steps, work), jobs):
                     runs.append(r)
-                    final = r["held_out"].get(str(a.steps), r["held_out"].get(a.steps))
+                    final = r["held_out"].get(str(a.steps))
                     print(f"{r['task']} K={r['k']} seed {r['seed']}: held-out {final}", flush=True)
                     out["learning"]["summary"] = learning_summary(runs, a.steps)
                     save()

@@ -23,6 +23,8 @@ The rule, after ``warmup`` steps (an empty cluster has neither drift nor waiting
 - **raise by one** when the trainer waited (``wait_share >= wait_min``, averaged like ``c``), the
   next K's predicted drift is within half the budget (``c * (K + 1)^2 <= (1 - ess_min) / 2``: the
   hysteresis band between lowering and raising), and the last change is ``patience`` steps old;
+- **probe** (raise by one) after ``4 * patience`` steps in a row with no lag >= 1 measured (K = 0,
+  or nothing stale consumed), so an old drift estimate cannot hold K down for good;
 - otherwise hold.
 
 A lower K applies at once to dispatch (admission: fewer prompt groups on old versions) and to
@@ -37,6 +39,11 @@ import math
 from dataclasses import astuple, dataclass
 
 REASONS = ("warmup", "drift", "waiting", "probe", "hold")
+
+
+def _average(old: float | None, new: float, weight: float) -> float:
+    """A moving average's next value: ``new`` weighted ``weight`` (``new`` itself at first)."""
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,7 @@ class DriftK:
         return the step's own fit (None: no lag with enough tokens)."""
         a = self.alpha
         if len(lag_tokens) and lag_tokens[0] >= self.min_tokens and lag_ess[0] > 0:
-            e0 = float(lag_ess[0])
-            self.floor = e0 if self.floor is None else (1 - a) * self.floor + a * e0
+            self.floor = _average(self.floor, float(lag_ess[0]), a)
         floor = 1.0 if self.floor is None else self.floor
         num = den = 0.0
         for k in range(1, len(lag_tokens)):
@@ -93,7 +99,7 @@ class DriftK:
         if den == 0:
             return None
         c = num / den
-        self.drift = c if self.drift is None else (1 - a) * self.drift + a * c
+        self.drift = _average(self.drift, c, a)
         return c
 
     def safe_k(self, share: float = 1.0) -> int:
@@ -107,8 +113,7 @@ class DriftK:
         fresh = self.observe(lag_tokens, lag_ess) is not None
         self.seen += 1
         self.blind = 0 if fresh else self.blind + 1
-        a = self.alpha
-        self.wait_avg = (1 - a) * self.wait_avg + a * wait_share
+        self.wait_avg = _average(self.wait_avg, wait_share, self.alpha)
         calm = self.seen - self.last_change >= self.patience
         new, reason = k, "hold"
         if self.seen <= self.warmup:
