@@ -2,6 +2,7 @@
 
     python benchmarks/bench_adaptive_k.py [--tasks default,tool] [--ks 0,1,2,3,4,auto]
         [--seeds 3] [--steps 100] [--jobs 2] [--parts learning,throughput,stress]
+        [--plot-with EARLIER.json ...]
 
 - **learning** (logical clock, so load and machine do not change a figure): every task x K x
   seed, ``dora`` for ``--steps`` train steps (the same consumed samples in every run: TBS x G a
@@ -16,7 +17,8 @@
   measured ESS per lag, around the stress.
 
 Writes ``benchmarks/results/bench_adaptive_k.json`` (rewritten after every run, so a cut run
-keeps what it did) and ``docs/adaptive_k.png``.
+keeps what it did) and ``docs/adaptive_k.png``, which also draws the tasks and the stress of the
+results named by ``--plot-with`` (``--parts plot`` only redraws it from them).
 """
 
 from __future__ import annotations
@@ -176,15 +178,20 @@ def throughput(ks: list[str], tasks: list[str], work: Path) -> dict:
     return out
 
 
-def plot(out: dict, steps: int) -> None:
+def plot(outs: list[dict]) -> None:
+    """One figure from this run's results and the earlier ones given with ``--plot-with`` (a
+    task's curves from the first result that has the task; the first stress run found)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = out.get("learning", {}).get("runs", [])
+    runs: list[dict] = []
+    for o in outs:
+        have = {r["task"] for r in runs}
+        runs += [r for r in o.get("learning", {}).get("runs", []) if r["task"] not in have]
     tasks = sorted({r["task"] for r in runs})
-    stress = out.get("stress")
+    stress = next((o["stress"] for o in outs if o.get("stress")), None)
     n = len(tasks) + (1 if stress else 0)
     if n == 0:
         return
@@ -225,6 +232,9 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--parts", default="learning,throughput,stress")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--plot-with", type=Path, nargs="*", default=[], help="earlier results the plot shows too"
+    )
     a = p.parse_args()
     tasks, ks, parts = a.tasks.split(","), a.ks.split(","), a.parts.split(",")
     load = os.getloadavg()  # (logical clock and modeled time: the load changes no figure)
@@ -265,11 +275,13 @@ def main() -> None:
                     save()
         print(json.dumps(out["learning"]["summary"], indent=1), flush=True)
     try:
-        plot(out, a.steps)
+        plot([out, *(json.loads(f.read_text()) for f in a.plot_with)])
     except ImportError as e:  # (a machine without matplotlib: the JSON is what counts)
         print(f"no plot: {e}")
-    save()
-    print(f"wrote {quiet.rel(a.out)} and {quiet.rel(PLOT)}")
+    if {"learning", "throughput", "stress"} & set(parts):
+        save()
+        print(f"wrote {quiet.rel(a.out)}")
+    print(f"drew {quiet.rel(PLOT)}")
 
 
 if __name__ == "__main__":
