@@ -1,14 +1,16 @@
 """``orchestrator.staleness_k: auto`` against fixed K, in the same runs:
 
     python benchmarks/bench_adaptive_k.py [--tasks default,tool] [--ks 0,1,2,3,4,auto]
-        [--seeds 3] [--steps 100] [--jobs 2] [--parts learning,throughput,stress]
-        [--plot-with EARLIER.json ...]
+        [--seeds 3] [--steps 100 | --steps default=200,tool=60] [--jobs 2]
+        [--parts learning,throughput,stress] [--work DIR] [--plot-with EARLIER.json ...]
 
 - **learning** (logical clock, so load and machine do not change a figure): every task x K x
   seed, ``dora`` for ``--steps`` train steps (the same consumed samples in every run: TBS x G a
   step), the held-out score every quarter of the run; per K the mean and its standard error over
   the seeds, and ``auto`` against the best fixed K paired by seed (the difference and its
-  standard error). ``--jobs`` runs at once (each its own process).
+  standard error); and, from the same runs, tokens per engine step (the logical clock's time,
+  the trainer's step inline), ``auto`` against the fastest fixed K. ``--jobs`` runs at once
+  (each its own process); ``--work`` an earlier run's work directory reads its finished runs back.
 - **throughput** (the simulator's CPU preset, modeled seconds): the default task on
   ``configs/sim/cpu_default_task.yaml`` and the tool recipe through ``sim_agentic_cpu.predict``
   (conversations played ideally, ``synthesize``), each K; ``auto`` against the fastest fixed K.
@@ -64,21 +66,25 @@ def _read_jsonl(path: Path) -> list[dict]:
 def one_run(task: str, k: str, seed: int, steps: int, work: Path, extra=()) -> dict:
     """One ``launch/train.py`` run; its held-out curve, K decisions and summary. The warm start
     (which depends on the task and seed, not on K) is copied from an earlier run's when there
-    is one."""
+    is one. A run whose directory already holds a finished run of as many steps (``--work``
+    naming an earlier work directory) is read back, not run again."""
     run_dir = work / f"{task}_k{k}_s{seed}{'_' + extra[0].split('=')[0] if extra else ''}"
-    cached = work / "warm" / f"{task}_s{seed}"
-    if cached.is_dir():
-        shutil.copytree(cached, run_dir / "warm_start")
-    every = max(1, steps // 4)
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(TASKS[task])]
-    cmd += [*COMMON, f"orchestrator.staleness_k={k}", f"seed={seed}", f"run_dir={run_dir}"]
-    cmd += [f"train.total_steps={steps}", f"eval.every_steps={every}", *extra]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{task} K={k} seed {seed}: failed\n{(done.stdout + done.stderr)[-3000:]}")
-    if not cached.is_dir() and (run_dir / "warm_start").is_dir():
-        shutil.copytree(run_dir / "warm_start", cached, dirs_exist_ok=True)
+    done_before = run_dir / "summary.json"
+    if not (done_before.is_file() and json.loads(done_before.read_text())["steps"] == steps):
+        cached = work / "warm" / f"{task}_s{seed}"
+        if cached.is_dir() and not (run_dir / "warm_start").is_dir():
+            shutil.copytree(cached, run_dir / "warm_start")
+        every = max(1, steps // 4)
+        cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(TASKS[task])]
+        cmd += [*COMMON, f"orchestrator.staleness_k={k}", f"seed={seed}", f"run_dir={run_dir}"]
+        cmd += [f"train.total_steps={steps}", f"eval.every_steps={every}", *extra]
+        done = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+        if done.returncode != 0:
+            log = (done.stdout + done.stderr)[-3000:]
+            raise SystemExit(f"{task} K={k} seed {seed}: failed\n{log}")
+        if not cached.is_dir() and (run_dir / "warm_start").is_dir():
+            shutil.copytree(run_dir / "warm_start", cached, dirs_exist_ok=True)
     # (keys as the JSON has them, so a run read back and a run just made look alike)
     evals = {str(r["step"]): r["eval/solved"] for r in _read_jsonl(run_dir / "eval.jsonl")}
     k_log = [r for d in _read_jsonl(run_dir / "records.jsonl") for r in d.get("k_log", [])]
@@ -97,6 +103,10 @@ def one_run(task: str, k: str, seed: int, steps: int, work: Path, extra=()) -> d
         "lag_ess": lag_ess,
         "staleness_mean": summary["staleness_mean"],
         "trajectories": summary["trajectories"],
+        # engine steps of the run (the logical clock's time: the trainer's step is inline, so
+        # what a K buys shows as fewer ticks for the same samples)
+        "ticks": summary["ticks"],
+        "tokens_per_tick": summary["tokens_per_tick"],
         "seconds": time.perf_counter() - t0,
     }
 
@@ -106,19 +116,36 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
 
 
-def learning_summary(runs: list[dict], steps: int) -> dict:
+def steps_of(spec: str, tasks: list[str]) -> dict[str, int]:
+    """``--steps``: one count for every task (``100``) or one each (``default=200,tool=60``)."""
+    if "=" not in spec:
+        return dict.fromkeys(tasks, int(spec))
+    given = dict(x.split("=") for x in spec.split(","))
+    if missing := [t for t in tasks if t not in given]:
+        raise SystemExit(f"--steps {spec}: no count for task(s) {missing}")
+    return {t: int(given[t]) for t in tasks}
+
+
+def learning_summary(runs: list[dict], steps: dict[str, int]) -> dict:
     out = {}
     for task in sorted({r["task"] for r in runs}):
         mine = [r for r in runs if r["task"] == task]
-        last = lambda r: r["held_out"].get(str(steps))  # noqa: E731
-        per_k = {}
+        last = lambda r, n=str(steps[task]): r["held_out"].get(n)  # noqa: E731
+        per_k, per_tick = {}, {}
         for k in dict.fromkeys(r["k"] for r in mine):
             vals = [last(r) for r in mine if r["k"] == k and last(r) is not None]
             if vals:
                 m, se = _mean_se(vals)
                 per_k[k] = {"mean": m, "se": se, "seeds": len(vals)}
+            rates = [r["tokens_per_tick"] for r in mine if r["k"] == k and "tokens_per_tick" in r]
+            if rates:
+                per_tick[k] = _mean_se(rates)[0]
         fixed = {k: v for k, v in per_k.items() if k != "auto"}
-        res = {"final_held_out": per_k}
+        res = {"final_held_out": per_k, "tokens_per_tick": per_tick}
+        if "auto" in per_tick and len(per_tick) > 1:
+            fastest = max((k for k in per_tick if k != "auto"), key=per_tick.get)
+            res["tick_fastest_fixed_k"] = fastest
+            res["tick_auto_over_fastest"] = per_tick["auto"] / per_tick[fastest]
         if "auto" in per_k and fixed:
             best = max(fixed, key=lambda k: fixed[k]["mean"])
             by_seed = {r["seed"]: last(r) for r in mine if r["k"] == "auto"}
@@ -227,19 +254,22 @@ def main() -> None:
     p.add_argument("--tasks", default="default,tool")
     p.add_argument("--ks", default="0,1,2,3,4,auto")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", default="100", help="N, or per task: default=200,tool=60")
     p.add_argument("--stress-steps", type=int, default=120)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--parts", default="learning,throughput,stress")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--work", type=Path, help="work directory (an earlier one: its runs read back)")
     p.add_argument(
         "--plot-with", type=Path, nargs="*", default=[], help="earlier results the plot shows too"
     )
     a = p.parse_args()
     tasks, ks, parts = a.tasks.split(","), a.ks.split(","), a.parts.split(",")
+    steps = steps_of(a.steps, tasks)
     load = os.getloadavg()  # (logical clock and modeled time: the load changes no figure)
-    work = Path(tempfile.mkdtemp(prefix="bench_adaptive_k-"))
-    out: dict = {"what": "staleness_k: auto against fixed K", "steps": a.steps}
+    work = a.work or Path(tempfile.mkdtemp(prefix="bench_adaptive_k-"))
+    out: dict = {"what": "staleness_k: auto against fixed K", "steps": steps}
+    print(f"work directory {work}", flush=True)
 
     def save() -> None:
         out.update(quiet.provenance(load))
@@ -267,11 +297,12 @@ def main() -> None:
         runs = out.setdefault("learning", {"runs": []})["runs"]
         with ThreadPoolExecutor(a.jobs) as pool:
             for jobs in (first, rest):
-                for r in pool.map(lambda j: one_run(*j, a.steps, work), jobs):
+                for r in pool.map(lambda j: one_run(*j, steps[j[0]], work), jobs):
                     runs.append(r)
-                    final = r["held_out"].get(str(a.steps))
-                    print(f"{r['task']} K={r['k']} seed {r['seed']}: held-out {final}", flush=True)
-                    out["learning"]["summary"] = learning_summary(runs, a.steps)
+                    final = r["held_out"].get(str(steps[r["task"]]))
+                    rate = f"{r['tokens_per_tick']:.1f} tokens/tick"
+                    print(f"{r['task']} K={r['k']} seed {r['seed']}: held-out {final}, {rate}")
+                    out["learning"]["summary"] = learning_summary(runs, steps)
                     save()
         print(json.dumps(out["learning"]["summary"], indent=1), flush=True)
     try:
