@@ -260,6 +260,7 @@ def main() -> None:
     p.add_argument("--parts", default="learning,throughput,stress")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--work", type=Path, help="work directory (an earlier one: its runs read back)")
+    p.add_argument("--note", help="kept in the JSON (say where runs read back were made)")
     p.add_argument(
         "--plot-with", type=Path, nargs="*", default=[], help="earlier results the plot shows too"
     )
@@ -269,6 +270,8 @@ def main() -> None:
     load = os.getloadavg()  # (logical clock and modeled time: the load changes no figure)
     work = a.work or Path(tempfile.mkdtemp(prefix="bench_adaptive_k-"))
     out: dict = {"what": "staleness_k: auto against fixed K", "steps": steps}
+    if a.note:
+        out["note"] = a.note
     print(f"work directory {work}", flush=True)
 
     def save() -> None:
