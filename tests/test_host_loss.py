@@ -112,3 +112,50 @@ def test_a_killed_rollout_host_is_dropped_and_rejoins(tmp_path, clock, wait_for_
     back = max(h[0] for h in health if h[2] == "healthy")
     assert _worked_after(run_dir, {2, 3}, back)  # process 2's groups took work again
     expect("host-lost", log0, proc.returncode)  # docs/reliability.md's row
+
+
+# A SIGTERM (the notice before a preemption) to a rollout host: it hands its requests over and
+# leaves; nothing it had computed is lost (KV moves with the requests) and the run goes on with
+# the others. Steps: enough that the run is still going when the host has left.
+@pytest.mark.parametrize("clock,steps", [("logical", 12), ("wall", 40)])
+def test_a_rollout_host_told_to_stop_hands_its_requests_over(tmp_path, clock, steps):
+    run_dir = tmp_path / "run"
+    args = [
+        sys.executable,
+        str(ROOT / "launch" / "train.py"),
+        "--local-processes",
+        "3",
+        *LAYOUT,
+        "rollout.max_new_tokens=128",  # (requests mid-decode at the signal: KV to move)
+        "orchestrator.rollout_batch_prompts=8",
+        f"orchestrator.clock={clock}",
+        f"run_dir={run_dir}",
+        f"train.total_steps={steps}",
+    ]
+    proc = start_until_steps(args, tmp_path, run_dir, 2)
+    logs = run_dir / "logs"
+    os.kill(int((logs / "process_2.pid").read_text()), signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=900)
+    log0, log2 = (logs / "process_0.log").read_text(), (logs / "process_2.log").read_text()
+    assert proc.returncode == 0, log0[-3000:] + stderr[-2000:]
+    assert "requests handed over; leaving" in log2, log2[-2000:]
+
+    rows = [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    ids = [r["request_id"] for r in rows]
+    assert len(ids) == len(set(ids)) == steps * 2 * 4  # every prompt group once, nothing twice
+    assert all(r["version_span"] == 1 for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())["summary"]
+    # every request the host held goes on from its KV, or from its prompt if it had none (a
+    # request queued there, not yet prefilled); never from tokens to prefill again. On the
+    # logical clock process 2's groups are mid-decode at the signal; on the wall clock the
+    # timing decides what they hold then (requests just queued, or none)
+    recovered = summary["recovered"]
+    assert recovered.get("tokens", 0) == 0, recovered
+    if clock == "logical":
+        assert recovered.get("kv", 0) > 0, recovered
+    health = _health(run_dir)
+    for g in (2, 3):  # process 2's groups: out of the run, handed over, and nothing more
+        states = [(h[2], h[3]) for h in health if h[1] == g]
+        assert [s for s, _ in states] == ["dead"] and "leaving" in states[0][1], health
+    last = max(h[0] for h in health)
+    assert not _worked_after(run_dir, {2, 3}, last)

@@ -1,11 +1,17 @@
 """The main loop of every process but 0: build the engines of this process's rollout groups when
 process 0 says so (and, when this process holds devices of the trainer mesh, its part of the
-trainer), then carry out its calls until it says stop (or goes away)."""
+trainer), then carry out its calls until it says stop (or goes away).
+
+A SIGTERM (the notice before a preemption) makes a rollout host leave without loss: it tells
+process 0, which pauses its groups, takes a host copy of their requests (KV included) and hands
+them to other groups of their versions, then lets it go (exit 0). A host holding part of the
+trainer, one whose engines are not built yet, or a second signal, stops at once (143)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -15,6 +21,8 @@ from dora_jax.distributed.process import Process
 from dora_jax.distributed.remote import GroupHost
 from dora_jax.distributed.transfers import Transfers
 from dora_jax.execution.trainer_worker import FollowTrainer
+
+LEAVE_S = 60.0  # how long a leaving host waits for process 0 to take its requests
 
 
 def serve(proc: Process, log=print) -> int:
@@ -60,12 +68,37 @@ def serve(proc: Process, log=print) -> int:
         elif msg["op"] == "shutdown":
             among.extend(msg.get("among", range(proc.count)))
             done.set()
+        elif msg["op"] == "leave":
+            handed.set()
         else:
             host[0].handle(msg)
 
+    handed, leaving = threading.Event(), threading.Event()
+
+    def leave(signum: int) -> None:
+        log(f"process {proc.index}: signal {signum}: handing my requests over", flush=True)
+        channel.send(0, {"op": "leaving", "why": f"signal {signum}"})
+        ok = handed.wait(LEAVE_S)
+        log(
+            f"process {proc.index}: "
+            + ("requests handed over; leaving" if ok else f"no answer in {LEAVE_S:.0f} s; leaving"),
+            flush=True,
+        )
+        sys.stderr.flush()
+        os._exit(0 if ok else 128 + signum)
+
+    def on_sigterm(signum, frame) -> None:
+        if leaving.is_set() or not host or follower:
+            os._exit(128 + signum)
+        leaving.set()
+        threading.Thread(target=leave, args=(signum,), name="dora-leave", daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
     channel.listen(0, on_message)
     proc.start_watchdog()
-    done.wait()
+    while not done.wait(0.5):  # (woken now and then: a signal's handler runs on this thread)
+        pass
     if host:
         host[0].stopped.set()
         for t in host[0].transports.values():

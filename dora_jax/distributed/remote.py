@@ -64,6 +64,7 @@ class HostLink:
         # rollout hosts that died (and why), and those started again since, for the backend
         self.lost: dict[int, str] = {}
         self.joined: list[int] = []
+        self.leaving: dict[int, str] = {}  # hosts that said they are about to leave (and why)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._staged: dict[int, Future] = {}  # version -> its params staged for pulls
@@ -123,6 +124,18 @@ class HostLink:
             out, self.joined = self.joined, []
         return out
 
+    def take_leaving(self) -> dict[int, str]:
+        """Hosts that said they are leaving (a SIGTERM) since the last call, and why."""
+        with self._lock:
+            out, self.leaving = self.leaving, {}
+        return out
+
+    def let_go(self, host: int) -> None:
+        """Tell a leaving ``host`` that its requests were handed over: it may exit."""
+        if host not in self.lost:
+            self.flush(host)
+            self.channel.send(host, {"op": "leave"})
+
     def flush(self, host: int | None = None) -> None:
         for h in [host] if host is not None else list(self._outbox):
             with self._lock:
@@ -179,6 +192,10 @@ class HostLink:
         elif op == "events":
             for e in msg["items"]:
                 self.post(shift(e, offset, host))
+        elif op == "leaving":
+            with self._lock:
+                self.leaving[host] = msg.get("why", "it is leaving")
+            self.post(None)
 
 
 def _dead(host: int, why: str) -> GroupDead:

@@ -445,11 +445,11 @@ class EngineBackend(GroupRecovery):
                         events.append(GroupEvent(g, error=error_text(e)))
             if self.turns is not None:  # every answer to the turns of earlier ticks: a call
                 self._take_outcomes(wait=True)  # takes one tick, its answer fed the next
-        ticks, finished = [], self._ended
-        self._ended = []
+        ticks, finished, self._ended = [], self._ended, []
         for e in events:
             if self._hosts[e.group] != self.me and self._gone(e.group) and self.wall:
-                continue  # (reports of a group whose process died: its requests are recovered)
+                finished += self._finished_before_leaving(e)  # (the rest is recovered)
+                continue
             if e.error is not None:
                 if self._hosts[e.group] != self.me:
                     raise BackendError(f"group {e.group}'s worker failed:\n{e.error}")

@@ -30,6 +30,8 @@ from dora_jax.rollout import Engine, Request, request_key
 from dora_jax.rollout.moves import EngineSnapshot, Handover, split_parked
 from dora_jax.rollout.requests import ExportedRequests
 
+HANDOVER_S = 30.0  # a leaving host's groups: bound on their pause and on their host copy
+
 
 class GroupRecovery:
     """Host copies, recovery and rebuild of failed groups (the backend's state: ``_members``,
@@ -61,6 +63,7 @@ class GroupRecovery:
         self._rejoining: dict[int, Future] = {}
         self._in_transit: dict[int, tuple[int, list[int], int]] = {}
         self.host_losses = [0] * n
+        self._leaving: set[int] = set()  # hosts that handed their requests over, not yet gone
 
     def versions_held(self) -> set[int]:
         """Every version a group holds, groups out of the run included (the versions their
@@ -92,13 +95,19 @@ class GroupRecovery:
         link = self.cluster.link if self.cluster is not None else None
         if link is None:
             return
+        for host, why in link.take_leaving().items():
+            if host not in link.lost and host not in self._lost_hosts | self._leaving:
+                self._hand_over(host, why)
         for host, why in list(link.lost.items()):
             if host in self._lost_hosts:
                 continue
             self._lost_hosts.add(host)
             self._rejoining.pop(host, None)
-            for g in self._groups_of(host):
-                self._lose_group(g, f"process {host} is gone: {why}")
+            if host in self._leaving:  # (its groups were handed over already)
+                self._leaving.discard(host)
+            else:
+                for g in self._groups_of(host):
+                    self._lose_group(g, f"process {host} is gone: {why}")
             for ticket in [t for t, x in self._in_transit.items() if x[0] == host]:
                 self._lost_in_transit(ticket, f"process {host} is gone: {why}")
         for host in link.take_joined():
@@ -129,6 +138,46 @@ class GroupRecovery:
             src = self._trainer_source(g, v, self.trainer_params(v))
             self._loads[g] = self._send(g, c.Load(g, v, **src))
             self._set_state(g, "stale", f"loading v{v}")
+
+    def _hand_over(self, host: int, why: str) -> None:
+        """``host`` is leaving (a SIGTERM, as before a preemption): its groups leave the run
+        (the planner sends them nothing more), stop stepping, and send a host copy of what they
+        hold; every request in the copy goes on elsewhere from it (KV: nothing prefilled again;
+        queued: from its prompt), and the host is let go. A request not in the copy finished
+        before the pause: its report is on its way (``step`` still takes it). Without a copy
+        (the host died meanwhile) the requests go on from their prompts. Its loss, when its
+        process ends, is then nothing more to recover."""
+        self._leaving.add(host)
+        mine = [g for g in self._groups_of(host) if self._state[g] == "healthy"]
+        for g in mine:
+            self.host_losses[g] += 1
+            self._set_state(g, "dead", f"process {host} is leaving ({why}): handing over")
+        paused = [self._send(g, c.Pause(g)) for g in mine] if self.wall else []
+        self.cluster.flush()
+        for g, fut in zip(mine, paused or [done()] * len(mine), strict=True):
+            kv: dict[int, ExportedRequests] = {}
+            tokens: dict[int, Request] = {}
+            try:
+                fut.result(HANDOVER_S)
+                snap = self._send(g, c.Snapshot(g)).result(HANDOVER_S)
+            except Exception:  # noqa: BLE001 - gone meanwhile: its requests from their prompts
+                held = set(self._members[g])
+            else:
+                parts = split_parked(snap.running) if snap.running.requests else []
+                kv = {x.requests[0].id: x for x in [*parts, *snap.parked]}
+                tokens = {r.id: r for r in snap.pending if r.tokens}
+                held = {*kv, *(r.id for r in snap.pending)}
+            for rid in [r for r in self._members[g] if r in held]:
+                self._leave(rid)
+                self._recovered.append(self._recover(rid, self._version[g], kv, {}, tokens))
+        self.cluster.link.let_go(host)
+
+    def _finished_before_leaving(self, e: Any) -> list:
+        """Wall clock, the report of a group out of the run: its requests were recovered, all
+        but those that finished before its host's handover paused it, which are still its own."""
+        return [
+            self._finish(f, f.finish_reason) for f in e.finished if self._where.get(f.id) == e.group
+        ]
 
     def _groups_of(self, host: int) -> list[int]:
         return [g for g in range(len(self.handles)) if self._hosts[g] == host]
