@@ -36,7 +36,8 @@ HANDOVER_S = 30.0  # a leaving host's groups: bound on their pause and on their 
 class GroupRecovery:
     """Host copies, recovery and rebuild of failed groups (the backend's state: ``_members``,
     ``_meta``, ``_version``, ``handles``, ``_loads`` and the fields its constructor sets for
-    them), and the groups of rollout hosts that die and are started again."""
+    them), and the groups of rollout hosts that die (or leave on a SIGTERM, handing their
+    requests over) and are started again."""
 
     def _init_recovery(self, rollout_cfg: Any, n: int) -> None:
         # failed groups (docs/reliability.md, "A rollout group that fails"): host copies of each
@@ -79,7 +80,7 @@ class GroupRecovery:
 
     # -- rollout hosts that die and come back (multi-process runs) ---------------------------------
     def _gone(self, g: int) -> bool:
-        """Whether group ``g`` is out of the run (its process died, or is rejoining)."""
+        """Whether group ``g`` is out of the run (its process died, left, or is rejoining)."""
         link = self.cluster.link if self.cluster is not None else None
         return self._state[g] != "healthy" or (link is not None and self._hosts[g] in link.lost)
 
