@@ -2,7 +2,7 @@
 
     python benchmarks/bench_adaptive_k.py [--tasks default,tool] [--ks 0,1,2,3,4,auto]
         [--seeds 3] [--steps 100 | --steps default=200,tool=60] [--jobs 2]
-        [--parts learning,throughput,stress] [--work DIR] [--plot-with EARLIER.json ...]
+        [--parts learning,throughput,stress] [--work DIR] [--note TEXT]
 
 - **learning** (logical clock, so load and machine do not change a figure): every task x K x
   seed, ``dora`` for ``--steps`` train steps (the same consumed samples in every run: TBS x G a
@@ -19,8 +19,7 @@
   measured ESS per lag, around the stress.
 
 Writes ``benchmarks/results/bench_adaptive_k.json`` (rewritten after every run, so a cut run
-keeps what it did) and ``docs/adaptive_k.png``, which also draws the tasks and the stress of the
-results named by ``--plot-with`` (``--parts plot`` only redraws it from them).
+keeps what it did) and ``docs/adaptive_k.png``.
 """
 
 from __future__ import annotations
@@ -137,9 +136,7 @@ def learning_summary(runs: list[dict], steps: dict[str, int]) -> dict:
             if vals:
                 m, se = _mean_se(vals)
                 per_k[k] = {"mean": m, "se": se, "seeds": len(vals)}
-            rates = [r["tokens_per_tick"] for r in mine if r["k"] == k and "tokens_per_tick" in r]
-            if rates:
-                per_tick[k] = _mean_se(rates)[0]
+            per_tick[k] = statistics.fmean(r["tokens_per_tick"] for r in mine if r["k"] == k)
         fixed = {k: v for k, v in per_k.items() if k != "auto"}
         res = {"final_held_out": per_k, "tokens_per_tick": per_tick}
         if "auto" in per_tick and len(per_tick) > 1:
@@ -205,20 +202,15 @@ def throughput(ks: list[str], tasks: list[str], work: Path) -> dict:
     return out
 
 
-def plot(outs: list[dict]) -> None:
-    """One figure from this run's results and the earlier ones given with ``--plot-with`` (a
-    task's curves from the first result that has the task; the first stress run found)."""
+def plot(out: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs: list[dict] = []
-    for o in outs:
-        have = {r["task"] for r in runs}
-        runs += [r for r in o.get("learning", {}).get("runs", []) if r["task"] not in have]
+    runs = out.get("learning", {}).get("runs", [])
     tasks = sorted({r["task"] for r in runs})
-    stress = next((o["stress"] for o in outs if o.get("stress")), None)
+    stress = out.get("stress")
     n = len(tasks) + (1 if stress else 0)
     if n == 0:
         return
@@ -261,9 +253,6 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--work", type=Path, help="work directory (an earlier one: its runs read back)")
     p.add_argument("--note", help="kept in the JSON (say where runs read back were made)")
-    p.add_argument(
-        "--plot-with", type=Path, nargs="*", default=[], help="earlier results the plot shows too"
-    )
     a = p.parse_args()
     tasks, ks, parts = a.tasks.split(","), a.ks.split(","), a.parts.split(",")
     steps = steps_of(a.steps, tasks)
@@ -309,13 +298,11 @@ def main() -> None:
                     save()
         print(json.dumps(out["learning"]["summary"], indent=1), flush=True)
     try:
-        plot([out, *(json.loads(f.read_text()) for f in a.plot_with)])
+        plot(out)
     except ImportError as e:  # (a machine without matplotlib: the JSON is what counts)
         print(f"no plot: {e}")
-    if {"learning", "throughput", "stress"} & set(parts):
-        save()
-        print(f"wrote {quiet.rel(a.out)}")
-    print(f"drew {quiet.rel(PLOT)}")
+    save()
+    print(f"wrote {quiet.rel(a.out)} and {quiet.rel(PLOT)}")
 
 
 if __name__ == "__main__":

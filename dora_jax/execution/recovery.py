@@ -164,9 +164,7 @@ class GroupRecovery:
             except Exception:  # noqa: BLE001 - gone meanwhile: its requests from their prompts
                 held = set(self._members[g])
             else:
-                parts = split_parked(snap.running) if snap.running.requests else []
-                kv = {x.requests[0].id: x for x in [*parts, *snap.parked]}
-                tokens = {r.id: r for r in snap.pending if r.tokens}
+                kv, tokens = _sources(snap)
                 held = {*kv, *(r.id for r in snap.pending)}
             for rid in [r for r in self._members[g] if r in held]:
                 self._leave(rid)
@@ -273,13 +271,9 @@ class GroupRecovery:
         snap = self._backups.pop(g, None)
         self._backup_asked.pop(g, None)
         self._since_backup[g] = 0
-        if snap is not None:
-            parts = split_parked(snap.running) if snap.running.requests else []
-            for x in [*parts, *snap.parked]:
-                kv.setdefault(x.requests[0].id, x)
-            for r in snap.pending:
-                if r.tokens:
-                    tokens.setdefault(r.id, r)
+        if snap is not None:  # (what the unapplied commands held comes first)
+            kv_copy, tokens_copy = _sources(snap)
+            kv, tokens = kv_copy | kv, tokens_copy | tokens
         salvaged = _host_records(old.worker.engine)
         ids = list(self._members[g])
         version = self._version[g]
@@ -378,6 +372,14 @@ class GroupRecovery:
         self._loads[g] = done()
         if self._paused:  # the others are paused: so is it, until resume()
             self._paused[g] = self._send(g, c.Pause(g))
+
+
+def _sources(snap: EngineSnapshot) -> tuple[dict[int, ExportedRequests], dict[int, Request]]:
+    """A host copy's recovery sources: each request with KV (running or parked) by id, and
+    each without KV that has tokens so far."""
+    parts = split_parked(snap.running) if snap.running.requests else []
+    kv = {x.requests[0].id: x for x in [*parts, *snap.parked]}
+    return kv, {r.id: r for r in snap.pending if r.tokens}
 
 
 def _host_records(engine: Engine) -> dict[int, Request]:
