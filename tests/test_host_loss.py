@@ -148,7 +148,8 @@ def test_a_rollout_host_told_to_stop_hands_its_requests_over(tmp_path, clock, st
     os.kill(int((logs / "process_2.pid").read_text()), signal.SIGTERM)
     _wait_for(logs / "process_2.log", "requests handed over; leaving", proc)  # (exit 0 next)
     _wait_for(logs / "process_0.log", "process 2 is gone", proc)
-    _start_again_and_finish(tmp_path, run_dir, proc)
+    log0 = _start_again_and_finish(tmp_path, run_dir, proc)
+    assert "2 of them with their process" in log0  # (the run report: not "each rebuilt")
 
     summary = _consumed_once(run_dir, steps)
     # every request the host held goes on from its KV, or from its prompt if it had none (a

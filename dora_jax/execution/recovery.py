@@ -152,7 +152,7 @@ class GroupRecovery:
         mine = [g for g in self._groups_of(host) if self._state[g] == "healthy"]
         for g in mine:
             self.host_losses[g] += 1
-            self._set_state(g, "dead", f"process {host} is leaving ({why}): handing over")
+            self._set_state(g, "dead", f"process {host} {c.HOST_LEAVING}{why}): handing over")
         paused = [self._send(g, c.Pause(g)) for g in mine] if self.wall else []
         self.cluster.flush()
         for g, fut in zip(mine, paused or [done()] * len(mine), strict=True):

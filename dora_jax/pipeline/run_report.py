@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from dora_jax.curves import reward_curve_plot
-from dora_jax.execution.commands import HOST_GONE
+from dora_jax.execution.commands import HOST_GONE, HOST_LEAVING
 from dora_jax.metrics import METRICS_FILE, binomial_se, read_metrics
 from dora_jax.orchestrator.runtime import RunResult
 from dora_jax.pipeline.experiment import Experiment
@@ -112,7 +112,9 @@ def write_run_report(
         )
     if s.group_failures:
         parts = ", ".join(f"{n} from {src}" for src, n in sorted(s.recovered.items()))
-        lost = sum(1 for h in rec.health if h[2] == "dead" and HOST_GONE in h[3])
+        lost = sum(  # (with their process: it died, or left on a signal)
+            1 for h in rec.health if h[2] == "dead" and (HOST_GONE in h[3] or HOST_LEAVING in h[3])
+        )
         how = "each rebuilt" if not lost else f"{lost} of them with their process"
         print(
             f"rollout groups failed {s.group_failures} time(s), {how}; the requests they "
