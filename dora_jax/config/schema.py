@@ -133,6 +133,13 @@ class TrainConfig:
     packing: Literal["tokens", "rows"] = "tokens"
     # a fixed number of rows for packed batches (0: the ladder's choice; "rows" ignores it)
     pack_rows: int = 0
+    # With packing "tokens": a GRPO group whose members share one prompt is packed with that
+    # prompt once, each response attending to the one copy (model/attention.py, "shared
+    # prefixes"), so the step computes a group's prompt once instead of group_size times. The
+    # loss, gradients and metrics are those of the unshared batch (up to float rounding); a
+    # group that does not fit one row is split into runs, each with its own copy of the prompt.
+    # Not with train.pack_rows (a fixed row count) or a mixture-of-experts policy's routes.
+    share_prompts: bool = False
     # Microbatches by a token budget: with packing "tokens", each microbatch is this many
     # positions per data-parallel device (rows of a bucket: max(1, budget // bucket) per device),
     # the batch has room for the worst case (one sample per row) and the step loops over the
@@ -195,6 +202,12 @@ class TrainConfig:
                 f"{self.microbatches}",
             )
         check_choice(self, "compile_shapes", ("auto", "inline", "background"))
+        _check(
+            not self.share_prompts or (self.packing == "tokens" and not self.pack_rows),
+            "share_prompts",
+            "packs several segments a row: it needs train.packing: tokens and train.pack_rows: 0, "
+            f"got packing={self.packing!r}, pack_rows={self.pack_rows}",
+        )
 
     @property
     def resolved_loss_norm_len(self) -> int:
@@ -576,6 +589,18 @@ class ExperimentConfig:
             "cudnn takes one sequence per row (no packed segments), so it needs "
             f"train.packing=rows, got {self.train.packing!r}; use attention: blockwise for "
             "packed rows",
+        )
+        _check(
+            not self.train.share_prompts or self.model.sliding_window is None,
+            "train.share_prompts",
+            "a sliding window counts positions in the row, and a shared prompt sits apart from "
+            "its responses: set share_prompts: false for a model with model.sliding_window",
+        )
+        _check(
+            not self.train.share_prompts or not self.model.is_moe,
+            "train.share_prompts",
+            "a mixture-of-experts policy's recorded routes are per sample: set share_prompts: "
+            "false for it",
         )
         _check(
             self.env.max_tokens == 0 or self.env.max_tokens > self.rollout.max_prompt_len,

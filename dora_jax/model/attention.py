@@ -20,12 +20,20 @@ Three implementations sit behind the decoder layer's one ``attend`` seam, chosen
   not packed segments, so it needs one sequence per row starting at index 0 (``train.pack_rows =
   0``); the config refuses other settings.
 
-Masking convention (all three): query ``t`` attends to key ``s`` iff both share a non-zero
-segment id and ``s <= t + q_offset`` (causal by array index; ``q_offset`` shifts a chunk of
+Masking convention (all three): query ``t`` attends to key ``s`` iff the key's segment id is
+non-zero and is the query's own or the query's *root* (:func:`segment_root`), and ``s <= t +
+q_offset`` (causal by array index; ``q_offset`` shifts a chunk of
 queries that starts later in the sequence, as the engine's prefill chunks do). With a sliding
 ``window`` w > 0 (dense and blockwise; an int32 scalar, data scanned with the layers) the key must
 also satisfy ``s > t + q_offset - w``: the w most recent positions, the query's own included.
-Segments are contiguous, so index distance is position distance. ``window`` 0 means no window.
+Segments are contiguous, so index distance is position distance (a window over a shared prefix is
+not expressible: the trainer refuses the combination). ``window`` 0 means no window.
+
+Shared prefixes: an id below ``ROOT_SPAN`` is its own root, so plain packed segments (1, 2, ...)
+attend within themselves. An id ``r + k * ROOT_SPAN`` (``k >= 1``) has root ``r``: its queries
+also see the keys of segment ``r``, which sits before it in the row. The trainer packs a GRPO
+group's prompt once as segment ``r`` and each response as ``r + k * ROOT_SPAN``, so every
+response attends to the one copy of its prompt exactly as it would to its own.
 Outputs of query rows that attend to nothing (padding) are unspecified but finite.
 
 Axis letters: B batch, T queries, S keys, N q heads, K kv heads, G = N // K, H head dim.
@@ -85,25 +93,44 @@ def window_band(T: int, S: int, window: jax.Array | int | None, q_offset: int = 
     return jnp.arange(S, dtype=jnp.int32)[None, :] > q_idx - effective_window(window)
 
 
+ROOT_SPAN = 1 << 16  # segment ids r + k * ROOT_SPAN (k >= 1) also attend to segment r
+
+
+def segment_root(segment_ids: jax.Array) -> jax.Array:
+    """The segment each id's queries also attend to: ``id % ROOT_SPAN`` (the id itself below
+    ``ROOT_SPAN``)."""
+    return segment_ids % ROOT_SPAN
+
+
+def visible_segments(q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+    """``q_seg[..., :, None]`` may attend to ``k_seg[..., None, :]`` by segment (no causality):
+    the key is real and is the query's segment or its root."""
+    q, k = q_seg[..., :, None], k_seg[..., None, :]
+    return ((k == q) | (k == segment_root(q))) & (k != 0)
+
+
 def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """``bool[B, T, T]``: causal, within the same segment, never onto padding (segment 0)."""
+    """``bool[B, T, T]``: causal, within the same segment or onto its root (a shared prefix),
+    never onto padding (segment 0)."""
     T = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    real = (segment_ids != 0)[:, None, :]
-    return causal[None] & same & real
+    return causal[None] & visible_segments(segment_ids, segment_ids)
 
 
 # ---------------------------------------------------------------------------------------------
 # blockwise (flash-style) attention
 
 
-def _segment_ranges(seg: jax.Array, n: int, b: int) -> tuple[jax.Array, jax.Array]:
+def _segment_ranges(
+    seg: jax.Array, n: int, b: int, roots: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """Per row and block, the smallest and largest non-zero segment id (``[B, n]`` each); an
-    all-padding block gets the empty range ``(int32 max, -1)``."""
+    all-padding block gets the empty range ``(int32 max, -1)``. ``roots``: the range also covers
+    the ids' roots (what a query block can see besides its own ids)."""
     s = seg.reshape(seg.shape[0], n, b)
     real = s != 0
-    lo = jnp.min(jnp.where(real, s, jnp.iinfo(jnp.int32).max), axis=-1)
+    low = segment_root(s) if roots else s  # a root is never above its id
+    lo = jnp.min(jnp.where(real, low, jnp.iinfo(jnp.int32).max), axis=-1)
     hi = jnp.max(jnp.where(real, s, -1), axis=-1)
     return lo, hi
 
@@ -117,12 +144,13 @@ def live_blocks(
     window: jax.Array | None = None,
 ) -> jax.Array:
     """``bool[nq, nk]``: a conservative "some query of block ``i`` may attend to some key of block
-    ``j``" for any row. Two blocks whose non-zero segment-id ranges do not overlap share no id
-    (so the test holds for any segment numbering), a key block that starts after a query
+    ``j``" for any row. Two blocks whose non-zero segment-id ranges (the query block's widened to
+    its ids' roots) do not overlap share no visible id (so the test holds for any segment
+    numbering), a key block that starts after a query
     block's last causal index is invisible to it, and so is one that ends before the sliding
     window of the block's first query (``window``, 0 or None: no window)."""
     nq, nk = q_seg.shape[1] // bq, kv_seg.shape[1] // bk
-    qlo, qhi = _segment_ranges(q_seg, nq, bq)
+    qlo, qhi = _segment_ranges(q_seg, nq, bq, roots=True)
     klo, khi = _segment_ranges(kv_seg, nk, bk)
     overlap = (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])
     last_q = (jnp.arange(nq, dtype=jnp.int32) + 1) * bq - 1
@@ -149,7 +177,7 @@ def _hull(live: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _block_mask(qs, ks, q_idx, k_idx, w):
     """``bool[B, bq, bk]`` from query/key segment ids ``[B, bq]``, ``[B, bk]``, causal query
     indices ``[B, bq]`` (offset applied), key indices ``[bk]`` and the effective window ``w``."""
-    same = (qs[:, :, None] == ks[:, None, :]) & (ks[:, None, :] != 0)
+    same = visible_segments(qs, ks)
     causal = k_idx[None, None, :] <= q_idx[:, :, None]
     return same & causal & (k_idx[None, None, :] > q_idx[:, :, None] - w)
 

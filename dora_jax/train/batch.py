@@ -52,6 +52,7 @@ import flax.struct
 import numpy as np
 
 from dora_jax.config import TrainConfig
+from dora_jax.model.attention import ROOT_SPAN
 
 
 @dataclass(frozen=True)
@@ -163,20 +164,79 @@ def _first_fit(lengths: Sequence[int], rows: int, capacity: int) -> list[tuple[i
     return place
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """What one segment run of a row holds: ``samples`` (indices), after one copy of their shared
+    prompt's first ``prefix`` tokens (0: a single sample, unshared)."""
+
+    samples: tuple[int, ...]
+    prefix: int
+    length: int
+
+
+def _sharing_groups(groups: Sequence[Sequence[Any]], G: int) -> list[bool]:
+    """Per group (sample ``s`` is member ``s % G`` of group ``s // G``): whether its members can
+    share one copy of their prompt (the same prompt of at least two tokens)."""
+    out = []
+    for members in groups:
+        first = [int(t) for t in members[0].prompt_tokens]
+        out.append(
+            len(first) >= 2 and all([int(t) for t in m.prompt_tokens] == first for m in members[1:])
+        )
+    return out
+
+
+def _units(
+    samples: Sequence[Any], lengths: Sequence[int], shared: Sequence[bool], G: int, T: int
+) -> list[_Unit]:
+    """The segment runs that packing places in rows of ``T`` positions: a sample of an unshared
+    group alone; the members of a sharing group after one copy of their prompt's first ``P - 1``
+    tokens, split first-fit-decreasing into as few runs of at most ``T`` as hold them (each run
+    its own copy of the prefix)."""
+    out: list[_Unit] = []
+    for g in range(len(samples) // G):
+        ids = range(g * G, (g + 1) * G)
+        if g >= len(shared) or not shared[g]:
+            out += [_Unit((s,), 0, lengths[s]) for s in ids]
+            continue
+        prefix = len(samples[g * G].prompt_tokens) - 1
+        runs: list[list[int]] = []
+        used: list[int] = []
+        for s in sorted(ids, key=lambda s: (-lengths[s], s)):
+            need = lengths[s] - prefix
+            k = next((i for i, u in enumerate(used) if u + need <= T), None)
+            if k is None:
+                runs.append([])
+                used.append(prefix)
+                k = len(runs) - 1
+            runs[k].append(s)
+            used[k] += need
+        out += [_Unit(tuple(sorted(r)), prefix, u) for r, u in zip(runs, used, strict=True)]
+    return out
+
+
 def _smallest_shape(
-    lengths: Sequence[int], shapes: Sequence[tuple[int, int]], offered: str
-) -> tuple[int, int, list[tuple[int, int]]]:
-    """``(rows, bucket, placement)``: of the ``(rows, bucket)`` ``shapes``, the one with the
-    fewest positions ``rows x bucket`` (ties: the longer rows) that first-fit-decreasing fills;
-    :class:`NoShapeFits` naming ``offered`` (what the shapes came from) if none does."""
-    longest, total = max(lengths), sum(lengths)
-    fitting = [(B, T) for B, T in shapes if T >= longest and B * T >= total]
-    for B, T in sorted(set(fitting), key=lambda s: (s[0] * s[1], -s[1])):
-        place = _first_fit(lengths, B, T)
+    units_for: Any, shapes: Sequence[tuple[int, int]], offered: str
+) -> tuple[int, int, list[_Unit], list[tuple[int, int]]]:
+    """``(rows, bucket, units, placement)``: of the ``(rows, bucket)`` ``shapes``, the one with the
+    fewest positions ``rows x bucket`` (ties: the longer rows) that first-fit-decreasing fills
+    with ``units_for(bucket)``; :class:`NoShapeFits` naming ``offered`` (what the shapes came
+    from) if none does."""
+    by_bucket = {T: units_for(T) for T in sorted({T for _, T in shapes})}
+    fitting = []
+    for B, T in set(shapes):
+        lengths = [u.length for u in by_bucket[T]]
+        if T >= max(lengths) and B * T >= sum(lengths):
+            fitting.append((B, T))
+    for B, T in sorted(fitting, key=lambda s: (s[0] * s[1], -s[1])):
+        units = by_bucket[T]
+        place = _first_fit([u.length for u in units], B, T)
         if place is not None:
-            return B, T, place
+            return B, T, units, place
+    lengths = [u.length for u in by_bucket[max(by_bucket)]]
     raise NoShapeFits(
-        f"{len(lengths)} samples ({total} tokens, the longest {longest}) fit none of {offered}"
+        f"{sum(len(u.samples) for u in by_bucket[max(by_bucket)])} samples ({sum(lengths)} "
+        f"tokens, the longest {max(lengths)}) fit none of {offered}"
     )
 
 
@@ -275,20 +335,30 @@ def pack_batch(
     buckets = cfg.length_buckets
     n_rows = rows if rows is not None else (cfg.pack_rows if cfg.packing == "tokens" else 0)
     choose_bucket(max(lengths), buckets)  # raises if one sample is too long
+    shared = (
+        _sharing_groups(list(groups.values()), G)
+        if cfg.share_prompts and cfg.packing == "tokens" and n_rows == 0 and routes_shape is None
+        else []
+    )
+
+    def units_for(T: int) -> list[_Unit]:
+        return _units(samples, lengths, shared, G, T)
+
     chunk_mask = None
     if rows is None and cfg.microbatch_tokens:
-        B, T, place, chunk_mask = _pack_chunked(lengths, cfg, row_multiple, S, shapes)
+        B, T, units, place, chunk_mask = _pack_chunked(units_for, cfg, row_multiple, S, shapes)
     elif rows is None and cfg.packing == "tokens" and n_rows == 0:
         if shapes is None:
             shapes = [(B, T) for T in buckets for B in row_ladder(row_multiple, S)]
-        B, T, place = _smallest_shape(lengths, shapes, f"the shapes {sorted(set(shapes))}")
+        B, T, units, place = _smallest_shape(units_for, shapes, f"the shapes {sorted(set(shapes))}")
     elif n_rows == 0:
         B = S
         T = choose_bucket(max(lengths), buckets)
+        units = units_for(T)
         place = [(i, 0) for i in range(len(samples))]
     else:  # the smallest bucket whose n_rows rows hold the samples
         try:
-            B, T, place = _smallest_shape(lengths, [(n_rows, b) for b in buckets], "")
+            B, T, units, place = _smallest_shape(units_for, [(n_rows, b) for b in buckets], "")
         except NoShapeFits:
             raise ValueError(
                 f"{len(samples)} samples ({sum(lengths)} tokens) do not fit {n_rows} rows of the "
@@ -304,29 +374,48 @@ def pack_batch(
     sample_index = np.full((B, T), S, np.int32)
     routes = None if routes_shape is None else np.full((B, T, *routes_shape), -1, np.int16)
     next_segment = np.ones((B,), np.int32)
-    for s, (m, (r, o)) in enumerate(zip(samples, place, strict=True)):
-        P, R = len(m.prompt_tokens), len(m.response_tokens)
-        seq = np.concatenate(
-            [np.asarray(m.prompt_tokens, np.int32), np.asarray(m.response_tokens, np.int32)]
-        )
-        L = P + R
-        tokens[r, o : o + L] = seq
-        positions[r, o : o + L] = np.arange(L, dtype=np.int32)
-        segment_ids[r, o : o + L] = next_segment[r]
+    for unit, (r, o) in zip(units, place, strict=True):
+        root = int(next_segment[r])
         next_segment[r] += 1
-        targets[r, o : o + L - 1] = seq[1:]
-        own = getattr(m, "loss_mask", None)
-        loss_mask[r, o + P - 1 : o + L - 1] = True if own is None else np.asarray(own, bool)
-        behavior[r, o + P - 1 : o + L - 1] = np.asarray(m.behavior_logprobs, np.float32)
-        sample_index[r, o : o + L] = s
-        if routes is not None and getattr(m, "routes", None) is not None:
-            rt = np.asarray(m.routes)
-            if rt.shape != (L, *routes_shape):
-                raise ValueError(
-                    f"sample {s} of group {m.group_id!r}: routes of shape {rt.shape}, expected "
-                    f"{(L, *routes_shape)} (one [layers, experts per token] entry per token)"
-                )
-            routes[r, o : o + L] = rt
+        if root >= ROOT_SPAN:
+            raise ValueError(f"a row of {T} positions holds more than {ROOT_SPAN - 1} segments")
+        # a shared prompt: its first P - 1 tokens once, as the root segment; each member then
+        # starts at the prompt's last token (whose logits predict the member's first token)
+        prefix = unit.prefix
+        if prefix:
+            prompt = np.asarray(samples[unit.samples[0]].prompt_tokens, np.int32)
+            tokens[r, o : o + prefix] = prompt[:-1]
+            positions[r, o : o + prefix] = np.arange(prefix, dtype=np.int32)
+            segment_ids[r, o : o + prefix] = root
+            targets[r, o : o + prefix] = prompt[1:]
+            sample_index[r, o : o + prefix] = unit.samples[0]
+            o += prefix
+        for k, s in enumerate(unit.samples, start=1):
+            m = samples[s]
+            P, R = len(m.prompt_tokens), len(m.response_tokens)
+            seq = np.concatenate(
+                [np.asarray(m.prompt_tokens, np.int32), np.asarray(m.response_tokens, np.int32)]
+            )[prefix:]
+            L = len(seq)
+            tokens[r, o : o + L] = seq
+            positions[r, o : o + L] = np.arange(prefix, P + R, dtype=np.int32)
+            segment_ids[r, o : o + L] = root + k * ROOT_SPAN if prefix else root
+            targets[r, o : o + L - 1] = seq[1:]
+            own = getattr(m, "loss_mask", None)
+            first = o + P - 1 - prefix  # the slot that predicts the first response token
+            loss_mask[r, first : o + L - 1] = True if own is None else np.asarray(own, bool)
+            behavior[r, first : o + L - 1] = np.asarray(m.behavior_logprobs, np.float32)
+            sample_index[r, o : o + L] = s
+            if routes is not None and getattr(m, "routes", None) is not None:
+                rt = np.asarray(m.routes)
+                if rt.shape != (L, *routes_shape):
+                    raise ValueError(
+                        f"sample {s} of group {m.group_id!r}: routes of shape {rt.shape}, "
+                        f"expected {(L, *routes_shape)} (one [layers, experts per token] entry "
+                        "per token)"
+                    )
+                routes[r, o : o + L] = rt
+            o += L
 
     def per_sample(values: Any, dtype: Any) -> np.ndarray:
         """``[S]``: ``values`` for the samples, 0 for the batch padding after them."""
@@ -353,12 +442,12 @@ def pack_batch(
 
 
 def _pack_chunked(
-    lengths: Sequence[int],
+    units_for: Any,
     cfg: TrainConfig,
     multiple: int,
     samples: int,
     shapes: Sequence[tuple[int, int]] | None,
-) -> tuple[int, int, list[tuple[int, int]], np.ndarray]:
+) -> tuple[int, int, list[_Unit], list[tuple[int, int]], np.ndarray]:
     """``train.microbatch_tokens`` packing: the bucket and number of microbatches with the fewest
     positions that hold the samples (of the buckets of ``shapes`` if given), laid out so that
     microbatch ``m`` is rows ``m, m + M, ...`` and the used ones come first."""
@@ -367,12 +456,12 @@ def _pack_chunked(
     for T in buckets:
         R = chunk_rows(cfg, T, multiple)
         cands += [(k * R, T) for k in range(1, chunked_shape(cfg, T, multiple, samples)[1] + 1)]
-    used, T, place = _smallest_shape(lengths, cands, f"the buckets {list(buckets)}")
+    used, T, units, place = _smallest_shape(units_for, cands, f"the buckets {list(buckets)}")
     R = chunk_rows(cfg, T, multiple)
     B, M = chunked_shape(cfg, T, multiple, samples)
     # logical row r is row r % R of microbatch r // R
     place = [((r % R) * M + r // R, o) for r, o in place]
-    return B, T, place, np.arange(M) < used // R
+    return B, T, units, place, np.arange(M) < used // R
 
 
 def _model_tokens(t: Trajectory) -> int:
