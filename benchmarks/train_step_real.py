@@ -33,6 +33,7 @@ estimates its matmuls.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -81,15 +82,18 @@ def non_embedding_params(cfg) -> int:
     return count(specs) - count(specs["embed"]) - count(specs.get("lm_head", {}))
 
 
-def train_flops(cfg, segment_lengths) -> dict:
+def train_flops(cfg, segment_lengths, keys: int | None = None) -> dict:
     """Model FLOPs of one train step over segments of ``segment_lengths`` real tokens: the
-    module docstring's three terms and their total."""
+    module docstring's three terms and their total. ``keys``: the keys all queries attend to
+    (:func:`attended_keys`; default: each segment's causal triangle, ``sum n (n + 1) / 2``)."""
     lengths = [int(n) for n in segment_lengths]
     tokens = sum(lengths)
     dense = 6 * non_embedding_params(cfg) * tokens
     lm_head = 6 * cfg.vocab_size * cfg.hidden_size * tokens
     q_width = cfg.num_heads * cfg.resolved_head_dim
-    attention = 6 * cfg.num_layers * q_width * sum(n * (n + 1) for n in lengths)
+    if keys is None:
+        keys = sum(n * (n + 1) // 2 for n in lengths)
+    attention = 12 * cfg.num_layers * q_width * keys
     return {
         "tokens": tokens,
         "dense": dense,
@@ -108,6 +112,21 @@ def executed_flops(cfg, rows: int, seq_len: int) -> int:
     per_position = 6 * non_embedding_params(cfg) + 8 * cfg.vocab_size * cfg.hidden_size
     q_width = cfg.num_heads * cfg.resolved_head_dim
     return positions * per_position + 12 * cfg.num_layers * q_width * seq_len**2 * rows
+
+
+def attended_keys(segment_ids) -> int:
+    """The keys the real queries of ``segment_ids [B, T]`` attend to: each query its segment's
+    earlier-or-same positions, plus (a response packed after a shared prompt) the whole root
+    segment."""
+    from dora_jax.model.attention import ROOT_SPAN
+
+    total = 0
+    for row in np.asarray(segment_ids):
+        ids, counts = np.unique(row[row != 0], return_counts=True)
+        size = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+        for i, n in size.items():
+            total += n * (n + 1) // 2 + (n * size.get(i % ROOT_SPAN, 0) if i >= ROOT_SPAN else 0)
+    return total
 
 
 def segment_lengths(segment_ids) -> list[int]:
@@ -187,27 +206,55 @@ def main(args, matmul_peak_tflops) -> int:
     peak = matmul_peak_tflops()
     params = load_hf_params(args.model_dir, mcfg)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    trainer = Trainer(mcfg, tcfg, mesh=make_mesh(jax.devices()[:1], 1, 1), params=params)
+    # the recipe's layout and, for the side-by-side ratio, the same batches without shared prompts
+    variants = {"recipe": tcfg, "unshared": dataclasses.replace(tcfg, share_prompts=False)}
+    mesh = make_mesh(jax.devices()[:1], 1, 1)
+    trainers = {k: Trainer(mcfg, c, mesh=mesh, params=params) for k, c in variants.items()}
     del params
-    packed = [trainer.pack(b, version=0) for b in data]
-    t0 = time.perf_counter()
-    jax.device_get(trainer.step(packed[0]))  # compiles (one shape: the buckets' microbatches)
-    first_s = time.perf_counter() - t0
-    print(f"{NAME}: first step (compiles) {first_s:.1f} s", flush=True)
-    rows = []
-    for p in packed[1:]:
+    packed = {k: [tr.pack(b, version=0) for b in data] for k, tr in trainers.items()}
+    first_s = {}
+    for k, tr in trainers.items():
         t0 = time.perf_counter()
-        m = jax.device_get(trainer.step(p))
-        dt = time.perf_counter() - t0
-        flops = train_flops(mcfg, segment_lengths(p.segment_ids))
-        per_mb = p.num_rows // len(p.chunk_mask)
-        used_rows = int(np.sum(p.chunk_mask)) * per_mb
-        rows.append((dt, flops, executed_flops(mcfg, used_rows, p.seq_len), m))
-        print(
-            f"{NAME}: step {len(rows)}: {dt:.2f} s, {flops['tokens']} real tokens, "
-            f"{flops['total'] / dt / 1e12:.4f} model TFLOP/s, loss {float(m['loss']):.4f}",
-            flush=True,
-        )
+        jax.device_get(tr.step(packed[k][0]))  # compiles (one shape: the buckets' microbatches)
+        first_s[k] = time.perf_counter() - t0
+        print(f"{NAME}: {k}: first step (compiles) {first_s[k]:.1f} s", flush=True)
+    timed = {k: [] for k in trainers}
+    for i in range(1, len(data)):  # the two layouts in turn, step by step
+        for k, tr in trainers.items():
+            p = packed[k][i]
+            t0 = time.perf_counter()
+            m = jax.device_get(tr.step(p))
+            dt = time.perf_counter() - t0
+            flops = train_flops(mcfg, segment_lengths(p.segment_ids), attended_keys(p.segment_ids))
+            per_mb = p.num_rows // len(p.chunk_mask)
+            used_rows = int(np.sum(p.chunk_mask)) * per_mb
+            timed[k].append((dt, flops, executed_flops(mcfg, used_rows, p.seq_len), m))
+            print(
+                f"{NAME}: {k} step {i}: {dt:.2f} s, {flops['tokens']} real tokens, "
+                f"{flops['total'] / dt / 1e12:.4f} model TFLOP/s, loss {float(m['loss']):.4f}",
+                flush=True,
+            )
+    traj_tokens = [sum(len(t.prompt_tokens) + len(t.response_tokens) for t in b) for b in data]
+    pair = [u[0] / r[0] for r, u in zip(timed["recipe"], timed["unshared"], strict=True)]
+    unshared_s = [r[0] for r in timed["unshared"]]
+    side_by_side = {
+        "what": "the same batches packed without shared prompts (train.share_prompts=false), "
+        "timed in turn with the recipe's steps in this process",
+        "unshared_step_s_median": statistics.median(unshared_s),
+        "unshared_trajectory_tokens_per_s": statistics.median(
+            n / s for n, s in zip(traj_tokens[1:], unshared_s, strict=True)
+        ),
+        "unshared_real_tokens_per_step": [r[1]["tokens"] for r in timed["unshared"]],
+        "unshared_first_step_s_with_compile": first_s["unshared"],
+        "speedup_recipe_over_unshared": {
+            "median": statistics.median(pair),
+            "min": min(pair),
+            "max": max(pair),
+        },
+    }
+    rows = timed["recipe"]
+    p = packed["recipe"][1]
+    first_s = first_s["recipe"]
     seconds = [r[0] for r in rows]
     tokens = [r[1]["tokens"] for r in rows]
     tflops = statistics.median(r[1]["total"] / r[0] / 1e12 for r in rows)
@@ -239,13 +286,14 @@ def main(args, matmul_peak_tflops) -> int:
         "train_shape": {
             "length_buckets": list(tcfg.length_buckets),
             "packing": tcfg.packing,
+            "share_prompts": tcfg.share_prompts,
             "microbatch_tokens": tcfg.microbatch_tokens,
             "logprob_chunk": tcfg.logprob_chunk,
             "prompt_groups": NG,
             "group_size": G,
-            "batch_shape": [packed[1].num_rows, packed[1].seq_len],
-            "microbatches": len(packed[1].chunk_mask),
-            "microbatches_used": [int(np.sum(p.chunk_mask)) for p in packed[1:]],
+            "batch_shape": [p.num_rows, p.seq_len],
+            "microbatches": len(p.chunk_mask),
+            "microbatches_used": [int(np.sum(q.chunk_mask)) for q in packed["recipe"][1:]],
         },
         "trajectories": {
             "prompts": "chat-templated 'What is a + b?' (data.word_arithmetic.problems('+', 1, "
@@ -263,6 +311,11 @@ def main(args, matmul_peak_tflops) -> int:
         "real_tokens_per_step": tokens,
         "real_token_share": statistics.mean(float(r[3]["real_token_share"]) for r in rows),
         "real_tokens_per_s": statistics.median(n / s for n, s in zip(tokens, seconds, strict=True)),
+        "trajectory_tokens_per_step": traj_tokens[1:],
+        "trajectory_tokens_per_s": statistics.median(
+            n / s for n, s in zip(traj_tokens[1:], seconds, strict=True)
+        ),
+        "side_by_side": side_by_side,
         "step_s_median": statistics.median(seconds),
         "step_s_min_max": [min(seconds), max(seconds)],
         "model_flops_per_real_token": {**per_token, "total": sum(per_token.values())},
@@ -283,8 +336,10 @@ def main(args, matmul_peak_tflops) -> int:
             "mfu": "model_tflops / matmul_peak_tflops",
         },
         "units": {
-            "real_tokens_per_s": "prompt and response tokens per second, median over the "
-            "timed steps",
+            "real_tokens_per_s": "real (non-padding) positions the step computes per second, "
+            "median over the timed steps; a shared prompt counts once",
+            "trajectory_tokens_per_s": "prompt and response tokens of the batch's trajectories "
+            "per second (a shared prompt counted once per trajectory): the batch a user trains",
             "step_s_median": "seconds from dispatch to metrics on the host",
             "model_flops_per_real_token": "FLOPs, the timed steps' sums over their real tokens",
             "model_tflops": "model FLOPs per second, median over the timed steps, 1e12",
@@ -294,8 +349,13 @@ def main(args, matmul_peak_tflops) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     f = out["model_flops_per_real_token"]
+    sbs = side_by_side["speedup_recipe_over_unshared"]
     print(
-        f"{NAME}: {out['real_tokens_per_s']:.0f} real tokens/s, step {out['step_s_median']:.2f} s "
+        f"{NAME}: {out['trajectory_tokens_per_s']:.0f} trajectory tokens/s "
+        f"({side_by_side['unshared_trajectory_tokens_per_s']:.0f} unshared; recipe/unshared "
+        f"step time ratio median {sbs['median']:.2f}x, min {sbs['min']:.2f}, max "
+        f"{sbs['max']:.2f}); {out['real_tokens_per_s']:.0f} real tokens/s, "
+        f"step {out['step_s_median']:.2f} s "
         f"(min {min(seconds):.2f}, max {max(seconds):.2f}); model FLOPs per real token "
         f"{f['total'] / 1e6:.0f}M (dense {f['dense'] / 1e6:.0f}M, LM head "
         f"{f['lm_head'] / 1e6:.0f}M, attention {f['attention'] / 1e6:.1f}M); "
