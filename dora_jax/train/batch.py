@@ -233,10 +233,11 @@ def _smallest_shape(
         place = _first_fit([u.length for u in units], B, T)
         if place is not None:
             return B, T, units, place
-    lengths = [u.length for u in by_bucket[max(by_bucket)]]
+    units = by_bucket[max(by_bucket)] if by_bucket else units_for(1 << 30)
+    lengths = [u.length for u in units]
     raise NoShapeFits(
-        f"{sum(len(u.samples) for u in by_bucket[max(by_bucket)])} samples ({sum(lengths)} "
-        f"tokens, the longest {max(lengths)}) fit none of {offered}"
+        f"{sum(len(u.samples) for u in units)} samples ({sum(lengths)} tokens, the longest "
+        f"{max(lengths)}) fit none of {offered}"
     )
 
 
