@@ -70,6 +70,17 @@ def test_train_flops_by_hand(bench):
     assert real.train_flops(TINY, [4])["attention"] == 3 * 32 * (1 + 2 + 3 + 4)
 
 
+def test_attended_keys_by_hand(bench):
+    _, real = bench
+    from dora_jax.model.attention import ROOT_SPAN
+
+    # a shared prompt of 2 (root 1), members of 2 and 1 after it, an unshared segment of 3
+    seg = np.array([[1, 1, 1 + ROOT_SPAN, 1 + ROOT_SPAN, 1 + 2 * ROOT_SPAN, 2, 2, 2, 0]])
+    # prefix: 1 + 2; member 1: (2 + 1) + (2 + 2); member 2: 2 + 1; the unshared one: 1 + 2 + 3
+    assert real.attended_keys(seg) == 3 + 7 + 3 + 6
+    assert real.attended_keys(np.array([[1, 1, 1, 2, 0]])) == 6 + 1  # as train_flops' default
+
+
 def test_executed_flops_by_hand(bench):
     _, real = bench
     # 2 rows of 4 positions: 8 x (6 x 260 + 8 x 10 x 4) + the whole 4 x 4 scores of each row
