@@ -106,6 +106,10 @@ def overrides(plan, model_dir: Path, run_dir: Path) -> list[str]:
         f"train.group_size={g['group_size']}",
         f"train.total_steps={g['steps']}",
         "train.microbatch_tokens=0",  # one device holds the whole batch
+        # the layout of the first GPU run (each trajectory its own segment), so that its real
+        # tokens per second compare one to one
+        "train.share_prompts=false",
+        "train.length_buckets=[128]",
         f"rollout.max_slots={g['max_slots']}",
         f"rollout.num_pages={pages}",
         f"rollout.max_new_tokens={g['max_new_tokens']}",
