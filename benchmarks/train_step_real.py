@@ -118,14 +118,15 @@ def attended_keys(segment_ids) -> int:
     """The keys the real queries of ``segment_ids [B, T]`` attend to: each query its segment's
     earlier-or-same positions, plus (a response packed after a shared prompt) the whole root
     segment."""
-    from dora_jax.model.attention import ROOT_SPAN
+    from dora_jax.model.attention import segment_root
 
     total = 0
     for row in np.asarray(segment_ids):
         ids, counts = np.unique(row[row != 0], return_counts=True)
         size = dict(zip(ids.tolist(), counts.tolist(), strict=True))
         for i, n in size.items():
-            total += n * (n + 1) // 2 + (n * size.get(i % ROOT_SPAN, 0) if i >= ROOT_SPAN else 0)
+            root = int(segment_root(i))
+            total += n * (n + 1) // 2 + (n * size.get(root, 0) if root != i else 0)
     return total
 
 
@@ -254,7 +255,6 @@ def main(args, matmul_peak_tflops) -> int:
     }
     rows = timed["recipe"]
     p = packed["recipe"][1]
-    first_s = first_s["recipe"]
     seconds = [r[0] for r in rows]
     tokens = [r[1]["tokens"] for r in rows]
     tflops = statistics.median(r[1]["total"] / r[0] / 1e12 for r in rows)
@@ -307,7 +307,7 @@ def main(args, matmul_peak_tflops) -> int:
             ),
         },
         "steps_timed": len(rows),
-        "first_step_s_with_compile": first_s,
+        "first_step_s_with_compile": first_s["recipe"],
         "real_tokens_per_step": tokens,
         "real_token_share": statistics.mean(float(r[3]["real_token_share"]) for r in rows),
         "real_tokens_per_s": statistics.median(n / s for n, s in zip(tokens, seconds, strict=True)),

@@ -174,9 +174,9 @@ class _Unit:
     length: int
 
 
-def _sharing_groups(groups: Sequence[Sequence[Any]], G: int) -> list[bool]:
-    """Per group (sample ``s`` is member ``s % G`` of group ``s // G``): whether its members can
-    share one copy of their prompt (the same prompt of at least two tokens)."""
+def _sharing_groups(groups: Sequence[Sequence[Any]]) -> list[bool]:
+    """Per group: whether its members can share one copy of their prompt (the same prompt of at
+    least two tokens)."""
     out = []
     for members in groups:
         first = [int(t) for t in members[0].prompt_tokens]
@@ -196,7 +196,7 @@ def _units(
     out: list[_Unit] = []
     for g in range(len(samples) // G):
         ids = range(g * G, (g + 1) * G)
-        if g >= len(shared) or not shared[g]:
+        if not shared[g]:
             out += [_Unit((s,), 0, lengths[s]) for s in ids]
             continue
         prefix = len(samples[g * G].prompt_tokens) - 1
@@ -223,21 +223,18 @@ def _smallest_shape(
     with ``units_for(bucket)``; :class:`NoShapeFits` naming ``offered`` (what the shapes came
     from) if none does."""
     by_bucket = {T: units_for(T) for T in sorted({T for _, T in shapes})}
-    fitting = []
-    for B, T in set(shapes):
-        lengths = [u.length for u in by_bucket[T]]
-        if T >= max(lengths) and B * T >= sum(lengths):
-            fitting.append((B, T))
+    lengths = {T: [u.length for u in units] for T, units in by_bucket.items()}
+    fitting = [(B, T) for B, T in set(shapes) if T >= max(lengths[T]) and B * T >= sum(lengths[T])]
     for B, T in sorted(fitting, key=lambda s: (s[0] * s[1], -s[1])):
         units = by_bucket[T]
-        place = _first_fit([u.length for u in units], B, T)
+        place = _first_fit(lengths[T], B, T)
         if place is not None:
             return B, T, units, place
     units = by_bucket[max(by_bucket)] if by_bucket else units_for(1 << 30)
-    lengths = [u.length for u in units]
+    sizes = [u.length for u in units]
     raise NoShapeFits(
-        f"{sum(len(u.samples) for u in units)} samples ({sum(lengths)} tokens, the longest "
-        f"{max(lengths)}) fit none of {offered}"
+        f"{sum(len(u.samples) for u in units)} samples ({sum(sizes)} tokens, the longest "
+        f"{max(sizes)}) fit none of {offered}"
     )
 
 
@@ -336,11 +333,12 @@ def pack_batch(
     buckets = cfg.length_buckets
     n_rows = rows if rows is not None else (cfg.pack_rows if cfg.packing == "tokens" else 0)
     choose_bucket(max(lengths), buckets)  # raises if one sample is too long
-    shared = (
-        _sharing_groups(list(groups.values()), G)
-        if cfg.share_prompts and cfg.packing == "tokens" and n_rows == 0 and routes_shape is None
-        else []
-    )
+    # train.share_prompts (the config allows it with packing "tokens" only), unless a fixed row
+    # count or per-sample routes are asked for
+    if cfg.share_prompts and n_rows == 0 and routes_shape is None:
+        shared = _sharing_groups(list(groups.values()))
+    else:
+        shared = [False] * len(groups)
 
     def units_for(T: int) -> list[_Unit]:
         return _units(samples, lengths, shared, G, T)
