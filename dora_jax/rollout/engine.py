@@ -44,9 +44,11 @@ from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.rollout.steps import (
     KVCache,
     StepStatic,
+    copy_pages,
     decode_step,
     init_cache,
     prefill_step,
+    sample_rows,
     stop_ids,
 )
 
@@ -73,6 +75,8 @@ class EngineLoad:
 class StepReport:
     finished: list[EngineFinished]
     prefill_tokens: int = 0  # context tokens prefilled (re-prefills included)
+    # prompt tokens whose K/V were copied from a request with the same prompt (not computed)
+    shared_prefill_tokens: int = 0
     reprefill_tokens: int = 0  # the part of prefill_tokens that had been computed before
     sampled_tokens: int = 0  # new response tokens (first tokens from prefill + decode)
     decode_tokens: int = 0
@@ -98,6 +102,8 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 _decode_jit = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,))
 _prefill_jit = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,))
+_sample_rows_jit = jax.jit(sample_rows, static_argnames=("sampling",))
+_copy_pages_jit = jax.jit(copy_pages, donate_argnums=(0,))
 
 
 @partial(jax.jit, static_argnames=("impl", "interpret"))
@@ -173,11 +179,14 @@ class Engine(RequestMoves):
         # Batch-invariant decoding uses one batch shape, so a row's numerics never depend on
         # how many other requests share the step (bit-identical continuation after migration).
         # Otherwise batch rows and block-table widths (pages attended) are bucketed.
+        rows = rcfg.resolved_prefill_rows
         if rcfg.batch_invariant:
             self.buckets, self.width_buckets = [rcfg.max_slots], [self.pages_per_seq]
+            self.prefill_buckets = [rows]
         else:
             self.buckets = _buckets(rcfg.max_slots, 4)
             self.width_buckets = _buckets(self.pages_per_seq, 2)
+            self.prefill_buckets = _buckets(rows, 4)
         self.params: Params | None = None
         self.version: int | None = None
         self.last_logits: dict[Hashable, np.ndarray] = {}  # per request, last decode (tests)
@@ -431,7 +440,8 @@ class Engine(RequestMoves):
     def _prefill(self, reqs: list[Request], report: StepReport) -> list[EngineFinished]:
         """Feed each request's tokens from ``kv_len`` to ``feed_end`` in chunks (a new prompt, a
         re-prefill after an interrupt, or an environment turn appended to a conversation),
-        sampling a token after the feed when it ends with one the model did not sample."""
+        sampling a token after the feed when it ends with one the model did not sample. New
+        requests with the same prompt are fed once (``rollout.share_prefill``)."""
         t0 = time.perf_counter()
         for r in reqs:
             if r not in self.slots:
@@ -441,11 +451,44 @@ class Engine(RequestMoves):
                     raise EngineError("no free slot to prefill into")
                 self.slots[slot] = r
             self.alloc.ensure(r.id, r.feed_end + 1)
+        sample = [r.needs_sample for r in reqs]
+        fed, sharers = self._prompt_sharers(reqs)
+        rows = self.prefill_buckets[-1]
+        for i in range(0, len(fed), rows):
+            self._prefill_rows(fed[i : i + rows], sharers, report)
+        for r, sampled in zip(reqs, sample, strict=True):
+            if sampled:
+                self._after_sample(r, report)
+        report.prefill_s += time.perf_counter() - t0
+        return report.finished
+
+    def _prompt_sharers(self, reqs: list[Request]) -> tuple[list[Request], dict]:
+        """The requests to feed, and for each that has them, the new requests with its prompt
+        (they take its KV pages and logits instead of being fed)."""
+        if not self.rcfg.share_prefill:
+            return reqs, {}
+        fed: list[Request] = []
+        first: dict[tuple[int, ...], Request] = {}
+        sharers: dict[Hashable, list[Request]] = {}
+        for r in reqs:
+            if r.kv_len or r.tokens:  # only a whole new prompt is shared
+                fed.append(r)
+                continue
+            key = tuple(r.prompt)
+            if key in first:
+                sharers.setdefault(first[key].id, []).append(r)
+            else:
+                first[key] = r
+                fed.append(r)
+        return fed, sharers
+
+    def _prefill_rows(self, reqs: list[Request], sharers: dict, report: StepReport) -> None:
+        """One batch of :meth:`_prefill`: at most ``prefill_rows`` requests, chunk by chunk."""
         starts0 = [r.kv_len for r in reqs]
         seqs = [(r.prompt + r.tokens)[r.kv_len : r.feed_end] for r in reqs]
         sample = [r.needs_sample for r in reqs]
         C = self.rcfg.prefill_chunk
-        B = _bucket(len(reqs), self.buckets)
+        B = _bucket(len(reqs), self.prefill_buckets)
         tables = self._block_tables(reqs, B)
         keys = np.zeros((B, 2), np.uint32)
         keys[: len(reqs)] = [r.key for r in reqs]
@@ -464,7 +507,7 @@ class Engine(RequestMoves):
                 chunk[i, : len(piece)] = piece
                 starts[i] = starts0[i] + start
                 valid[i] = len(piece)
-            self.cache, tok, lp, _, routes = _prefill_jit(
+            self.cache, tok, lp, logits, routes = _prefill_jit(
                 self.params,
                 self.cache,
                 *self._put(chunk, starts, valid),
@@ -492,12 +535,44 @@ class Engine(RequestMoves):
                         r.logprobs.append(float(lp[i]))
                         if r.first_token_at is None:
                             r.first_token_at = time.perf_counter()
+                self._take_shared(
+                    [(i, s) for i in ends for s in sharers.get(reqs[i].id, ())],
+                    reqs,
+                    logits,
+                    report,
+                )
         report.prefill_tokens += sum(len(s) for s in seqs)
-        for r, sampled in zip(reqs, sample, strict=True):
-            if sampled:
-                self._after_sample(r, report)
-        report.prefill_s += time.perf_counter() - t0
-        return report.finished
+
+    def _take_shared(self, pairs: list, fed: list[Request], logits, report: StepReport) -> None:
+        """Requests whose prompt was just fed in row ``i`` of ``fed`` (``pairs``: ``(i,
+        request)``) get that row's KV pages copied into theirs, and sample their first token from
+        its ``logits`` with their own keys."""
+        if not pairs:
+            return
+        n = padded_pages(len(pairs))
+        rows = np.zeros(n, np.int32)
+        keys = np.zeros((n, 2), np.uint32)
+        positions = np.zeros(n, np.int32)
+        src: list[int] = []
+        dst: list[int] = []
+        for j, (i, r) in enumerate(pairs):
+            rows[j], keys[j], positions[j] = i, r.key, len(r.prompt)
+            pages = self.alloc.pages_for(len(r.prompt))
+            src += self.alloc.table(fed[i].id)[:pages]
+            dst += self.alloc.table(r.id)[:pages]
+        tok, lp = _sample_rows_jit(
+            logits, *self._put(rows, keys, positions), sampling=self.sampling
+        )
+        self.cache = _copy_pages_jit(self.cache, self._page_ids(src), self._page_ids(dst))
+        tok, lp = np.asarray(tok), np.asarray(lp)
+        for j, (i, r) in enumerate(pairs):
+            r.kv_len = r.kv_peak = len(r.prompt)
+            r.routes = list(fed[i].routes)
+            r.tokens.append(int(tok[j]))
+            r.logprobs.append(float(lp[j]))
+            r.first_token_at = time.perf_counter()
+            report.sampled_tokens += 1
+            report.shared_prefill_tokens += len(r.prompt)
 
     def _decode(self, report: StepReport, only: set | None = None) -> list[EngineFinished]:
         t0 = time.perf_counter()

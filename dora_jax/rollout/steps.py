@@ -224,7 +224,8 @@ def prefill_step(
 
     Rows with ``num_valid = 0`` are padding. The token after each row's last valid chunk token
     (position ``start + num_valid``) is sampled; callers use it only for rows whose prompt ends
-    in this chunk. Returns ``(cache, next_tokens, logprobs, logits or None, routes)``:
+    in this chunk. Returns ``(cache, next_tokens, logprobs, logits, routes)``: ``logits
+    f32[B, V]``, the ones sampled from (requests sharing a row's prompt sample from them);
     ``routes`` int32[B, C, L, k] (the experts each chunk token used in each layer; entries of
     positions past ``num_valid`` are meaningless) for a mixture of experts, None for dense models.
     """
@@ -248,7 +249,20 @@ def prefill_step(
     logits = logits_from_hidden(p, h, st.cfg)
     keys = jax.random.wrap_key_data(key_data)
     next_tokens, logprobs = sample(logits, keys, start + num_valid, st.sampling)
-    return cache, next_tokens, logprobs, (logits if st.return_logits else None), routes
+    return cache, next_tokens, logprobs, logits, routes
+
+
+def sample_rows(logits, rows, key_data, positions, sampling: SamplingParams):
+    """``sample`` for requests that share a prefilled prompt: row ``i`` samples from
+    ``logits[rows[i]]`` with its own key and position."""
+    return sample(logits[rows], jax.random.wrap_key_data(key_data), positions, sampling)
+
+
+def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Global pages ``src`` copied onto ``dst`` (K and V; pairs ``0 -> 0`` are padding)."""
+    return cache.replace(
+        k=cache.k.at[:, dst].set(cache.k[:, src]), v=cache.v.at[:, dst].set(cache.v[:, src])
+    )
 
 
 def lower_steps(
@@ -258,6 +272,7 @@ def lower_steps(
     cache donated) lowered from abstract values only, for their memory analysis. ``num_pages``
     does not change the steps' temporaries (the cache is updated in place)."""
     Z, B, C = rcfg.page_size, rcfg.max_slots, rcfg.prefill_chunk
+    R = rcfg.resolved_prefill_rows
     width = -(-(rcfg.max_prompt_len + rcfg.max_new_tokens) // Z)
     st = StepStatic(
         cfg=cfg,
@@ -286,11 +301,11 @@ def lower_steps(
     prefill = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,)).lower(
         params,
         cache,
-        arr((B, C), i32),
-        arr((B,), i32),
-        arr((B,), i32),
-        arr((B, width), i32),
-        arr((B, 2), jnp.uint32),
+        arr((R, C), i32),
+        arr((R,), i32),
+        arr((R,), i32),
+        arr((R, width), i32),
+        arr((R, 2), jnp.uint32),
         st=st,
     )
     decode = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,)).lower(
