@@ -302,14 +302,21 @@ def np_log_softmax(z):
     return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["DV", "rows"])
 @pytest.mark.parametrize("V,chunk", [(64, 16), (37, 5), (37, 37), (50, 7), (10, 64)])
-def test_chunked_logprobs_and_entropy_match_oracle(V, chunk):
+def test_chunked_logprobs_and_entropy_match_oracle(V, chunk, rows):
+    """``w [D, V]``, or (``rows``) its transpose as a tied embedding is stored."""
     rng = np.random.default_rng(V + chunk)
     B, T, D = 2, 5, 8
     h = rng.normal(size=(B, T, D)).astype(np.float32)
     w = (rng.normal(size=(D, V)) * 2).astype(np.float32)
     targets = rng.integers(0, V, size=(B, T)).astype(np.int32)
-    logp, ent = chunked_logprobs(jnp.asarray(h), jnp.asarray(w), jnp.asarray(targets), chunk=chunk)
+    w_in = jnp.asarray(w.T if rows else w)
+
+    def f(x, ww):
+        return chunked_logprobs(x, ww, jnp.asarray(targets), chunk=chunk, rows=rows)
+
+    logp, ent = f(jnp.asarray(h), w_in)
     ls = np_log_softmax(h.astype(np.float64) @ w)
     want_lp = np.take_along_axis(ls, targets[..., None], -1)[..., 0]
     want_ent = -(np.exp(ls) * ls).sum(-1)
@@ -319,10 +326,11 @@ def test_chunked_logprobs_and_entropy_match_oracle(V, chunk):
     # gradient of sum(logp) w.r.t. h: (onehot - softmax) @ w.T
     onehot = np.eye(V)[targets]
     want_gh = (onehot - np.exp(ls)) @ w.T.astype(np.float64)
-    gh = jax.grad(
-        lambda x: jnp.sum(chunked_logprobs(x, jnp.asarray(w), jnp.asarray(targets), chunk=chunk)[0])
-    )(jnp.asarray(h))
+    gh, gw = jax.grad(lambda x, ww: jnp.sum(f(x, ww)[0]), argnums=(0, 1))(jnp.asarray(h), w_in)
     np.testing.assert_allclose(np.asarray(gh), want_gh, rtol=1e-4, atol=1e-5)
+    # and w.r.t. the unembedding: h^T (onehot - softmax), in the layout it was given
+    want_gw = np.einsum("btd,btv->dv", h.astype(np.float64), onehot - np.exp(ls))
+    np.testing.assert_allclose(np.asarray(gw), want_gw.T if rows else want_gw, rtol=1e-4, atol=1e-5)
 
 
 def test_chunk_layout():

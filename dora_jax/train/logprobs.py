@@ -13,6 +13,10 @@ vocabulary axis that is sharded over the ``model`` mesh axis into ``(V / C, C)``
 sharding on the within-chunk axis, so every chunk is spread over all tensor-parallel devices and
 the scan does not serialise on one of them. The vocabulary is padded to ``C * ceil(V / C)`` with
 masked (logit ``-1e30``) columns.
+
+A tied embedding is taken as stored, ``[V, D]`` rows (``rows=True``): its strided chunks are then
+whole rows, gathered by a row copy, where the ``[D, V]`` view would be transposed element by
+element into chunks in every forward pass (and its gradient back in every backward pass).
 """
 
 from __future__ import annotations
@@ -39,33 +43,48 @@ def chunk_layout(vocab_size: int, chunk: int) -> tuple[int, int]:
 
 
 def chunked_logprobs(
-    h: jax.Array, w: jax.Array, targets: jax.Array, *, chunk: int, seq_chunk: int = 0
+    h: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    *,
+    chunk: int,
+    seq_chunk: int = 0,
+    rows: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(logp, entropy)``, both ``float32[B, T]``, of ``softmax(h @ w)`` at ``targets``.
 
-    ``h [B, T, D]`` hidden states (compute dtype), ``w [D, V]`` unembedding, ``targets
-    int32[B, T]`` in ``[0, V)``. Logits are accumulated in float32. With ``seq_chunk > 0`` the
-    positions are also taken ``seq_chunk`` per row at a time (:func:`map_seq_chunks`), so no
-    pass holds more than a ``[B, seq_chunk, V / C]`` block of logits.
+    ``h [B, T, D]`` hidden states (compute dtype), ``w [D, V]`` unembedding (``rows``: its
+    transpose ``[V, D]``, as a tied embedding is stored), ``targets int32[B, T]`` in ``[0, V)``.
+    Logits are accumulated in float32. With ``seq_chunk > 0`` the positions are also taken
+    ``seq_chunk`` per row at a time (:func:`map_seq_chunks`), so no pass holds more than a
+    ``[B, seq_chunk, V / C]`` block of logits.
     """
-    D, V = w.shape
+    V, D = w.shape if rows else w.shape[::-1]
     C, c = chunk_layout(V, chunk)
     Vp = C * c
     w = w.astype(h.dtype)
-    if Vp != V:
-        w = jnp.pad(w, ((0, 0), (0, Vp - V)))
-    # vocab id v = i * C + k  ->  w_chunks[k, :, i]
-    w_chunks = jnp.transpose(w.reshape(D, c, C), (2, 0, 1))
-    w_chunks = constrain(w_chunks, (None, "embed", "vocab"))
+    if rows:
+        if Vp != V:
+            w = jnp.pad(w, ((0, Vp - V), (0, 0)))
+        # vocab id v = i * C + k  ->  w_chunks[k, i, :]
+        w_chunks = jnp.swapaxes(w.reshape(c, C, D), 0, 1)
+        w_chunks = constrain(w_chunks, (None, "vocab", "embed"))
+    else:
+        if Vp != V:
+            w = jnp.pad(w, ((0, 0), (0, Vp - V)))
+        # vocab id v = i * C + k  ->  w_chunks[k, :, i]
+        w_chunks = jnp.transpose(w.reshape(D, c, C), (2, 0, 1))
+        w_chunks = constrain(w_chunks, (None, "embed", "vocab"))
     col = jnp.arange(c, dtype=jnp.int32) * C  # [c]: vocab id of column i in chunk 0
+    spec = "BTD,cD->BTc" if rows else "BTD,Dc->BTc"
     return map_seq_chunks(
-        lambda ht: _vocab_scan(ht[0], ht[1].astype(jnp.int32), w_chunks, col, V),
+        lambda ht: _vocab_scan(ht[0], ht[1].astype(jnp.int32), w_chunks, col, V, spec),
         (h, targets),
         seq_chunk,
     )
 
 
-def _vocab_scan(h, targets, w_chunks, col, V):
+def _vocab_scan(h, targets, w_chunks, col, V, spec):
     C = w_chunks.shape[0]
     B, T = targets.shape
 
@@ -73,7 +92,7 @@ def _vocab_scan(h, targets, w_chunks, col, V):
     def body(carry, xs):
         m, s, t, tgt = carry
         wk, k = xs
-        z = jnp.einsum("BTD,Dc->BTc", h, wk, preferred_element_type=jnp.float32)
+        z = jnp.einsum(spec, h, wk, preferred_element_type=jnp.float32)
         z = constrain(z, ("batch", "seq", "vocab"))
         ids = col + k
         z = jnp.where(ids < V, z, NEG)
@@ -117,6 +136,7 @@ def token_logprobs(
         h, chosen = hidden_states(
             params, tokens, positions, segment_ids, cfg, routes=routes, return_routes=True
         )
-    w = unembed_matrix(params, cfg)
-    logp, ent = chunked_logprobs(h, w, targets, chunk=chunk, seq_chunk=cfg.seq_chunk)
+    tied = cfg.tie_word_embeddings
+    w = params["embed"] if tied else unembed_matrix(params, cfg)
+    logp, ent = chunked_logprobs(h, w, targets, chunk=chunk, seq_chunk=cfg.seq_chunk, rows=tied)
     return (logp, ent, chosen) if return_routes else (logp, ent)
