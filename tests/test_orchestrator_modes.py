@@ -117,3 +117,23 @@ def test_compare_command_prints_every_mode(capsys):
     assert cmp.main(["--steps", "2", "--modes", "sync,dora"]) == 0
     out = capsys.readouterr().out
     assert "traj/tick" in out and "sync" in out and "dora" in out
+
+
+def test_fill_admission_packs_the_fewest_groups():
+    """orchestrator.admission=fill: a batch goes to the fullest group with room first (groups that
+    share cores cost a whole step each); spread: to the group with the most room."""
+    busy, done = {}, {}
+    for admission in ("spread", "fill"):
+        run = _run("sync", steps=3, admission=admission)
+        rec = run.result.records
+        first = next(row for row in rec.groups if any(g.activity == "prefill" for g in row))
+        busy[admission] = sorted(g.group for g in first if g.activity == "prefill")
+        done[admission] = run.result.summary.trajectories
+    # the first batch, 2 prompt groups of 4, over 4 groups of 4 slots
+    assert busy == {"spread": [0, 1, 2, 3], "fill": [0, 1]}
+    assert done["fill"] == done["spread"] > 0
+
+
+def test_admission_is_validated():
+    with pytest.raises(ConfigError, match="admission"):
+        OrchestratorConfig(admission="pack")

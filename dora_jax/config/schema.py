@@ -250,6 +250,11 @@ class OrchestratorConfig:
     train_batch_prompts: int = 4  # TBS: prompt groups consumed per train step
     rollout_batch_prompts: int = 8  # RBS: prompt groups in flight
     plan_period_ticks: int = 32
+    # Which groups of a request's version take new requests: spread (the most free slots first:
+    # groups on their own devices share the work) or fill (the fullest group with a free slot
+    # first: groups that share the same cores, as fake CPU devices do, cost a whole batch's
+    # step each however few rows they hold, and an empty group's step is skipped)
+    admission: Literal["spread", "fill"] = "spread"
     kv_pressure_threshold: float = 0.9
     # dora: supplement older versions with prompts that fill their idle slots (tiered injection)
     legacy_fill: bool = True
@@ -286,6 +291,11 @@ class OrchestratorConfig:
     def __post_init__(self):
         known = ", ".join(map(repr, get_args(Mode)))
         _check(self.mode in get_args(Mode), "mode", f"expected one of {known}, got {self.mode!r}")
+        _check(
+            self.admission in ("spread", "fill"),
+            "admission",
+            f"expected 'spread' or 'fill', got {self.admission!r}",
+        )
         if self.staleness_k != "auto":
             _check(
                 isinstance(self.staleness_k, int) and not isinstance(self.staleness_k, bool),

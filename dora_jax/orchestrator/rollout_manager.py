@@ -83,8 +83,10 @@ class RolloutManager:
         prompts: PromptStream,
         window: VersionWindow,
         queue: TransferQueue,
+        admission: str = "spread",
     ):
         self.group_size = group_size
+        self.admission = admission  # orchestrator.admission: spread or fill
         self.prompts = prompts
         self.window = window
         self.queue = queue
@@ -239,23 +241,14 @@ class RolloutManager:
     # -- admission -------------------------------------------------------------------------------
 
     def admit(self, backend: RolloutBackend, infos: list[GroupInfo]) -> int:
-        """Submit pending requests to free slots of groups holding their version, spread evenly."""
+        """Submit pending requests to free slots of groups holding their version, spread evenly
+        or filling the fullest group first (``admission``)."""
         submitted = 0
         for version, q in self.pending.items():
-            if not q:
+            groups = [g for g in infos if g.version == version and g.free_slots]
+            if not q or not groups:
                 continue
-            heap = [
-                (-g.free_slots, g.group) for g in infos if g.version == version and g.free_slots
-            ]
-            if not heap:
-                continue
-            heapq.heapify(heap)
-            per_group: dict[int, list[RequestSpec]] = {}
-            while q and heap:
-                free, gid = heapq.heappop(heap)
-                per_group.setdefault(gid, []).append(q.popleft())
-                if free + 1 < 0:
-                    heapq.heappush(heap, (free + 1, gid))
+            per_group = _fill(q, groups) if self.admission == "fill" else _spread(q, groups)
             for gid, specs in per_group.items():
                 backend.submit(gid, specs)
                 for s in specs:
@@ -305,3 +298,26 @@ class RolloutManager:
                 self._move(rid, DISCARDED)
                 n += 1
         return n
+
+
+def _spread(q: deque, groups: list[GroupInfo]) -> dict[int, list[RequestSpec]]:
+    """One request at a time to the group with the most free slots (the lowest id on a tie)."""
+    heap = [(-g.free_slots, g.group) for g in groups]
+    heapq.heapify(heap)
+    per_group: dict[int, list[RequestSpec]] = {}
+    while q and heap:
+        free, gid = heapq.heappop(heap)
+        per_group.setdefault(gid, []).append(q.popleft())
+        if free + 1 < 0:
+            heapq.heappush(heap, (free + 1, gid))
+    return per_group
+
+
+def _fill(q: deque, groups: list[GroupInfo]) -> dict[int, list[RequestSpec]]:
+    """The fullest group's free slots first (the fewest free, then the lowest id)."""
+    per_group: dict[int, list[RequestSpec]] = {}
+    for g in sorted(groups, key=lambda g: (g.free_slots, g.group)):
+        if not q:
+            break
+        per_group[g.group] = [q.popleft() for _ in range(min(g.free_slots, len(q)))]
+    return per_group

@@ -123,7 +123,9 @@ class Runtime:
         self.trainer = trainer if isinstance(trainer, StepRunner) else TickedTrainer(trainer)
         self.window = VersionWindow(self.mode.k, self.mode.per_step)
         self.queue = TransferQueue(group_size)
-        self.manager = RolloutManager(group_size, prompts, self.window, self.queue)
+        self.manager = RolloutManager(
+            group_size, prompts, self.window, self.queue, admission=cfg.admission
+        )
         infos, tokens = backend.groups(), backend.tokens_per_slot_tick
         slots = max(g.max_slots for g in infos)
         self.records = Records(self.mode.name, len(infos), slots, tokens, clock=self.clock.kind)
