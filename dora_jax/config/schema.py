@@ -55,9 +55,9 @@ class RolloutConfig:
     # once: the others copy its KV pages and sample their first token from its logits with their
     # own keys (the same tokens and logprobs as prefilling each).
     share_prefill: bool = True
-    # Rows of one prefill call (0: max_slots). With share_prefill a call holds one row per
-    # distinct prompt, so a GRPO group of G samples needs max_slots / G of them; a fixed shape
-    # either way when batch_invariant.
+    # Rows of one prefill call (0, or more than max_slots: max_slots). With share_prefill a call
+    # holds one row per distinct prompt, so a GRPO group of G samples needs max_slots / G of
+    # them; a fixed shape either way when batch_invariant.
     prefill_rows: int = 0
     # Decode steps per device call: > 1 amortises the host round trip (tokens past a request's
     # EOS or budget are dropped). 1 keeps one token per request per engine step (tick).
@@ -78,11 +78,7 @@ class RolloutConfig:
         check_positive(self, "max_slots", "page_size", "max_prompt_len", "max_new_tokens")
         check_non_negative(self, "backup_every_steps", "max_group_restarts")
         check_positive(self, "prefill_chunk")
-        _check(
-            0 <= self.prefill_rows <= self.max_slots,
-            "prefill_rows",
-            f"must be in [0, max_slots={self.max_slots}] (0: max_slots), got {self.prefill_rows}",
-        )
+        check_non_negative(self, "prefill_rows")
         check_non_negative(self, "temperature", "top_k")
         _check(
             self.num_pages is None or self.num_pages >= 2,
@@ -99,7 +95,8 @@ class RolloutConfig:
 
     @property
     def resolved_prefill_rows(self) -> int:
-        return self.prefill_rows or self.max_slots
+        """Rows of one prefill call: ``prefill_rows`` (0: ``max_slots``), at most ``max_slots``."""
+        return min(self.prefill_rows or self.max_slots, self.max_slots)
 
 
 @dataclass(frozen=True)

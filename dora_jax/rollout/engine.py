@@ -567,6 +567,7 @@ class Engine(RequestMoves):
         tok, lp = np.asarray(tok), np.asarray(lp)
         for j, (i, r) in enumerate(pairs):
             r.kv_len = r.kv_peak = len(r.prompt)
+            r.prefill_tokens += len(r.prompt)  # its prompt's K/V, made once (here: copied)
             r.routes = list(fed[i].routes)
             r.tokens.append(int(tok[j]))
             r.logprobs.append(float(lp[j]))

@@ -32,7 +32,9 @@ class Request:
     max_new_tokens: int
     tokens: list[int] = field(default_factory=list)  # generated so far
     logprobs: list[float] = field(default_factory=list)  # behavior logprob of each token
-    prefill_tokens: int = 0  # tokens this request has had prefilled, over its whole life
+    # tokens this request has had prefilled, over its whole life (a prompt's K/V copied from a
+    # request with the same prompt counts: made once for it, not computed again)
+    prefill_tokens: int = 0
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     migrations: int = 0
