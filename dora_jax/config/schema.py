@@ -232,6 +232,7 @@ class TrainConfig:
 # orchestrator.mode: the built-in modes; orchestrator.register_mode adds each name it registers
 Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
 Clock = Literal["logical", "wall"]
+Admission = Literal["spread", "fill"]
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ class OrchestratorConfig:
     # groups on their own devices share the work) or fill (the fullest group with a free slot
     # first: groups that share the same cores, as fake CPU devices do, cost a whole batch's
     # step each however few rows they hold, and an empty group's step is skipped)
-    admission: Literal["spread", "fill"] = "spread"
+    admission: Admission = "spread"
     kv_pressure_threshold: float = 0.9
     # dora: supplement older versions with prompts that fill their idle slots (tiered injection)
     legacy_fill: bool = True
@@ -289,9 +290,9 @@ class OrchestratorConfig:
         known = ", ".join(map(repr, get_args(Mode)))
         _check(self.mode in get_args(Mode), "mode", f"expected one of {known}, got {self.mode!r}")
         _check(
-            self.admission in ("spread", "fill"),
+            self.admission in get_args(Admission),
             "admission",
-            f"expected 'spread' or 'fill', got {self.admission!r}",
+            f"expected one of {', '.join(map(repr, get_args(Admission)))}, got {self.admission!r}",
         )
         if self.staleness_k != "auto":
             _check(

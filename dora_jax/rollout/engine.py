@@ -44,7 +44,6 @@ from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.rollout.steps import (
     KVCache,
     StepStatic,
-    copy_pages,
     decode_step,
     init_cache,
     prefill_step,
@@ -103,7 +102,6 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 _decode_jit = jax.jit(decode_step, static_argnames=("st",), donate_argnums=(1,))
 _prefill_jit = jax.jit(prefill_step, static_argnames=("st",), donate_argnums=(1,))
 _sample_rows_jit = jax.jit(sample_rows, static_argnames=("sampling",))
-_copy_pages_jit = jax.jit(copy_pages, donate_argnums=(0,))
 
 
 @partial(jax.jit, static_argnames=("impl", "interpret"))
@@ -563,7 +561,7 @@ class Engine(RequestMoves):
         tok, lp = _sample_rows_jit(
             logits, *self._put(rows, keys, positions), sampling=self.sampling
         )
-        self.cache = _copy_pages_jit(self.cache, self._page_ids(src), self._page_ids(dst))
+        self._unpack(self._pack(src), self._page_ids(dst))  # the pages move as a migration's do
         tok, lp = np.asarray(tok), np.asarray(lp)
         for j, (i, r) in enumerate(pairs):
             r.kv_len = r.kv_peak = len(r.prompt)

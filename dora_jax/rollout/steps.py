@@ -258,13 +258,6 @@ def sample_rows(logits, rows, key_data, positions, sampling: SamplingParams):
     return sample(logits[rows], jax.random.wrap_key_data(key_data), positions, sampling)
 
 
-def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Global pages ``src`` copied onto ``dst`` (K and V; pairs ``0 -> 0`` are padding)."""
-    return cache.replace(
-        k=cache.k.at[:, dst].set(cache.k[:, src]), v=cache.v.at[:, dst].set(cache.v[:, src])
-    )
-
-
 def lower_steps(
     cfg: ModelConfig, rcfg: RolloutConfig, mesh: Mesh, *, impl: str, interpret: bool = False
 ) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
