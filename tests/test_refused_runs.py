@@ -58,6 +58,44 @@ def test_a_refused_run_changes_nothing_in_its_run_dir(tmp_path, capsys, bad):
     assert rc == 2 and not (tmp_path / "new").exists()
 
 
+def tiny_hf_checkpoint(path: Path) -> Path:
+    """The default config's 1-layer policy saved as a Hugging Face checkpoint."""
+    import jax
+
+    from dora_jax.config import load_config
+    from dora_jax.model import init_params
+    from dora_jax.model.hf_checkpoint import save_hf_checkpoint
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", T).model
+    return save_hf_checkpoint(init_params(cfg, jax.random.key(0)), cfg, path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "wider"])
+def test_damaged_model_files_are_refused_before_the_run_dir_is_touched(tmp_path, capsys, damage):
+    hf = tiny_hf_checkpoint(tmp_path / "hf")
+    weights = hf / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncated":  # a download cut short
+        weights.write_bytes(data[: len(data) - 100])
+    elif damage == "zeroed":  # a file allocated but never written
+        weights.write_bytes(bytes(len(data)))
+    else:  # config.json describes another model than the tensors
+        config = json.loads((hf / "config.json").read_text())
+        config["intermediate_size"] += 8
+        (hf / "config.json").write_text(json.dumps(config))
+    run_dir = tmp_path / "run"
+    killed_run(run_dir)
+    before = snapshot(run_dir)
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T, f"model.hf_path={hf}")
+    expect("damaged-model-files", out, rc)
+    assert str(hf) in out and "Traceback" not in out
+    if damage == "wider":
+        assert "has shape [128, 64], expected [136, 64] from config.json" in out
+    else:
+        assert f"{weights}: not a readable safetensors file" in out
+    assert snapshot(run_dir) == before  # the killed run's logs are still there, unchanged
+
+
 @pytest.mark.slow  # a whole run: 18 s (the default suite stays under 15 minutes)
 def test_an_accepted_run_clears_the_killed_runs_logs(tmp_path, capsys):
     run_dir = tmp_path / "run"

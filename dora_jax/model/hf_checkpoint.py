@@ -138,6 +138,18 @@ def _validate(reader: _Reader, cfg: ModelConfig, path: Path) -> None:
             )
 
 
+def check_hf_checkpoint(path: str | Path, cfg: ModelConfig) -> None:
+    """Raise :class:`HFCheckpointError` unless every safetensors file of ``path`` opens (its
+    header is whole and its tensors' bytes are all there) and holds the tensors ``cfg`` (from
+    the directory's ``config.json``) names, in their shapes. Reads headers only: a run checks
+    its model files this way before it writes anything."""
+    path = Path(path)
+    reader = _Reader(_tensor_files(path))
+    for file in sorted(set(reader.files.values())):
+        _open(file)  # safetensors refuses a header that does not cover the file exactly
+    _validate(reader, cfg, path)
+
+
 def load_hf_params(path: str | Path, cfg: ModelConfig, shardings: Params | None = None) -> Params:
     """Params for ``cfg`` from the HF checkpoint directory ``path``, each leaf created directly in
     its sharding from ``shardings`` (a tree matching the params; default: the first device)."""

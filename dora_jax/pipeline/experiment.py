@@ -27,7 +27,7 @@ from dora_jax.execution.trainer import ThreadedTrainer
 from dora_jax.execution.trainer_worker import SpmdTrainer
 from dora_jax.mesh import Meshes, build_meshes, processes
 from dora_jax.model import abstract_params, param_axes
-from dora_jax.model.hf_checkpoint import load_hf_config, policy_params
+from dora_jax.model.hf_checkpoint import check_hf_checkpoint, load_hf_config, policy_params
 from dora_jax.model.hf_mapping import UnsupportedModelError
 from dora_jax.model.params import Params
 from dora_jax.model.tokenizer import (
@@ -236,10 +236,12 @@ def build(
     ``process`` (``dora_jax.distributed.process.Process``, index 0 of several), rollout groups
     on the other processes' devices run there. With ``restoring`` (a checkpoint will replace the
     policy) the warm start is not run. ``on_checked`` is called once every check that can refuse
-    the run has passed (the config, the data and eval files, the tokenizer, the reward function),
-    before anything is written (the warm start's cache): the train command takes the run
-    directory there, so that a refused run leaves it as it was."""
+    the run has passed (the config, the model files, the data and eval files, the tokenizer, the
+    reward function), before anything is written (the warm start's cache): the train command
+    takes the run directory there, so that a refused run leaves it as it was."""
     cfg = resolve_model(cfg)
+    if cfg.model.hf_path is not None:  # its files' headers and sizes, before any write
+        check_hf_checkpoint(cfg.model.hf_path, cfg.model)
     check_fits(cfg)
     meshes = build_meshes(cfg.mesh)
     plan = _memory_plan(cfg, meshes)  # before anything is allocated
