@@ -108,10 +108,35 @@ def resume_hint(run_dir: str | Path) -> str:
 
 def main(argv: list[str]) -> int:
     try:
-        return _main(argv)
+        with _project_log_lines():
+            return _main(argv)
     except KeyboardInterrupt:  # a second signal, or one before our handlers were installed
         print("\ninterrupted: stopped at once", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _project_log_lines():
+    """While the command runs, the package's log records reach stderr as the command's other
+    lines do (``warning: ...``), not in the logging module's default ``WARNING:name:`` form."""
+    import logging
+
+    class Lines(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"{record.levelname.lower()}: {record.getMessage()}"
+
+    log = logging.getLogger("dora_jax")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(Lines())
+    handler.setLevel(logging.WARNING)
+    propagate = log.propagate
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 def _main(argv: list[str]) -> int:
@@ -387,7 +412,7 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
             health=health,
         )
         if health.tripped:
-            print(f"error: {health.tripped}", file=sys.stderr)
+            print(f"error: {health.tripped}; {_last_checkpoint(run_dir)}", file=sys.stderr)
             return 1
         return 0
     except BaseException:

@@ -32,6 +32,7 @@ from dora_jax.config.loading import apply_overrides, load_yaml, parse_override
 APPLY, REFUSE = "apply", "refuse"
 # reasons shared by several fields
 _LAYOUT = "it changes the layout of the saved train state"
+_FAILURE_BUDGET = "the stop rule for failing rewards and environments, from the next train step on"
 _REWARD_POOL = (
     "the reward worker pool is started afresh from the config; rewards are computed when "
     "trajectories are consumed"
@@ -84,6 +85,8 @@ RULES: tuple[tuple[str, str, str], ...] = (
         "what a failed reward or environment call does to its group's advantages, from the next "
         "train step on (neither the model nor the prompt stream depends on it)",
     ),
+    ("data.max_failed_steps", APPLY, _FAILURE_BUDGET),
+    ("data.max_failed_share", APPLY, _FAILURE_BUDGET),
     ("data.", REFUSE, "the checkpoint's prompt cursor indexes this prompt stream"),
     ("warm_start.", REFUSE, "the warm start is over: the checkpoint holds the policy"),
     ("eval.every_steps", APPLY, "the evaluation cadence from the next step on"),

@@ -48,3 +48,14 @@ class Faulty(Chatter):
         if bad == 6:
             return "junk", 1.0
         return super().step(action_text)
+
+
+class Shouting(Chatter):
+    """Chatter whose every other task answers its first turn in capitals, which the character
+    tokenizer cannot encode."""
+
+    def step(self, action_text):
+        if self.index % 2 == 1 and self.k == 0:
+            self.k += 1
+            return "(LOUD)", 0.0, False, False, {}
+        return super().step(action_text)

@@ -14,6 +14,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from reliability_cases import expect  # tests/reliability_cases.py
 
 from dora_jax.checkpoint import RunCheckpointer
 from dora_jax.config import load_config
@@ -221,6 +222,22 @@ def test_an_environment_in_a_users_file_trains_through_the_public_config(tmp_pat
     for m in lines:
         assert m["env/info/digits"] > 0 and m["env/turns_mean"] >= 3
         assert m["env/failures/exception"] == 0
+
+
+@pytest.mark.slow  # three steps of a run: about 50 s on 2 cores (the driver's own test is fast)
+def test_an_observation_the_tokenizer_cannot_encode_is_a_failed_episode(tmp_path, capsys):
+    """An environment answering in capitals, which the character tokenizer cannot encode: each
+    such episode ends as an ``invalid`` environment failure with reward 0, the first is printed
+    once, and the run trains on to its last step."""
+    run_dir = tmp_path / "run"
+    rc = main([f"run_dir={run_dir}", *TINY, "train.total_steps=3", f"env.spec={ENVS}:Shouting"])
+    out = capsys.readouterr()
+    expect("env-observation-not-encodable", out.out + out.err, rc)
+    assert out.out.count("its observation cannot be encoded") == 1
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert lines[-1]["env/failures/invalid"] >= 1 and lines[-1]["env/end/env_error"] >= 1
+    assert sum(m["failed_samples"] for m in lines) >= 1
 
 
 def test_a_broken_environment_spec_is_one_line_before_anything_runs(tmp_path, capsys):

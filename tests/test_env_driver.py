@@ -16,7 +16,7 @@ from dora_jax.envs import EnvPool, EnvPoolError
 from dora_jax.envs.builtin.calculator import ToolArithmetic
 from dora_jax.envs.conversation import Limits
 from dora_jax.execution.payloads import PromptPayload
-from dora_jax.model.tokenizer import CharTokenizer, TokenizerError
+from dora_jax.model.tokenizer import CharTokenizer
 from dora_jax.pipeline.conversations import EnvPrompts, EnvTurnDriver, build_env
 from dora_jax.pipeline.grpo import PromptTooLong
 
@@ -30,7 +30,8 @@ SCRIPTED = textwrap.dedent("""
     class Scripted:
         '''Says "go:"; a turn "ok." is answered "more." (twice), then the episode ends with
         reward 1; "raise.", "hang." and "junk." misbehave, "caps." is answered in capitals.
-        The reset of task 7 fails; task 3's first observation has 100 characters.'''
+        The reset of task 7 fails; task 3's first observation has 100 characters, task 11's is
+        in capitals.'''
 
         stop_strings = (".",)
 
@@ -43,6 +44,8 @@ SCRIPTED = textwrap.dedent("""
             self.n = 0
             if task.get("index") == 3:
                 return "x" * 100, {}
+            if task.get("index") == 11:
+                return "GO:", {"answer": "ok"}
             return "go:", {"answer": "ok"}
 
         def step(self, action_text):
@@ -189,7 +192,7 @@ def test_prompt_groups_played_ideally_end_with_reward_one_token_exactly(arith_po
     assert rounds == max(o.figures["turns"] for o in engine.over.values())
 
 
-def test_failing_calls_end_their_conversation_with_reward_zero_counted_once(scripted_pool):
+def test_failing_calls_end_their_conversation_with_reward_zero_counted_once(scripted_pool, capsys):
     driver = EnvTurnDriver(scripted_pool, TOK, LIMITS)
     prompts = EnvPrompts(scripted_pool, TOK, LIMITS, MAX_PROMPT, MAX_NEW, seed=1)
     spec = prompts.next_prompt()
@@ -228,12 +231,25 @@ def test_failing_calls_end_their_conversation_with_reward_zero_counted_once(scri
     assert figures["env/end/env_error"] == 2 and figures["env/end/env_timeout"] == 1
     assert figures["env/conversations"] == 5 and figures["env/end/terminated"] == 2
     assert figures["env/failures/exception"] >= 1 and figures["env/failures/timeout"] >= 1
-    # an observation the tokenizer cannot encode stops the run, naming the request
-    engine.submit(9, spec.payload)
-    engine.turn(9, "caps.")
-    with pytest.raises(TokenizerError, match=r"^request 9: env .*Scripted: character 'M'"):
-        engine.settle(wait=True)
-    driver.drop(9)
+    # an observation the tokenizer cannot encode is the episode's bad data: it ends as an
+    # invalid call with reward 0, counted, and the first is printed naming the request
+    for rid in (9, 10):
+        engine.submit(rid, spec.payload)
+        engine.turn(rid, "caps.")
+    (nine, ten) = engine.settle(wait=True)
+    for o in (nine, ten):
+        assert o.over and o.reward == 0.0 and o.figures["error"] == "invalid"
+        assert o.figures["end_reason"] == "env_error"
+    after = driver.figures()
+    assert after["env/failures/invalid"] == figures["env/failures/invalid"] + 2
+    assert after["env/end/env_error"] == 4 and driver.live() == 0
+    printed = capsys.readouterr().out
+    assert printed.count("warning: env ") == 1, printed
+    assert "request 9: its observation cannot be encoded: character 'M'" in printed
+    # the counts survive a save: a restored driver goes on from them
+    again = EnvTurnDriver(scripted_pool, TOK, LIMITS)
+    again.load_state_dict(driver.state_dict())
+    assert again.figures()["env/failures/invalid"] == after["env/failures/invalid"]
 
 
 def test_a_saved_driver_goes_on_to_the_same_end_in_a_fresh_pool(arith_pool):
@@ -346,6 +362,10 @@ def test_prompt_source_failures_and_long_prompts(scripted_spec, scripted_pool):
     prompts.load_state_dict({"cursor": 7, "skipped": 0, "failures": {}})
     assert prompts.next_prompt().payload.index == 8  # task 7's reset failed: counted, skipped
     assert prompts.figures()["env/reset_failures/exception"] == 1
+    # a first observation the tokenizer cannot encode is the task's bad data: a failed reset
+    prompts.load_state_dict({"cursor": 11, "skipped": 0, "failures": {}})
+    assert prompts.next_prompt().payload.index == 12
+    assert prompts.figures()["env/reset_failures/invalid"] == 1
     prompts.load_state_dict({"cursor": 3, "skipped": 0, "failures": {}})
     with pytest.raises(
         PromptTooLong, match=r"task 3 has 100 tokens; rollout\.max_prompt_len is 64"

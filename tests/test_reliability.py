@@ -5,6 +5,7 @@ signal or a process limit is part of the case."""
 
 import errno
 import json
+import math
 import os
 import resource
 import signal
@@ -18,6 +19,7 @@ import pytest
 from reliability_cases import CASES, expect  # tests/reliability_cases.py
 
 from dora_jax import faults
+from dora_jax.config import load_config
 from dora_jax.main import main, parse_args
 from dora_jax.run_dir import RunDirLock
 
@@ -479,6 +481,95 @@ def test_max_consecutive_skips_is_the_number_of_skipped_steps(clock):
     expect("skips-in-a-row-exactly", health.tripped)
     assert rt.stopped and rt.steps_done == 3 and trainer.inner.version == 3  # no 4th step
     assert health.skipped_steps == [1, 2, 3] and "(3 in a row, 3 in all)" in messages[-1]
+
+
+@pytest.mark.slow  # a run to its stop: about 40 s on 2 cores
+def test_a_reward_that_always_fails_stops_the_run_with_a_checkpoint(tmp_path, capsys):
+    reward = tmp_path / "broken_reward.py"
+    reward.write_text("def score(response, answer):\n    return 1 / 0\n")
+    run_dir = tmp_path / "run"
+    rc, out = cli(
+        capsys, f"run_dir={run_dir}", *T, f"data.reward={reward}:score", "train.total_steps=8"
+    )
+    expect("failing-reward-stops", out, rc)
+    assert f"the reward function {reward}:score (exception: ZeroDivisionError" in out
+    assert out.count("reward function failed") == 1 and "WARNING:" not in out
+    assert "check train.lr" not in out  # the learning rate is not blamed
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]  # stopped at the budget, not at step 8
+    assert (run_dir / "checkpoints" / "3").is_dir()
+
+
+def health_over(metrics: list[dict], *overrides: str, history: list[dict] = ()):
+    """RunHealth over a fake run whose train steps log ``metrics`` (one dict a step, published
+    in turn); returns it and what it printed."""
+    from dora_jax.config import load_config
+    from dora_jax.pipeline.health import RunHealth
+
+    cfg = load_config(
+        None, ["orchestrator.train_batch_prompts=2", "train.group_size=2", *overrides]
+    )
+    logs = []
+    reward = SimpleNamespace(errors=5, last_error="exception: ValueError: no verifier")
+    exp = SimpleNamespace(
+        cfg=cfg,
+        runtime=SimpleNamespace(steps_done=len(history)),
+        grpo=SimpleNamespace(step_logs=lambda start: logs[start - len(history) :]),
+        reward=reward,
+        env=None,
+    )
+    printed: list[str] = []
+    health = RunHealth(exp, echo=printed.append, history=list(history))
+    runtime = SimpleNamespace(stopping=False, stopped=False)
+    for step, m in enumerate(metrics, len(history) + 1):
+        logs.append(SimpleNamespace(version=step, metrics=m))
+        health.on_publish(runtime, step)
+        if health.tripped:
+            assert runtime.stopped
+            break
+    return health, printed
+
+
+def step_metrics(failed: int, entropy: float = 1.0, step: int = 0) -> dict:
+    return {
+        "step": step,
+        "skipped": 0,
+        "loss": 0.0,
+        "grad_norm": 0.5,
+        "entropy": entropy,
+        "advantage_abs_mean": 0.5,
+        "failed_samples": failed,
+    }
+
+
+def test_the_failure_budget_counts_steps_in_a_row_over_its_share():
+    # 4 samples a step: every one failed, then 3 (not all: the streak restarts), then 4 x 3
+    health, _ = health_over([step_metrics(n) for n in (4, 4, 3, 4, 4, 4, 4)])
+    assert health.tripped.startswith("3 train steps in a row (steps 4-6) had every sample fail")
+    assert "the reward function exact (exception: ValueError: no verifier)" in health.tripped
+    # a share: 2 of 4 is enough at max_failed_share 0.5
+    health, _ = health_over([step_metrics(2)] * 3, "data.max_failed_share=0.5")
+    assert "(steps 1-3) had 2 of 4 samples fail" in health.tripped
+    health, _ = health_over([step_metrics(4)] * 9, "data.max_failed_steps=0")
+    assert health.tripped is None  # 0: never
+    # a resumed run replays its history quietly and stops only at a failing step of its own
+    history = [step_metrics(4, step=s) for s in (1, 2, 3)]
+    health, _ = health_over([], history=history)
+    assert health.tripped is None
+    health, _ = health_over([step_metrics(4)], history=history)
+    assert "4 train steps in a row (steps 1-4)" in health.tripped
+    health, _ = health_over([step_metrics(0), step_metrics(4)], history=history)
+    assert health.tripped is None
+
+
+def test_the_dead_policy_warning_names_failed_calls_before_the_learning_rate():
+    uniform = math.log(load_config(None, []).model.vocab_size)
+    _, printed = health_over([step_metrics(1, uniform)] * 3)
+    (text,) = printed
+    assert "1 of the step's 4 samples failed their reward or environment call" in text
+    assert "train.lr" not in text
+    _, printed = health_over([step_metrics(0, uniform)] * 3)
+    assert "check train.lr" in printed[0]
 
 
 @pytest.mark.slow  # one training run, about 25 s on 2 cores

@@ -375,6 +375,11 @@ class DataConfig:
     # with a failed one advantage 0 and no loss weight. Dropped samples are still consumed and
     # counted (failed_samples_dropped, failed_groups_dropped in metrics.jsonl and summary.json)
     on_failure: Literal["zero", "drop_sample", "drop_group"] = "drop_sample"
+    # a broken reward function or environment stops the run (with a checkpoint, naming it and
+    # its last error) once max_failed_steps train steps in a row had at least max_failed_share
+    # of their samples failed (0: never stop for that)
+    max_failed_steps: int = 3
+    max_failed_share: float = 1.0
     tokenizer: Literal["char", "hf"] = "char"
     # a prompt longer than rollout.max_prompt_len: "error" refuses the data file before the run
     # starts, naming the line; "skip" leaves it out and counts it (summary.json)
@@ -421,6 +426,16 @@ class DataConfig:
         check_positive(self, "reward_timeout_s", "reward_workers")
         check_bool(self, "shuffle")
         check_choice(self, "on_failure", ("zero", "drop_sample", "drop_group"))
+        _check(
+            self.max_failed_steps >= 0,
+            "max_failed_steps",
+            f"must be >= 0 (0: never stop), got {self.max_failed_steps}",
+        )
+        _check(
+            0.0 < self.max_failed_share <= 1.0,
+            "max_failed_share",
+            f"must be in (0, 1], got {self.max_failed_share}",
+        )
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class Scorer:
         self._pending: dict[Hashable, Future] = {}
         self._lock = threading.Lock()  # prefetch: the control loop; score_many: the trainer
         self._warned: set[str] = set()
+        self.last_error: str | None = None  # "kind: message" of the newest failure
 
     @property
     def errors(self) -> int:
@@ -90,6 +91,7 @@ class Scorer:
         for out in outs:
             if out.error is not None:
                 self.errors_by_kind[out.error] += 1
+                self.last_error = f"{out.error}: {out.message}"
                 if out.error not in self._warned:  # once per kind: a broken verifier is loud
                     self._warned.add(out.error)
                     log.warning(

@@ -286,9 +286,15 @@ class Conversation:
         self._model.extend([model] * len(ids))
         self._logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
+    def fail(self, kind: str, message: str) -> None:
+        """End the episode as a failed call of ``kind`` (one of the pool's error kinds; reward
+        0): what the environment gave cannot be used (an observation the tokenizer cannot
+        encode counts as ``invalid``)."""
+        self.error, self.message = kind, message
+        self._end("env_timeout" if kind == "timeout" else "env_error")
+
     def _fail(self, outcome: EnvOutcome) -> None:
-        self.error, self.message = outcome.error, outcome.message
-        self._end("env_timeout" if outcome.error == "timeout" else "env_error")
+        self.fail(outcome.error, outcome.message)
 
     def _end(self, reason: str) -> None:
         assert reason in END_REASONS, reason

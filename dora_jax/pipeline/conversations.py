@@ -135,6 +135,13 @@ class EnvPrompts:
             task = {"index": index}
             episode, future = self.pool.reset(self.seed, task)
             out: EnvOutcome = future.result()  # the pool answers within its timeout
+            ids: tuple[int, ...] = ()
+            if out.error is None:
+                messages = as_messages(out.step.observation)
+                try:
+                    ids = tuple(self.renderer.prompt_ids(messages))
+                except TokenizerError as e:  # the task's data, not the run's: a failed reset
+                    out = EnvOutcome(None, error="invalid", message=f"cannot be encoded: {e}")
             if out.error is not None:
                 self.pool.finish(episode)
                 self.failures[out.error] += 1
@@ -149,8 +156,6 @@ class EnvPrompts:
             in_row = 0
             state = self.pool.episode_state(episode)
             self.pool.finish(episode)
-            messages = as_messages(out.step.observation)
-            ids = tuple(self.renderer.prompt_ids(messages))
             room = self.limits.max_tokens - len(ids)
             if ids and len(ids) <= self.max_prompt_len and room >= 1:
                 info = dict(out.step.info)
@@ -241,6 +246,8 @@ class EnvTurnDriver:
         self._ended: Counter[str] = Counter()
         self._dropped = 0
         self._failures_base: Counter[str] = Counter()  # failures before this pool (a restore)
+        self._warned_invalid = False
+        self.last_error: str | None = None  # "kind: message" of the newest failed episode
         # called (on the pool's thread) when an environment call answers: a wall-clock control
         # loop is woken to apply it at once
         self.on_answer: Callable[[], None] | None = None
@@ -341,8 +348,10 @@ class EnvTurnDriver:
             self._env_seconds += answer.seconds
             try:
                 conv.add_env_outcome(answer)
-            except ValueError as e:  # RenderDriftError, TokenizerError: name the request
-                kind = type(e) if isinstance(e, RenderDriftError | TokenizerError) else ValueError
+            except TokenizerError as e:  # this episode's data, not the run's: an invalid call
+                self._invalid(rid, conv, f"its observation cannot be encoded: {e}")
+            except ValueError as e:  # RenderDriftError (the template's): name the request
+                kind = type(e) if isinstance(e, RenderDriftError) else ValueError
                 raise kind(f"request {rid}: env {self.pool.spec}: {e}") from e
             if conv.done:
                 out.append(self._end(rid, live))
@@ -451,6 +460,19 @@ class EnvTurnDriver:
             future.add_done_callback(lambda _: on_answer())
         return future
 
+    def _invalid(self, rid: int, conv: Conversation, message: str) -> None:
+        """End ``conv`` as an ``invalid`` environment failure, counted in ``env/failures``; the
+        first of a run is printed, naming the request."""
+        conv.fail("invalid", message)
+        self._failures_base["invalid"] += 1
+        if not self._warned_invalid:
+            self._warned_invalid = True
+            print(
+                f"warning: env {self.pool.spec}: request {rid}: {_one_line(message)}; the episode "
+                "ends with reward 0, counted as env/failures/invalid (the run goes on)",
+                flush=True,
+            )
+
     def _end(self, rid: int, live: _Live) -> TurnOutcome:
         conv = live.conv
         how = "sum" if self.reward_mode == "function" else self.reward_mode
@@ -459,6 +481,8 @@ class EnvTurnDriver:
             self.pool.finish(live.episode)
         del self._live[rid]
         self._ended[conv.end_reason] += 1
+        if conv.error is not None:
+            self.last_error = f"{conv.error}: {_one_line(conv.message)}"
         return TurnOutcome(rid, None, conv.reward(how), mask, conv.summary())
 
 

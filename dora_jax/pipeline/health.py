@@ -5,10 +5,15 @@
   ``train.max_consecutive_skips`` skips in a row stops the run before another step starts (it
   saves a checkpoint and the command exits 1 with a message): the policy will not recover by
   itself.
+- A failure budget: after ``data.max_failed_steps`` train steps in a row with at least
+  ``data.max_failed_share`` of their samples failed (the reward function's call or the
+  environment's: ``failed_samples``), the run stops the same way, naming the reward function or
+  environment and its last error: it trains on nothing until that is fixed.
 - A collapse detector warns when, for :data:`DEAD_STEPS` steps in a row, the policy's entropy is
   within 2% of ``ln(vocab_size)`` (it outputs near-uniform noise) or the gradient norm is zero
   while the advantages are not (a saturated policy that no longer learns). It warns once per
-  episode and does not stop the run.
+  episode and does not stop the run; when the step's samples failed their calls, it says so
+  rather than blame the learning rate.
 
 Everything it counts is derived from the step metrics, so a resumed run continues the counts
 from the ``metrics.jsonl`` lines of the steps before its checkpoint (``history``).
@@ -24,7 +29,7 @@ from dora_jax.pipeline.experiment import Experiment
 
 DEAD_STEPS = 3
 UNIFORM_FRACTION = 0.98
-_READ = ("skipped", "loss", "grad_norm", "entropy", "advantage_abs_mean")
+_READ = ("skipped", "loss", "grad_norm", "entropy", "advantage_abs_mean", "failed_samples")
 
 
 class RunHealth:
@@ -36,6 +41,10 @@ class RunHealth:
         self.warnings: list[str] = []
         self.tripped: str | None = None  # why the run must stop
         self._streak = 0
+        d, o = exp.cfg.data, exp.cfg.orchestrator
+        self.max_failed, self.failed_share = d.max_failed_steps, d.max_failed_share
+        self.samples = o.train_batch_prompts * exp.cfg.train.group_size  # a step's
+        self._failed_streak = 0
         self._dead: list[str] = []  # signs of a dead policy, one per step in a row
         self._warned = False
         done = exp.runtime.steps_done
@@ -57,6 +66,9 @@ class RunHealth:
 
     def _check(self, metrics: dict, step: int, quiet: bool = False) -> None:
         m = {k: np.asarray(v) for k, v in metrics.items() if k in _READ}
+        failed = int(m.get("failed_samples", 0))
+        if self._check_failures(failed, step, quiet):
+            return
         if int(m["skipped"]):
             self._streak += 1
             self.skipped_steps.append(step)
@@ -83,13 +95,50 @@ class RunHealth:
             self._warned = False
         elif len(self._dead) >= DEAD_STEPS and not self._warned:
             self._warned = True
+            cause = (
+                f"{failed} of the step's {self.samples} samples failed their reward or "
+                "environment call (reward_errors, env/failures in metrics.jsonl): check those "
+                "first"
+                if failed
+                else f"check train.lr (now {self.exp.cfg.train.lr:g})"
+            )
             text = (
                 f"warning: the policy looks dead at step {step}: {sign} for {DEAD_STEPS} steps "
-                f"in a row; check train.lr (now {self.exp.cfg.train.lr:g})"
+                f"in a row; {cause}"
             )
             self.warnings.append(text)
             if not quiet:
                 self.echo(text)
+
+    def _check_failures(self, failed: int, step: int, quiet: bool) -> bool:
+        """Count a step whose failed share is over the budget's; True once the run must stop
+        (never while replaying a resumed run's history: its next step decides)."""
+        if failed < self.failed_share * self.samples:
+            self._failed_streak = 0
+            return False
+        self._failed_streak += 1
+        if quiet or not self.max_failed or self._failed_streak < self.max_failed:
+            return False
+        first = step - self._failed_streak + 1
+        share = "every sample" if failed == self.samples else f"{failed} of {self.samples} samples"
+        self.tripped = (
+            f"{self._failed_streak} train steps in a row (steps {first}-{step}) had {share} "
+            f"fail: {self._culprits()}; they score 0 and the run trains on nothing, so it "
+            "stopped with a checkpoint: fix that (or raise data.max_failed_steps) before you "
+            "continue"
+        )
+        return True
+
+    def _culprits(self) -> str:
+        """The reward function and environment that failed, each with its last error."""
+        out = []
+        reward = self.exp.reward
+        if reward.errors:
+            out.append(f"the reward function {self.exp.cfg.data.reward} ({reward.last_error})")
+        env = self.exp.env
+        if env is not None and env.driver.last_error is not None:
+            out.append(f"the environment {self.exp.cfg.env.spec} ({env.driver.last_error})")
+        return " and ".join(out) or "their reward or environment calls"
 
     def _dead_sign(self, m: dict) -> str | None:
         entropy, grad = float(m["entropy"]), float(m["grad_norm"])
