@@ -2,8 +2,10 @@
 
 :class:`MetricsWriter` appends ``{"step": step, **metrics}`` to ``run_dir/metrics.jsonl`` (one
 line per :meth:`~MetricsWriter.write`, flushed at once so a crashed run keeps what it logged)
-and, when ``tensorboard=True``, mirrors the numbers to event files under ``run_dir/tb/`` through
-``tensorboardX.SummaryWriter``.
+and, when ``tensorboard=True``, mirrors the numbers to an event file under ``run_dir/tb/``
+(tensorboardX's summaries and record format, written in the caller's thread: a write that fails,
+a full disk say, is a warning and TensorBoard is off from then on, the JSONL going on; a writer
+thread that died would leave the run blocked on its queue).
 
 JSON encoding (:func:`json_safe`): numpy scalars and arrays become Python numbers and lists;
 ``NaN`` is written as ``null``, ``+inf`` / ``-inf`` as the strings ``"inf"`` / ``"-inf"``.
@@ -22,9 +24,11 @@ record too, under the same names.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -145,7 +149,8 @@ class MetricsWriter:
                     stacklevel=2,
                 )
             else:
-                self._tb = SummaryWriter(logdir=str(self.run_dir / tb_dir))
+                del SummaryWriter  # (the summaries come from the package, written here)
+                self._tb = _EventFile(self.run_dir / tb_dir)
 
     @property
     def tensorboard(self) -> bool:
@@ -171,27 +176,45 @@ class MetricsWriter:
         """A text (markdown) under ``tag`` at ``step`` in TensorBoard (nothing without it; the
         JSONL holds numbers only)."""
         if self._tb is not None:
-            self._tb.add_text(tag, text, int(step))
-            self._tb.flush()
+            from tensorboardX.summary import text as summary
+
+            self._guarded(lambda: self._tb.write([summary(tag, text)], int(step)))
 
     def _write_tb(self, step: int, metrics: Mapping[str, Any]) -> None:
+        from tensorboardX.summary import histogram, scalar
+
+        summaries = []
         for key, v in flatten_metrics(metrics).items():
             if is_number(v):
-                self._tb.add_scalar(key, float(v), step)
+                summaries.append(scalar(key, float(v)))
             elif isinstance(v, list | tuple | np.ndarray) and len(v):
                 if not all(is_number(e) for e in np.asarray(v, dtype=object).ravel()):
                     continue
                 arr = np.asarray(v, dtype=np.float64).ravel()
                 arr = arr[np.isfinite(arr)]
                 if arr.size:
-                    self._tb.add_histogram(key, arr, step)
-        self._tb.flush()
+                    summaries.append(histogram(key, arr, "auto"))
+        self._guarded(lambda: self._tb.write(summaries, step))
+
+    def _guarded(self, write) -> None:
+        """Run a TensorBoard write; one that fails turns TensorBoard off with a warning."""
+        try:
+            write()
+        except OSError as e:
+            tb, self._tb = self._tb, None
+            print(
+                f"warning: TensorBoard events cannot be written to {tb.path} "
+                f"({e.strerror or e}): from now on the metrics go to {self.path} only",
+                file=sys.stderr,
+                flush=True,
+            )
+            tb.abandon()
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
         if self._tb is not None:
-            self._tb.close()
+            self._guarded(self._tb.close)
             self._tb = None
 
     def __enter__(self) -> MetricsWriter:
@@ -199,6 +222,34 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _EventFile:
+    """One TensorBoard event file written in the caller's thread (tensorboardX's record format):
+    a failed write raises ``OSError`` here rather than in a writer thread."""
+
+    def __init__(self, logdir: Path):
+        from tensorboardX.event_file_writer import EventsWriter
+
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(logdir / "events"))
+        self.path = Path(self._writer._file_name)
+
+    def write(self, summaries: list, step: int) -> None:
+        from tensorboardX.proto import event_pb2
+
+        now = time.time()
+        for summary in summaries:
+            self._writer.write_event(event_pb2.Event(summary=summary, step=step, wall_time=now))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def abandon(self) -> None:
+        """Close without raising (after a failed write)."""
+        with contextlib.suppress(OSError):
+            self._writer.close()
 
 
 def progress(total: int | None, desc: str = "", *, enabled: bool = True, **kw: Any):

@@ -11,6 +11,8 @@ Only process 0 of a multi-process run logs (the others never build a logger).
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,16 +54,37 @@ class WandbLog:
                     arr = arr[np.isfinite(arr)]
                     if arr.size:
                         data[key] = self._wandb.Histogram(arr)
-        self.run.log(data, step=int(step))
+        self._send(data, step)
 
     def log_table(
         self, step: int, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
     ) -> None:
         """A table (``rows`` of plain values under ``columns``) under ``key`` at ``step``."""
         table = self._wandb.Table(columns=list(columns), data=[list(r) for r in rows])
-        self.run.log({key: table}, step=int(step))
+        self._send({key: table}, step)
+
+    def _send(self, data: dict[str, Any], step: int) -> None:
+        """``run.log``; one that fails (the service gone, a full disk under its files) is a
+        warning and W&B is off from then on: the run and its metrics.jsonl go on."""
+        if self.run is None:
+            return
+        try:
+            self.run.log(data, step=int(step))
+        except Exception as e:  # noqa: BLE001  (wandb raises its own types, and OSError)
+            run, self.run = self.run, None
+            print(
+                f"warning: W&B logging failed at step {step} ({type(e).__name__}: {e}): the run "
+                "goes on, its metrics in metrics.jsonl only",
+                file=sys.stderr,
+                flush=True,
+            )
+            with contextlib.suppress(Exception):
+                run.finish(exit_code=1)
 
     def close(self) -> None:
         if self.run is not None:
-            self.run.finish()
-            self.run = None
+            run, self.run = self.run, None
+            try:
+                run.finish()
+            except Exception as e:  # noqa: BLE001
+                print(f"warning: W&B did not finish cleanly ({type(e).__name__}: {e})", flush=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reliability_cases import expect  # tests/reliability_cases.py
 
 from dora_jax import report
 from dora_jax.config.schema import OrchestratorConfig
@@ -139,6 +140,60 @@ def test_metrics_jsonl_round_trip_and_tensorboard(tmp_path):
     assert math.isnan(values[(10, "loss")].simple_value)
     assert values[(0, "lens")].HasField("histo") and values[(0, "lens")].histo.num == 3
     assert (10, "note") not in values  # strings are JSONL-only
+
+
+def test_a_tensorboard_write_that_fails_is_a_warning_and_the_jsonl_goes_on(
+    tmp_path, monkeypatch, capsys
+):
+    """A full disk under the event file: one warning naming it, TensorBoard off from then on,
+    every record still in metrics.jsonl, and nothing blocks (the writer has no thread to die)."""
+    import errno
+
+    from tensorboardX import record_writer
+
+    w = MetricsWriter(tmp_path, tensorboard=True)
+    w.write(1, {"loss": 0.5})
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    for step in range(2, 30):  # past any queue a writer thread would have held
+        w.write(step, {"loss": 0.25, "lens": [1, 2]})
+        w.write_text(step, "samples", "text")
+    w.close()
+    err = capsys.readouterr().err
+    expect("tensorboard-write-fails", err)
+    assert err.count("warning: TensorBoard events cannot be written to") == 1, err
+    assert "No space left on device" in err and str(tmp_path / "metrics.jsonl") in err
+    assert not w.tensorboard
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 30))
+
+
+def test_a_wandb_log_that_fails_is_a_warning_and_the_run_goes_on(capsys):
+    from dora_jax.wandb_log import WandbLog
+
+    class Run:  # a W&B run whose service goes away at step 3
+        def __init__(self):
+            self.logged, self.finished = [], []
+
+        def log(self, data, step):
+            if step >= 3:
+                raise ConnectionError("the wandb service is gone")
+            self.logged.append(step)
+
+        def finish(self, exit_code=0):
+            self.finished.append(exit_code)
+
+    log = WandbLog.__new__(WandbLog)  # (no wandb.init: the run is the fake above)
+    run = log.run = Run()
+    for step in range(1, 6):
+        log.log(step, {"loss": 0.5})
+    log.close()
+    err = capsys.readouterr().err
+    expect("wandb-log-fails", err)
+    assert err.count("warning: W&B logging failed at step 3 (ConnectionError") == 1, err
+    assert run.logged == [1, 2] and run.finished == [1]
 
 
 def test_metrics_without_tensorboard_and_errors(tmp_path):
