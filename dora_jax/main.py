@@ -26,6 +26,17 @@ from dora_jax.config import ConfigError, ExperimentConfig, dump_yaml, load_confi
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
 
+def _steps(text: str) -> int:
+    """``--steps``: a whole number of train steps, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python launch/train.py",
@@ -36,7 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     modes = get_args(schema.Mode)  # the built-in modes and those registered
     p.add_argument("--mode", choices=modes, help="shortcut for orchestrator.mode=MODE")
-    p.add_argument("--steps", type=int, default=None, help="shortcut for train.total_steps=N")
+    p.add_argument(
+        "--steps", type=_steps, default=None, help="shortcut for train.total_steps=N (N >= 1)"
+    )
     p.add_argument(
         "--resume",
         action="store_true",

@@ -207,6 +207,25 @@ def test_config_that_is_a_directory(tmp_path, capsys):
     assert "does not exist" not in out
 
 
+@pytest.mark.parametrize("steps, says", [("-5", "must be at least 1, got -5"), ("x", "got 'x'")])
+def test_bad_steps_are_named_as_given(capsys, steps, says):
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--steps", steps])
+    err = capsys.readouterr().err
+    expect("bad-steps-flag", err, stop.value.code)
+    assert says in err and "train.total_steps" not in err
+
+
+def test_config_from_dev_null_is_empty_and_a_pipe_is_refused(tmp_path):
+    from dora_jax.config.loading import ConfigError, load_yaml
+
+    assert load_yaml("/dev/null") == {}
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_yaml(fifo)  # refused before it is opened: no reader waits on a pipe forever
+
+
 def test_hf_model_metadata_is_the_checkpoints(tmp_path, capsys):
     """The announced parameter count and the written config come from the HF config.json."""
     from dora_jax.config import ModelConfig

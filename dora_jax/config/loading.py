@@ -230,8 +230,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         raise ConfigError("", f"config file {str(p)!r} is a directory, not a YAML file")
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError("", f"config file {str(p)!r} does not exist")
+    if not (p.is_file() or p.is_char_device()):  # (/dev/null reads as an empty config)
+        raise ConfigError("", f"config file {str(p)!r} is not a regular file")
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
