@@ -216,3 +216,16 @@ def test_env_section_loads_kwargs_and_keeps_the_config_hashable(tmp_path):
     assert load_config(None, ["env.max_tokens=100"]).env.resolved_max_tokens(64, 128) == 100
     with pytest.raises(ConfigError, match=r"^kwargs: must be plain JSON data"):
         EnvConfig(kwargs={"x": float("nan")})
+
+
+def test_a_swapped_environment_does_not_inherit_the_recipes_arguments():
+    """The tool recipe's env.kwargs are its environment's: an env.spec given on the command line
+    for another class starts from no arguments (its own from the command line), while the
+    recipe's own class keeps them."""
+    recipe = ROOT / "configs" / "recipes" / "tool-arithmetic-cpu.yaml"
+    mine = "env.spec=tests/agentic_envs.py:Chatter"
+    assert load_config(recipe, []).env.kwargs  # (the recipe has some)
+    assert load_config(recipe, [mine]).env.kwargs == {}
+    assert load_config(recipe, ["env.kwargs.turns=3", mine]).env.kwargs == {"turns": 3}
+    same = load_config(recipe, ["env.spec=tool_arithmetic", "env.kwargs.max_steps=3"])
+    assert same.env.kwargs == {**load_config(recipe, []).env.kwargs, "max_steps": 3}

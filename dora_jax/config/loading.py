@@ -277,8 +277,28 @@ def override_for(path: str, overrides: list[str] | tuple[str, ...]) -> str | Non
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> ExperimentConfig:
-    """The experiment config: defaults, then the YAML file at ``path``, then ``overrides``."""
+    """The experiment config: defaults, then the YAML file at ``path``, then ``overrides``.
+
+    An ``env.spec`` given on the command line that swaps the file's environment for another
+    does not inherit the file's ``env.kwargs``: they were the other class's arguments (the
+    command line's ``env.kwargs.NAME=...`` are the new one's)."""
+    overrides = list(overrides)
+    if path is not None and _swaps_environment(load_yaml(path), overrides):
+        keys = [o.split("=", 1)[0].strip() for o in overrides]
+        first = next((i for i, k in enumerate(keys) if k.startswith("env.kwargs")), len(keys))
+        overrides.insert(first, "env.kwargs={}")  # before the new class's own arguments
     return load_dataclass(ExperimentConfig, path, overrides)
+
+
+def _swaps_environment(data: dict[str, Any], overrides: list[str]) -> bool:
+    """True when ``overrides`` set ``env.spec`` to another value than the file's, which has
+    ``env.kwargs``."""
+    env = data.get("env") if isinstance(data.get("env"), dict) else {}
+    keys = [o.split("=", 1)[0].strip() for o in overrides]
+    if not env.get("kwargs") or "env.spec" not in keys:
+        return False
+    given = overrides[len(keys) - 1 - keys[::-1].index("env.spec")].split("=", 1)[1]
+    return str(yaml.safe_load(given) or "") != str(env.get("spec") or "")
 
 
 def dump_yaml(cfg: Any, path: str | Path) -> None:
