@@ -346,7 +346,7 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
     from dora_jax.checkpoint import finished_steps
     from dora_jax.metrics import read_metrics
     from dora_jax.pipeline.experiment import run, write_memory_plan
-    from dora_jax.pipeline.health import RunHealth
+    from dora_jax.pipeline.health import NoRolloutGroups, RunHealth
     from dora_jax.pipeline.observers import HeldOutEval, MetricsLog
     from dora_jax.pipeline.run_report import write_run_report
     from dora_jax.run_dir import create, start_over
@@ -400,6 +400,7 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
         logged = run_dir / "metrics.jsonl"  # (cut to the checkpoint by MetricsLog)
         history = read_metrics(logged) if restoring and logged.is_file() else []
         health = RunHealth(exp, echo=metrics.echo, history=history)
+        no_groups = NoRolloutGroups(exp, run_dir, echo=metrics.echo)
         if exp.runtime.steps_done == 0:
             evals.at(0)  # before the first step
         stop.arm()  # from here a signal saves a checkpoint at the next tick
@@ -408,7 +409,7 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
             max(cfg.train.total_steps - exp.runtime.steps_done, 0),
             checkpointer=checkpointer,
             every_steps=cfg.checkpoint.every_steps,
-            should_stop=lambda: stop() or health.tripped is not None,
+            should_stop=lambda: stop() or health.tripped is not None or no_groups(),
             observers=(metrics, evals, health),
         )
         metrics.close()
@@ -424,9 +425,10 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
             warm_start_s,
             health=health,
         )
-        if health.tripped:
-            print(f"error: {health.tripped}; {_last_checkpoint(run_dir)}", file=sys.stderr)
-            return 1
+        for tripped in (health.tripped, no_groups.tripped):
+            if tripped:
+                print(f"error: {tripped}; {_last_checkpoint(run_dir)}", file=sys.stderr)
+                return 1
         return 0
     except BaseException:
         if checkpointer is not None:  # finish the save in progress: it stays usable

@@ -162,3 +162,71 @@ def test_a_rollout_host_told_to_stop_hands_its_requests_over(tmp_path, clock, st
         assert recovered.get("kv", 0) > 0, recovered
     health = _back_and_working(run_dir)  # (its exit after the handover: no second loss)
     assert all("leaving" in h[3] for h in health if h[1] in (2, 3) and h[2] == "dead"), health
+
+
+# Two processes, as docs/usage.md's first layout: the trainer on process 0, every rollout group
+# on process 1. Losing process 1 leaves no group in the run.
+ALONE = [
+    *TINY_RUN,
+    "logging.tensorboard=false",
+    "mesh.rollout.devices=4:8",
+    "mesh.rollout.groups=4",
+]
+
+
+def _start_alone(tmp_path: Path, steps: int, *extra: str) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "launch" / "train.py"), "--local-processes", "2", *ALONE]
+    args += [*extra, f"run_dir={run_dir}", f"train.total_steps={steps}"]
+    return start_until_steps(args, tmp_path, run_dir, 2), run_dir
+
+
+def test_the_only_rollout_host_killed_and_started_again_finishes_the_run(tmp_path):
+    """Every group comes back holding the newest version; the prompt groups started under older
+    ones finish under theirs (the trainer sends those versions to groups again)."""
+    steps = 30
+    proc, run_dir = _start_alone(tmp_path, steps)
+    logs = run_dir / "logs"
+    os.kill(int((logs / "process_1.pid").read_text()), signal.SIGKILL)
+    _wait_for(logs / "process_0.log", "process 1 is gone", proc)
+    again = (logs / "process_1.cmd").read_text()
+    with open(logs / "process_1.again.log", "w") as out:
+        rejoined = subprocess.Popen(
+            again, shell=True, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
+        )
+        try:
+            _, stderr = proc.communicate(timeout=900)  # (a hang fails here, not forever)
+        finally:
+            rejoined.wait(timeout=120)
+    log0 = (logs / "process_0.log").read_text()
+    assert proc.returncode == 0, log0[-3000:] + stderr[-2000:]
+    rows = [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    ids = [r["request_id"] for r in rows]
+    assert len(ids) == len(set(ids)) == steps * 2 * 4  # every prompt group once
+    assert all(r["version_span"] == 1 for r in rows)
+
+
+def test_the_only_rollout_host_lost_for_good_stops_the_run_with_a_checkpoint(tmp_path):
+    proc, run_dir = _start_alone(tmp_path, 8, "orchestrator.no_groups_wait_s=15")
+    logs = run_dir / "logs"
+    os.kill(int((logs / "process_1.pid").read_text()), signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    log0 = (logs / "process_0.log").read_text()
+    expect("no-rollout-group-left", log0 + out + err, proc.returncode)
+    assert (
+        f"waiting up to 15 s for process 1 to be started again with its own command "
+        f"({logs / 'process_1.cmd'})" in log0
+    )
+    steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert (run_dir / "checkpoints" / str(steps)).is_dir() and steps < 8
+    # the printed command continues the run to its end
+    resume = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), "--local-processes", "2"]
+        + ["--resume", f"run_dir={run_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 8

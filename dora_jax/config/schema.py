@@ -276,6 +276,10 @@ class OrchestratorConfig:
     # wall clock: stop with an error after this many seconds without progress (no train step,
     # no trajectory, no dispatch)
     stall_s: float = 600.0
+    # a run with no rollout group left in it (every one's process gone, or every engine failed
+    # past rollout.max_group_restarts) waits this many seconds for one to come back, counting
+    # down on the terminal, then stops with a checkpoint and the resume command
+    no_groups_wait_s: float = 300.0
 
     @property
     def auto_k(self) -> bool:
@@ -313,7 +317,9 @@ class OrchestratorConfig:
             "staleness_k",
             f"auto is for mode dora (the others fix K), got mode {self.mode!r}",
         )
-        check_positive(self, "stall_s", "train_batch_prompts", "plan_period_ticks")
+        check_positive(
+            self, "stall_s", "no_groups_wait_s", "train_batch_prompts", "plan_period_ticks"
+        )
         check_choice(self, "clock", ("logical", "wall"))
         check_bool(self, "legacy_fill", "plan_on_idle", "plan_hysteresis")
         _check(

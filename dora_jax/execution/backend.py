@@ -518,6 +518,7 @@ class EngineBackend(GroupRecovery):
             "published": self.published,
             "tick": self._tick,
             "versions": list(self._version),
+            "orphaned": sorted(self._orphaned),
             "members": [list(m) for m in self._members],
             "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
             "overheads": self.overheads,
@@ -541,10 +542,12 @@ class EngineBackend(GroupRecovery):
         self._members = [dict.fromkeys(m) for m in state["members"]]
         self._where = {rid: g for g, m in enumerate(self._members) for rid in m}
         self._version = list(state["versions"])
+        self._orphaned = set(state.get("orphaned", ()))
         self._recovered = list(state.get("recovered", ()))
         load_conversations_state(self, state.get("conversations"))
         for g, snap in enumerate(state["engines"]):
             if snap is None:  # out of the run when saved: back now, with the newest version
+                self._orphan(g)
                 self._version[g] = v = self.published
                 src = self._trainer_source(g, v, params_for(v))
                 self._send(g, c.Load(g, v, **src)).result(WAIT_S)

@@ -65,18 +65,35 @@ class GroupRecovery:
         self._in_transit: dict[int, tuple[int, list[int], int]] = {}
         self.host_losses = [0] * n
         self._leaving: set[int] = set()  # hosts that handed their requests over, not yet gone
+        # versions that only groups out of the run held when those groups came back with the
+        # newest one: their recovered requests still need them (from the trainer), until a
+        # group in the run holds them again
+        self._orphaned: set[int] = set()
+
+    def out_of_run(self) -> dict[int, str]:
+        """Each group out of the run and its state: ``dead`` (its process gone, or its engine
+        failed for good), ``restarting`` (its process is back, building its engine), ``stale``
+        (loading a version before it takes work)."""
+        return {g: self._state[g] for g in range(len(self.handles)) if self._gone(g)}
+
+    def lost_hosts(self) -> list[int]:
+        """The processes whose rollout groups are gone with them (not yet started again)."""
+        link = self.cluster.link if self.cluster is not None else None
+        return sorted(link.lost) if link is not None else []
 
     def versions_held(self) -> set[int]:
-        """Every version a group holds, groups out of the run included (the versions their
-        recovered requests need: the trainer keeps them)."""
-        return set(self._version)
+        """Every version a group holds, groups out of the run included, and the versions only
+        lost groups held before they came back (the versions their recovered requests need:
+        the trainer keeps them)."""
+        return set(self._version) | self._orphaned
 
     def sendable_versions(self) -> frozenset[int]:
         """Versions older than the newest that the trainer may send (only groups out of the run
         held them: their recovered requests need a group of that version)."""
         live = {self._version[g] for g in range(len(self.handles)) if not self._gone(g)}
         gone = {self._version[g] for g in range(len(self.handles)) if self._gone(g)}
-        return frozenset(gone - live - {self.published})
+        self._orphaned -= live  # (held in the run again: a group of that version serves them)
+        return frozenset((gone | self._orphaned) - live - {self.published})
 
     # -- rollout hosts that die and come back (multi-process runs) ---------------------------------
     def _gone(self, g: int) -> bool:
@@ -135,10 +152,19 @@ class GroupRecovery:
             if error is not None:
                 self._set_state(g, "dead", f"process {host} could not build its engines: {error}")
                 continue
+            self._orphan(g)
             self._version[g] = v
             src = self._trainer_source(g, v, self.trainer_params(v))
             self._loads[g] = self._send(g, c.Load(g, v, **src))
             self._set_state(g, "stale", f"loading v{v}")
+
+    def _orphan(self, g: int) -> None:
+        """Group ``g``, out of the run, is about to hold the newest version: if no group in the
+        run holds the one it held, that version stays needed (its recovered requests)."""
+        v = self._version[g]
+        others = [h for h in range(len(self.handles)) if h != g]
+        if v != self.published and all(self._gone(h) or self._version[h] != v for h in others):
+            self._orphaned.add(v)
 
     def _hand_over(self, host: int, why: str) -> None:
         """``host`` is leaving (a SIGTERM, as before a preemption): its groups leave the run

@@ -22,6 +22,9 @@ from the ``metrics.jsonl`` lines of the steps before its checkpoint (``history``
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -152,3 +155,74 @@ class RunHealth:
                 f"grad norm {grad:.3g} with non-zero advantages (saturated), entropy {entropy:.3f}"
             )
         return None
+
+
+class NoRolloutGroups:
+    """A run with no rollout group in it: every group's process died (a two-process layout
+    whose rollout host is lost) or every engine failed for good. Nothing can be generated, so
+    instead of stepping empty groups forever it waits ``orchestrator.no_groups_wait_s`` seconds
+    for a group to come back (a process started again with its own command), saying so with a
+    countdown, then stops the run (:attr:`tripped`; the run saves a checkpoint). A group coming
+    back (building its engine, loading a version) holds the countdown; one in the run resets it.
+    Call it between rounds (``should_stop``)."""
+
+    EVERY_S = 30.0  # seconds between the countdown's lines
+
+    def __init__(
+        self,
+        exp: Experiment,
+        run_dir: Path,
+        echo=print,
+        now: Callable[[], float] = time.monotonic,
+    ):
+        self.exp, self.run_dir, self.echo, self.now = exp, Path(run_dir), echo, now
+        self.wait_s = exp.cfg.orchestrator.no_groups_wait_s
+        self.tripped: str | None = None
+        self._since: float | None = None  # when the run last had no group and none coming back
+        self._said = 0.0
+
+    def __call__(self) -> bool:
+        backend = self.exp.backend
+        if not hasattr(backend, "out_of_run") or backend.groups():
+            self._since = None
+            return False
+        out = backend.out_of_run()
+        if any(state != "dead" for state in out.values()):  # coming back: wait for it
+            self._since = None
+            return False
+        t = self.now()
+        if self._since is None:
+            self._since, self._said = t, t
+            self.echo(
+                f"warning: {self._why()}: waiting up to {self.wait_s:.0f} s {self._how()}, then "
+                "the run stops with a checkpoint"
+            )
+            return False
+        left = self.wait_s - (t - self._since)
+        if left <= 0:
+            self.tripped = (
+                f"{self._why()}, and none came back in {self.wait_s:.0f} s "
+                "(orchestrator.no_groups_wait_s): the run stopped with a checkpoint"
+            )
+            return True
+        if t - self._said >= self.EVERY_S:
+            self._said = t
+            self.echo(f"waiting {left:.0f} s more {self._how()}")
+        return False
+
+    def _why(self) -> str:
+        hosts = self.exp.backend.lost_hosts()
+        if hosts:
+            names = ", ".join(str(h) for h in hosts)
+            return f"no rollout group is left in the run (process {names} is gone)"
+        return "no rollout group is left in the run (every engine failed)"
+
+    def _how(self) -> str:
+        hosts = self.exp.backend.lost_hosts()
+        if not hosts:
+            return "(a failed engine does not come back by itself)"
+        logs = self.run_dir / "logs"
+        cmds = [logs / f"process_{h}.cmd" for h in hosts if (logs / f"process_{h}.cmd").is_file()]
+        where = f" ({', '.join(map(str, cmds))})" if cmds else ""
+        names = ", ".join(str(h) for h in hosts)
+        return f"for process {names} to be started again with its own command{where}"

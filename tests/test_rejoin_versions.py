@@ -1,0 +1,108 @@
+"""A rollout host that comes back after every group holding a version was lost with it: its
+groups load the newest version, and the older one stays needed (kept by the trainer, sendable to
+a group) for the requests that must finish under it. Before, the rejoined groups' new version
+replaced the lost one in the backend's books: no group could be given it, and a run whose every
+rollout group was on that host stepped empty groups forever."""
+
+from concurrent.futures import Future
+
+from dora_jax.execution.backend import EngineBackend
+
+
+def done() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f
+
+
+def backend(versions: list[int], hosts: list[int], published: int) -> EngineBackend:
+    """The recovery books of an engine backend (no engines): groups on ``hosts`` holding
+    ``versions``, the trainer at ``published``."""
+    b = EngineBackend.__new__(EngineBackend)
+    n = len(versions)
+    b.handles = [None] * n
+    b._version, b._hosts, b.published = list(versions), list(hosts), published
+    b._state, b._health, b._loads = ["healthy"] * n, [], [done() for _ in range(n)]
+    b._orphaned, b.cluster = set(), None
+    b.me = 0
+    b.trainer_params = lambda v: {"v": v}
+    b._trainer_source = lambda g, v, params: {"params": params}
+    b.sent = []
+    b._send = lambda g, cmd: (b.sent.append((g, cmd)), done())[1]
+    return b
+
+
+def test_a_version_only_lost_groups_held_stays_needed_after_they_rejoin():
+    # every group on host 1; v3 and v4 in flight, v5 published
+    b = backend([3, 3, 4, 4], [1, 1, 1, 1], published=5)
+    for g in range(4):
+        b._set_state(g, "dead", "process 1 is gone")
+    assert b.sendable_versions() == {3, 4} and b.versions_held() == {3, 4}
+    b._rejoined(1, None)  # its engines are built again: each loads v5 from the trainer
+    assert b._version == [5, 5, 5, 5] and [cmd.version for _, cmd in b.sent] == [5, 5, 5, 5]
+    for g in range(4):
+        b._set_state(g, "healthy", "v5 loaded")
+    # v3 and v4 are still the versions of their prompt groups' remaining requests
+    assert b.versions_held() == {3, 4, 5}
+    assert b.sendable_versions() == {3, 4}
+    # a group in the run holds v4 again: v4 is no longer the trainer's to send
+    b._version[0] = 4
+    assert b.sendable_versions() == {3} and b.versions_held() == {3, 4, 5}
+
+
+def test_a_version_another_group_still_holds_is_not_orphaned():
+    b = backend([3, 3, 3, 4], [0, 0, 1, 1], published=4)
+    b._set_state(2, "dead", "process 1 is gone")
+    b._set_state(3, "dead", "process 1 is gone")
+    b._rejoined(1, None)
+    for g in (2, 3):
+        b._set_state(g, "healthy", "v4 loaded")
+    assert b.sendable_versions() == set() and b.versions_held() == {3, 4}
+
+
+class Groups:
+    """The part of a backend NoRolloutGroups reads: groups in the run and those out of it."""
+
+    def __init__(self, n: int, lost: list[int]):
+        self.state, self.lost = ["healthy"] * n, lost
+
+    def groups(self):
+        return [g for g, s in enumerate(self.state) if s == "healthy"]
+
+    def out_of_run(self):
+        return {g: s for g, s in enumerate(self.state) if s != "healthy"}
+
+    def lost_hosts(self):
+        return self.lost
+
+
+def test_a_run_with_no_rollout_group_counts_down_then_stops(tmp_path):
+    from types import SimpleNamespace
+
+    from dora_jax.config import load_config
+    from dora_jax.pipeline.health import NoRolloutGroups
+
+    cfg = load_config(None, ["orchestrator.no_groups_wait_s=100"])
+    backend, t, said = Groups(2, [1]), [0.0], []
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "process_1.cmd").write_text("python launch/train.py ...\n")
+    wait = NoRolloutGroups(
+        SimpleNamespace(cfg=cfg, backend=backend), tmp_path, said.append, lambda: t[0]
+    )
+
+    def at(seconds: float) -> bool:
+        t[0] = seconds
+        return wait()
+
+    assert not at(0) and not said  # groups in the run: nothing to say
+    backend.state = ["dead", "dead"]
+    assert not at(10) and said[-1].startswith("warning: no rollout group is left in the run")
+    assert "(process 1 is gone): waiting up to 100 s for process 1 to be started again" in said[-1]
+    assert str(tmp_path / "logs" / "process_1.cmd") in said[-1]
+    assert not at(45) and said[-1].startswith("waiting 65 s more for process 1")
+    backend.state = ["restarting", "dead"]  # it is coming back: the countdown holds
+    assert not at(200) and len(said) == 2
+    backend.state = ["dead", "dead"]  # (its engines failed to build): a new countdown
+    assert not at(210) and not at(309) and wait.tripped is None
+    assert at(310) and wait.tripped.startswith("no rollout group is left in the run")
+    assert "none came back in 100 s (orchestrator.no_groups_wait_s)" in wait.tripped
