@@ -178,6 +178,15 @@ def _main(argv: list[str]) -> int:
     if proc is not None and not proc.is_main:
         from dora_jax.distributed.host import serve
 
+        # process 0 gone: this terminal too says where the run goes on from. The runtime may
+        # end this process at once when its coordinator dies, before any handler of ours runs,
+        # so it is said at the start as well.
+        print(
+            f"process {proc.index}: if process 0 ends, this process ends too; the run then goes "
+            f"on from its last checkpoint with: {resume_hint(run_dir)}",
+            flush=True,
+        )
+        proc.on_peer_lost = lambda what: _resume_hint(run_dir, proc)
         return serve(proc)
     if cfg is None:
         try:  # the checkpoint's config, changed only where the command line says so
@@ -308,7 +317,22 @@ def _launch_local(args: argparse.Namespace, argv: list[str], run_dir: Path) -> i
         if a.startswith(("--local-processes=", "--devices-per-process=")) or a == "--pin-cores":
             continue
         rest.append(a)
-    return launch_local(n, rest, run_dir, devices_per_process=k, pin_cores=args.pin_cores)
+    code = launch_local(n, rest, run_dir, devices_per_process=k, pin_cores=args.pin_cores)
+    if code < 0:  # process 0 was killed: it could not say how to go on, so the launcher does
+        import shlex
+        import signal
+
+        from dora_jax.distributed.launcher import local_flags
+        from dora_jax.pipeline.run_report import resume_hint
+
+        flags = shlex.join(local_flags(n, k, args.pin_cores))
+        print(
+            f"error: process 0 was killed ({signal.Signals(-code).name}); "
+            f"{_last_checkpoint(run_dir, resume_hint(run_dir, flags))}",
+            file=sys.stderr,
+        )
+        return 128 - code  # as a shell reports a process killed by that signal
+    return code
 
 
 def train(cfg: ExperimentConfig, resume: bool = False, proc=None) -> int:
@@ -446,15 +470,16 @@ def _train(cfg: ExperimentConfig, run_dir: Path, resume: bool, stop, proc, lock)
             proc.finish()
 
 
-def _last_checkpoint(run_dir: Path) -> str:
-    """The newest finished checkpoint of ``run_dir`` and the command that resumes from it."""
+def _last_checkpoint(run_dir: Path, command: str | None = None) -> str:
+    """The newest finished checkpoint of ``run_dir`` and the command that resumes from it
+    (``command``, default :func:`resume_hint`'s)."""
     from dora_jax.checkpoint import finished_steps
 
-    steps = finished_steps(run_dir / "checkpoints")
+    steps = finished_steps(Path(run_dir) / "checkpoints")
     if not steps:
         return "there is no checkpoint yet (the same command starts over)"
-    last = run_dir / "checkpoints" / str(steps[-1])
-    return f"the last checkpoint is {last}; continue with: {resume_hint(run_dir)}"
+    last = Path(run_dir) / "checkpoints" / str(steps[-1])
+    return f"the last checkpoint is {last}; continue with: {command or resume_hint(run_dir)}"
 
 
 def _resume_hint(run_dir: Path, proc) -> str:
@@ -462,11 +487,12 @@ def _resume_hint(run_dir: Path, proc) -> str:
     from dora_jax.distributed.launcher import launch_flags
 
     steps = finished_steps(run_dir / "checkpoints")
-    last = (
-        f"the last checkpoint is {run_dir / 'checkpoints' / str(steps[-1])}"
-        if steps
-        else "there is no checkpoint yet"
-    )
+    if steps:
+        last = f"the last checkpoint is {run_dir / 'checkpoints' / str(steps[-1])}"
+    elif proc.is_main:
+        last = "there is no checkpoint yet"
+    else:  # (the run dir may be process 0's machine's alone)
+        last = f"the run's checkpoints are process 0's, in {run_dir / 'checkpoints'} on its machine"
     how = "" if launch_flags() else " the same processes and"
     return f"Stopping; {last}. Continue with{how}: {resume_hint(run_dir)}"
 

@@ -230,3 +230,26 @@ def test_the_only_rollout_host_lost_for_good_stops_the_run_with_a_checkpoint(tmp
     )
     assert resume.returncode == 0, resume.stderr[-3000:]
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 8
+
+
+def test_process_0_killed_names_the_way_back_on_every_terminal(tmp_path):
+    """SIGKILL of process 0 (the trainer and the control plane): it can say nothing itself; the
+    launcher names the last checkpoint and the resume command, and the rollout host's output
+    holds that command too (the runtime may end it before any handler of ours runs)."""
+    from dora_jax.checkpoint import finished_steps
+
+    proc, run_dir = _start_alone(tmp_path, 40, "checkpoint.every_steps=2")
+    deadline = time.time() + 300
+    while not finished_steps(run_dir / "checkpoints"):  # (a save of step 2 may still be on)
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    logs = run_dir / "logs"
+    os.kill(int((logs / "process_0.pid").read_text()), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    expect("process-0-killed", out + err, proc.returncode)
+    assert f"--local-processes 2 --resume run_dir={run_dir}" in err
+    log1 = (logs / "process_1.log").read_text()
+    assert (
+        f"the run then goes on from its last checkpoint with: python launch/train.py "
+        f"--local-processes 2 --resume run_dir={run_dir}" in log1
+    )

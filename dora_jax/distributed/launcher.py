@@ -37,6 +37,16 @@ def launch_flags(env: dict[str, str] | None = None) -> str:
     return (os.environ if env is None else env).get(ENV_LAUNCH, "")
 
 
+def local_flags(n: int, devices_per_process: int, pin_cores: bool) -> list[str]:
+    """The launcher's flags as a command line gives them (what ``--resume`` needs again)."""
+    flags = ["--local-processes", str(n)]
+    if devices_per_process != max(1, 8 // n):
+        flags += ["--devices-per-process", str(devices_per_process)]
+    if pin_cores:
+        flags.append("--pin-cores")
+    return flags
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,11 +69,7 @@ def launch_local(
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    launch = ["--local-processes", str(n)]
-    if devices_per_process != max(1, 8 // n):
-        launch += ["--devices-per-process", str(devices_per_process)]
-    if pin_cores:
-        launch.append("--pin-cores")
+    launch = local_flags(n, devices_per_process, pin_cores)
     for i in range(n):
         env = dict(os.environ)
         env.update(

@@ -204,12 +204,13 @@ def failure_totals(rows: list[dict]) -> dict[str, int]:
     return {k: int(sum(m.get(k, 0) for m in rows)) for k in FAILURE_FIGURES}
 
 
-def resume_hint(run_dir: str | Path) -> str:
+def resume_hint(run_dir: str | Path, flags: str | None = None) -> str:
     """The command that continues the run in ``run_dir`` (its config comes from the checkpoint),
-    with the ``--local-processes`` flags the run was started with."""
+    with the ``--local-processes`` flags the run was started with (``flags``: the launcher's
+    own, which it does not find in its environment as the processes it started do)."""
     from dora_jax.distributed.launcher import launch_flags
 
-    flags = launch_flags()
+    flags = launch_flags() if flags is None else flags
     return (
         f"python launch/train.py {flags + ' ' if flags else ''}--resume "
         f"run_dir={shlex.quote(str(run_dir))}"
