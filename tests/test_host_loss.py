@@ -147,9 +147,14 @@ def test_a_rollout_host_told_to_stop_hands_its_requests_over(tmp_path, clock, st
     logs = run_dir / "logs"
     os.kill(int((logs / "process_2.pid").read_text()), signal.SIGTERM)
     _wait_for(logs / "process_2.log", "requests handed over; leaving", proc)  # (exit 0 next)
-    _wait_for(logs / "process_0.log", "process 2 is gone", proc)
+    _wait_for(logs / "process_0.log", "process 2 left (signal 15) after handing its", proc)
     log0 = _start_again_and_finish(tmp_path, run_dir, proc)
-    assert "2 of them with their process" in log0  # (the run report: not "each rebuilt")
+    # the run report and the metrics: a host asked to stop left; no group failed
+    assert "rollout groups left 2 time(s) with their process, asked to stop" in log0
+    assert "process 2 is gone" not in log0 and "rollout groups failed" not in log0
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["recovery/groups_left"] for m in lines) == 2
+    assert sum(m["recovery/group_failures"] for m in lines) == 0
 
     summary = _consumed_once(run_dir, steps)
     # every request the host held goes on from its KV, or from its prompt if it had none (a

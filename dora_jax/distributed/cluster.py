@@ -48,11 +48,21 @@ class Cluster:
         self.proc.on_host_joined = self._joined
 
     def _lost(self, p: int, why: str) -> None:
-        print(
-            f"process {p} is gone ({why}): the run goes on without its rollout groups, whose "
-            f"requests continue elsewhere; start it again with its own command to bring them back",
-            flush=True,
-        )
+        left = self.link.left.get(p)
+        if left is not None:  # (asked to stop: it handed its requests over first)
+            print(
+                f"process {p} left ({left}) after handing its requests over: the run goes on "
+                "without its rollout groups; start it again with its own command to bring them "
+                "back",
+                flush=True,
+            )
+        else:
+            print(
+                f"process {p} is gone ({why}): the run goes on without its rollout groups, whose "
+                "requests continue elsewhere; start it again with its own command to bring them "
+                "back",
+                flush=True,
+            )
         self.link.host_lost(p, why)
 
     def _token(self, p: int, not_: str | None = None, timeout_s: float = 120.0) -> str:

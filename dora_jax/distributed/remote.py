@@ -65,6 +65,7 @@ class HostLink:
         self.lost: dict[int, str] = {}
         self.joined: list[int] = []
         self.leaving: dict[int, str] = {}  # hosts that said they are about to leave (and why)
+        self.left: dict[int, str] = {}  # the same, kept until the host is started again
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._staged: dict[int, Future] = {}  # version -> its params staged for pulls
@@ -112,6 +113,7 @@ class HostLink:
         self.channel.listen(host, lambda msg, h=host: self._on_message(h, msg))
         with self._lock:
             self.lost.pop(host, None)
+            self.left.pop(host, None)
             self._outbox[host] = []
             self.joined.append(host)
         for t in list(self.groups.values()):
@@ -195,6 +197,7 @@ class HostLink:
         elif op == "leaving":
             with self._lock:
                 self.leaving[host] = msg.get("why", "it is leaving")
+                self.left[host] = self.leaving[host]
             self.post(None)
 
 

@@ -63,7 +63,8 @@ class GroupRecovery:
         self._lost_hosts: set[int] = set()
         self._rejoining: dict[int, Future] = {}
         self._in_transit: dict[int, tuple[int, list[int], int]] = {}
-        self.host_losses = [0] * n
+        self.host_losses = [0] * n  # (its process died)
+        self.host_leaves = [0] * n  # (its process was asked to stop and handed its requests over)
         self._leaving: set[int] = set()  # hosts that handed their requests over, not yet gone
         # versions that only groups out of the run held when those groups came back with the
         # newest one: their recovered requests still need them (from the trainer), until a
@@ -177,7 +178,7 @@ class GroupRecovery:
         self._leaving.add(host)
         mine = [g for g in self._groups_of(host) if self._state[g] == "healthy"]
         for g in mine:
-            self.host_losses[g] += 1
+            self.host_leaves[g] += 1
             self._set_state(g, "dead", f"process {host} {c.HOST_LEAVING}{why}): handing over")
         paused = [self._send(g, c.Pause(g)) for g in mine] if self.wall else []
         self.cluster.flush()

@@ -106,8 +106,10 @@ class MetricsLog:
             return {}
         now = Counter(b.recoveries)
         now["group_failures"] = sum(b.restarts) + sum(b.host_losses)
+        now["groups_left"] = sum(getattr(b, "host_leaves", ()))
         out = {f"recovery/redispatched/{src}": now[src] - self._recovery[src] for src in SOURCES}
-        out["recovery/group_failures"] = now["group_failures"] - self._recovery["group_failures"]
+        for k in ("group_failures", "groups_left"):
+            out[f"recovery/{k}"] = now[k] - self._recovery[k]
         self._recovery = now
         return out
 

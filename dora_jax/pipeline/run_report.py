@@ -112,13 +112,20 @@ def write_run_report(
         )
     if s.group_failures:
         parts = ", ".join(f"{n} from {src}" for src, n in sorted(s.recovered.items()))
-        lost = sum(  # (with their process: it died, or left on a signal)
-            1 for h in rec.health if h[2] == "dead" and (HOST_GONE in h[3] or HOST_LEAVING in h[3])
-        )
-        how = "each rebuilt" if not lost else f"{lost} of them with their process"
+        dead = [h[3] for h in rec.health if h[2] == "dead"]
+        left = sum(1 for why in dead if HOST_LEAVING in why)  # (asked to stop: handed over)
+        lost = sum(1 for why in dead if HOST_GONE in why)  # (its process died)
+        said = []
+        if len(dead) > left:
+            how = "each rebuilt" if not lost else f"{lost} of them with their process"
+            said.append(f"rollout groups failed {len(dead) - left} time(s), {how}")
+        if left:
+            said.append(
+                f"rollout groups left {left} time(s) with their process, asked to stop (their "
+                "requests handed over)"
+            )
         print(
-            f"rollout groups failed {s.group_failures} time(s), {how}; the requests they "
-            f"held went on elsewhere: {parts or 'none held'}"
+            f"{'; '.join(said)}; the requests they held went on elsewhere: {parts or 'none held'}"
         )
     if rewards:
         r, x = reward_stats(rewards), reward_stats(solved)  # summary.json's "reward" too
