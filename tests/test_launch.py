@@ -94,7 +94,7 @@ def test_unsupported_architecture_is_one_error_line(tmp_path):
         assert arch in lines[0]
 
 
-def test_local_launcher_keeps_gloo_notes_out_of_the_terminal():
+def test_local_launcher_keeps_gloo_and_runtime_notes_out_of_the_terminal():
     from dora_jax.distributed.launcher import terminal_line
 
     note = (
@@ -104,3 +104,8 @@ def test_local_launcher_keeps_gloo_notes_out_of_the_terminal():
     assert terminal_line(note + note + "\n") == ""  # two notes run together
     assert terminal_line(note + "step 1: reward 0.5\n") == "step 1: reward 0.5\n"
     assert terminal_line("step 2: loss -0.1 [Gloo]\n") == "step 2: loss -0.1 [Gloo]\n"
+    # the runtime's info and warning lines stay in the log files; its errors reach the terminal
+    glog = "1207 10:34:46.908995   23619 coordination_service.cc:185] Using experimental\n"
+    assert terminal_line("W" + glog) == terminal_line("I" + glog) == ""
+    assert terminal_line("E" + glog) == "E" + glog and terminal_line("F" + glog) == "F" + glog
+    assert terminal_line("Warm start W1207\n") == "Warm start W1207\n"

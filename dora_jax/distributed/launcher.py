@@ -128,8 +128,15 @@ _GLOO = re.compile(
 )
 
 
+# the runtime's own info and warning lines (glog: I/W, date, time, thread, file:line), such as the
+# coordination service's note on its recoverable mode at every start: log files only
+_GLOG_NOTE = re.compile(r"^[IW]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w./-]+:\d+\] ")
+
+
 def terminal_line(line: str) -> str:
     """``line`` as the terminal shows it ("" when there is nothing left to show)."""
+    if _GLOG_NOTE.match(line):
+        return ""
     if "[Gloo]" not in line:
         return line
     rest = _GLOO.sub("", line)
