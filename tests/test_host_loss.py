@@ -258,3 +258,31 @@ def test_process_0_killed_names_the_way_back_on_every_terminal(tmp_path):
         f"the run then goes on from its last checkpoint with: python launch/train.py "
         f"--local-processes 2 --resume run_dir={run_dir}" in log1
     )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_launcher_killed_leaves_no_orphans_and_a_checkpoint(tmp_path):
+    """SIGKILL of ``--local-processes``' launcher itself (no handler of its runs): process 0 is
+    told (SIGTERM, as the parent-death signal), saves a checkpoint, stops the rollout host and
+    ends; each process's output went to its log file all along."""
+    proc, run_dir = _start_alone(tmp_path, 40)
+    logs = run_dir / "logs"
+    pids = [int((logs / f"process_{i}.pid").read_text()) for i in (0, 1)]
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.time() + 300
+    while any(_alive(p) for p in pids):
+        assert time.time() < deadline, "a process of the run outlived its launcher"
+        time.sleep(0.5)
+    log0 = (logs / "process_0.log").read_text()
+    expect("launcher-killed", log0)
+    steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert (run_dir / "checkpoints" / str(steps)).is_dir()
+    assert "process 1: done" in (logs / "process_1.log").read_text()

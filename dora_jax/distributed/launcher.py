@@ -6,7 +6,9 @@ on a free loopback port, process count and id, ``--devices-per-process`` fake CP
 optionally each pinned to its own CPU core (``--pin-cores``), forwards process 0's output to the
 terminal and every process's to ``run_dir/logs/process_<i>.log`` (its pid in ``process_<i>.pid``),
 passes SIGINT/SIGTERM on to
-process 0 (which stops the run and the others cleanly), and ends the others when one fails. The
+process 0 (which stops the run and the others cleanly), and ends the others when one fails. A
+launcher that is itself killed (SIGKILL: no handler runs) leaves no orphans: on Linux process 0
+gets SIGTERM when the launcher dies, so it saves a checkpoint and stops the others. The
 exit status is process 0's when it failed by itself (a config error: 2), else the first failure's
 (the others' "process 0 is gone", 3, comes after process 0's own error). Each process finds the
 launcher's flags in ``DORA_LOCAL_LAUNCH`` (:func:`launch_flags`), for the command that resumes
@@ -35,6 +37,17 @@ ENV_LAUNCH = "DORA_LOCAL_LAUNCH"  # the launcher's flags, as the children's resu
 def launch_flags(env: dict[str, str] | None = None) -> str:
     """The ``--local-processes`` flags this process was started with ("" when it was not)."""
     return (os.environ if env is None else env).get(ENV_LAUNCH, "")
+
+
+def _term_with_parent() -> None:
+    """In a child, before it runs: SIGTERM when its parent (the launcher) dies (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def local_flags(n: int, devices_per_process: int, pin_cores: bool) -> list[str]:
@@ -90,18 +103,26 @@ def launch_local(
         cmd = [sys.executable, str(entry), *argv]
         if pin_cores:
             cmd = ["taskset", "-c", str(cores[i % len(cores)]), *cmd]
-        p = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
+        # each process writes its own log file (its output outlives the launcher); the
+        # launcher shows process 0's on the terminal as it grows
+        with open(logs / f"process_{i}.log", "w") as log:
+            p = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_term_with_parent if i == 0 else None,  # (0 stops the others)
+            )
         procs.append(p)
         (logs / f"process_{i}.pid").write_text(str(p.pid))
         # the command that starts this process again (a rollout host that died rejoins the run)
         keep = (ENV_LAUNCH, ENV_COORDINATOR, ENV_NUM, ENV_ID, "XLA_FLAGS", "PYTHONUNBUFFERED")
         again = " ".join(f"{k}={shlex.quote(env[k])}" for k in keep) + " " + shlex.join(cmd)
         (logs / f"process_{i}.cmd").write_text(again + "\n")
-        t = threading.Thread(target=_pump, args=(p, logs / f"process_{i}.log", i == 0), daemon=True)
-        t.start()
-        pumps.append(t)
+        if i == 0:
+            t = threading.Thread(target=_follow, args=(p, logs / "process_0.log"), daemon=True)
+            t.start()
+            pumps.append(t)
 
     def forward(signum, frame):
         if procs[0].poll() is None:
@@ -143,12 +164,28 @@ def terminal_line(line: str) -> str:
     return "" if not rest.strip() else rest
 
 
-def _pump(p: subprocess.Popen, path: Path, echo: bool) -> None:
-    with open(path, "w") as f:
-        for line in p.stdout:
-            f.write(line)
-            f.flush()
-            shown = terminal_line(line) if echo else ""
+def _follow(p: subprocess.Popen, path: Path) -> None:
+    """Show the lines of ``path`` (``p``'s log) on the terminal as they are written, until
+    ``p`` has ended and every line is shown."""
+    with open(path, errors="replace") as f:
+        part = ""
+        while True:
+            ended = p.poll() is not None
+            chunk = f.readline()
+            if not chunk:
+                if ended:
+                    chunk = part  # (a last line without its end)
+                    if chunk and terminal_line(chunk):
+                        sys.stdout.write(terminal_line(chunk))
+                        sys.stdout.flush()
+                    break
+                time.sleep(0.1)
+                continue
+            part += chunk
+            if not part.endswith("\n") and not ended:
+                continue  # (a line being written: wait for its end)
+            shown = terminal_line(part)
+            part = ""
             if shown:
                 sys.stdout.write(shown)
                 sys.stdout.flush()
