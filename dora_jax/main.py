@@ -175,6 +175,10 @@ def _main(argv: list[str]) -> int:
     except ProcessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if proc is not None and proc.is_main:
+        from dora_jax.distributed.launcher import term_with_launcher
+
+        term_with_launcher()  # (with --local-processes: a killed launcher stops the run)
     if proc is not None and not proc.is_main:
         from dora_jax.distributed.host import serve
 
@@ -253,8 +257,8 @@ class _StopFlag:
     nothing is saved, the message says so, the run dir's lock is released (``on_abort``) and the
     process exits with 128 + the signal number, without unwinding through the computations in
     flight. Once armed, it sets the flag: the run saves a checkpoint at the next tick and exits;
-    a second signal stops at once (a second SIGTERM after a SIGTERM does not: a scheduler may
-    repeat its notice, and its hard stop is a SIGKILL)."""
+    a second signal stops at once (a SIGTERM after a SIGTERM does not: a scheduler may repeat its
+    notice, and its hard stop is a SIGKILL)."""
 
     def __init__(self, on_abort=None):
         self.signal: int | None = None
@@ -284,8 +288,8 @@ class _StopFlag:
                 os._exit(128 + signum)
             if self.signal is not None:  # a second signal: stop now, unless a SIGTERM again
                 if signum == signal.SIGTERM and self.signal == signal.SIGTERM:
-                    # (a scheduler's repeated notice, or one sent to every process of the job:
-                    # the save goes on; its hard stop, if it comes, is a SIGKILL)
+                    # (a scheduler's repeated notice: the save goes on; its hard stop, if it
+                    # comes, is a SIGKILL)
                     print(
                         "\nsignal 15 again: still saving the checkpoint (SIGINT stops at once)",
                         file=sys.stderr,

@@ -32,6 +32,7 @@ from dora_jax.distributed.process import ENV_COORDINATOR, ENV_ID, ENV_NUM
 
 GRACE_S = 60.0  # after one process fails, how long the others get to stop by themselves
 ENV_LAUNCH = "DORA_LOCAL_LAUNCH"  # the launcher's flags, as the children's resume hint gives them
+ENV_PARENT = "DORA_LAUNCHER_PID"  # process 0's: the launcher it ends with
 
 
 def launch_flags(env: dict[str, str] | None = None) -> str:
@@ -39,15 +40,19 @@ def launch_flags(env: dict[str, str] | None = None) -> str:
     return (os.environ if env is None else env).get(ENV_LAUNCH, "")
 
 
-def _term_with_parent() -> None:
-    """In a child, before it runs: SIGTERM when its parent (the launcher) dies (Linux's
-    ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
-    if not sys.platform.startswith("linux"):
+def term_with_launcher() -> None:
+    """In process 0 of a local launch, at its start: SIGTERM to itself when the launcher dies
+    (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing), or at once if it is gone already. Set
+    here, not between fork and exec: the launcher may hold JAX's threads."""
+    parent = os.environ.pop(ENV_PARENT, None)
+    if parent is None or not sys.platform.startswith("linux"):
         return
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # (it died before the call)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def local_flags(n: int, devices_per_process: int, pin_cores: bool) -> list[str]:
@@ -100,6 +105,8 @@ def launch_local(
             if "xla_force_host_platform_device_count" not in f
         )
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
+        if i == 0:  # (process 0 stops the others)
+            env[ENV_PARENT] = str(os.getpid())
         cmd = [sys.executable, str(entry), *argv]
         if pin_cores:
             cmd = ["taskset", "-c", str(cores[i % len(cores)]), *cmd]
@@ -111,7 +118,6 @@ def launch_local(
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_term_with_parent if i == 0 else None,  # (0 stops the others)
             )
         procs.append(p)
         (logs / f"process_{i}.pid").write_text(str(p.pid))
