@@ -288,6 +288,13 @@ def initialize(spec: ProcessSpec, *, heartbeat_s: int = 10, timeout_s: int = 300
                 os.environ.get("JAX_COORDINATOR_ADDRESS"), None, None, None, None, timeout_s
             )
         bind = listen_host(coordinator, index, spec.bind)
+        if index:  # (a run that has ended, or a coordinator not up yet: say what it waits for)
+            print(
+                f"process {index}: joining the run at {coordinator} (waiting up to "
+                f"{timeout_s} s for process 0)",
+                file=sys.stderr,
+                flush=True,
+            )
         jax.distributed.initialize(
             coordinator,
             count,
