@@ -142,14 +142,13 @@ class MetricsWriter:
         self._tb = None
         if tensorboard:
             try:
-                from tensorboardX import SummaryWriter
+                import tensorboardX  # noqa: F401  (its summaries and record format, below)
             except ImportError:
                 warnings.warn(
                     "tensorboardX is not installed: metrics go to metrics.jsonl only",
                     stacklevel=2,
                 )
             else:
-                del SummaryWriter  # (the summaries come from the package, written here)
                 self._tb = _EventFile(self.run_dir / tb_dir)
 
     @property

@@ -283,7 +283,8 @@ def load_config(
     does not inherit the file's ``env.kwargs``: they were the other class's arguments (the
     command line's ``env.kwargs.NAME=...`` are the new one's)."""
     overrides = list(overrides)
-    if path is not None and _swaps_environment(load_yaml(path), overrides):
+    swaps = any(o.split("=", 1)[0].strip() == "env.spec" for o in overrides)
+    if swaps and path is not None and _swaps_environment(load_yaml(path), overrides):
         keys = [o.split("=", 1)[0].strip() for o in overrides]
         first = next((i for i, k in enumerate(keys) if k.startswith("env.kwargs")), len(keys))
         overrides.insert(first, "env.kwargs={}")  # before the new class's own arguments

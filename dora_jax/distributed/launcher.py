@@ -180,9 +180,9 @@ def _follow(p: subprocess.Popen, path: Path) -> None:
             chunk = f.readline()
             if not chunk:
                 if ended:
-                    chunk = part  # (a last line without its end)
-                    if chunk and terminal_line(chunk):
-                        sys.stdout.write(terminal_line(chunk))
+                    shown = terminal_line(part) if part else ""  # (a last line without its end)
+                    if shown:
+                        sys.stdout.write(shown)
                         sys.stdout.flush()
                     break
                 time.sleep(0.1)
