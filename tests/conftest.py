@@ -22,18 +22,24 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Many tests build the same tiny run, and each build traces its own jitted functions, so XLA
-# compiles identical programs again and again. A compilation cache for this session only (a
-# fresh directory, removed at exit) serves those repeats from disk: the programs are the ones XLA
-# would compile, the jit caches and their counts are untouched. Measured on 2 cores: a stop-
-# and-resume test plus a reproducibility test, 60 s -> 49 s. An outside
-# JAX_COMPILATION_CACHE_DIR is left as the user set it.
+# compiles identical programs again and again, in this process, in the other xdist worker and
+# in every run a test starts as a subprocess. One compilation cache for the whole session (a fresh
+# directory, removed at exit by the process that made it) serves those repeats from disk: it is
+# passed on through the environment, so the workers and the subprocess runs read and write the
+# same one. The programs are the ones XLA would compile, the jit caches and their counts are
+# untouched. A size limit turns on jax's file lock, so two processes never read an entry while
+# it is written. An outside JAX_COMPILATION_CACHE_DIR is left as the user set it.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _CACHE = tempfile.mkdtemp(prefix="dora_jax-tests-xla-")
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
     jax.config.update("jax_compilation_cache_dir", _CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
+    jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 def pytest_configure(config):
     missing = [m for m in TEST_EXTRA if importlib.util.find_spec(m) is None]
