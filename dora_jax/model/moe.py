@@ -39,28 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from dora_jax.config import ModelConfig
-from dora_jax.model.params import ParamSpec
 from dora_jax.sharding import constrain
-
-
-def moe_param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """The MoE block's layer parameters (stacked on ``L``); replaces ``w_gate / w_up / w_down``."""
-    L, D, E = cfg.num_layers, cfg.hidden_size, cfg.num_experts
-    f, S = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    specs = {
-        "router": ParamSpec((L, D, E), ("layers", "embed", None), "normal"),
-        "moe_gate": ParamSpec((L, E, D, f), ("layers", "experts", "embed", "mlp"), "normal"),
-        "moe_up": ParamSpec((L, E, D, f), ("layers", "experts", "embed", "mlp"), "normal"),
-        "moe_down": ParamSpec((L, E, f, D), ("layers", "experts", "mlp", "embed"), "normal"),
-    }
-    if S > 0:
-        specs.update(
-            shared_gate=ParamSpec((L, D, S), ("layers", "embed", "mlp"), "normal"),
-            shared_up=ParamSpec((L, D, S), ("layers", "embed", "mlp"), "normal"),
-            shared_down=ParamSpec((L, S, D), ("layers", "mlp", "embed"), "normal"),
-            shared_expert_gate=ParamSpec((L, D), ("layers", "embed"), "normal"),
-        )
-    return specs
 
 
 def route(

@@ -79,11 +79,9 @@ def param_specs(cfg: ModelConfig) -> Params:
     if cfg.mlp_bias:
         raise NotImplementedError("model.mlp_bias=true is not supported yet")
     if cfg.is_moe:
-        from dora_jax.model.moe import moe_param_specs
-
         for name in ("w_gate", "w_up", "w_down"):
             del layers[name]
-        layers.update(moe_param_specs(cfg))
+        layers.update(_moe_layer_specs(cfg))
     specs: Params = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), "normal"),
         "layers": layers,
@@ -91,6 +89,27 @@ def param_specs(cfg: ModelConfig) -> Params:
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+    return specs
+
+
+def _moe_layer_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """A mixture of experts' layer parameters (stacked on ``L``, used by
+    :mod:`dora_jax.model.moe`); they replace ``w_gate / w_up / w_down``."""
+    L, D, E = cfg.num_layers, cfg.hidden_size, cfg.num_experts
+    f, S = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    specs = {
+        "router": ParamSpec((L, D, E), ("layers", "embed", None), "normal"),
+        "moe_gate": ParamSpec((L, E, D, f), ("layers", "experts", "embed", "mlp"), "normal"),
+        "moe_up": ParamSpec((L, E, D, f), ("layers", "experts", "embed", "mlp"), "normal"),
+        "moe_down": ParamSpec((L, E, f, D), ("layers", "experts", "mlp", "embed"), "normal"),
+    }
+    if S > 0:
+        specs.update(
+            shared_gate=ParamSpec((L, D, S), ("layers", "embed", "mlp"), "normal"),
+            shared_up=ParamSpec((L, D, S), ("layers", "embed", "mlp"), "normal"),
+            shared_down=ParamSpec((L, S, D), ("layers", "mlp", "embed"), "normal"),
+            shared_expert_gate=ParamSpec((L, D), ("layers", "embed"), "normal"),
+        )
     return specs
 
 
