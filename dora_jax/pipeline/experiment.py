@@ -19,7 +19,8 @@ from pathlib import Path
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from dora_jax.config import ConfigError, ExperimentConfig
+from dora_jax.checkpoint import CheckpointError
+from dora_jax.config import ConfigError, ExperimentConfig, from_dict
 from dora_jax.data import Scorer
 from dora_jax.data.prompts import PromptSource
 from dora_jax.execution.backend import EngineBackend
@@ -54,6 +55,7 @@ from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memo
 from dora_jax.pipeline.memory_plan import resolve as resolve_pages
 from dora_jax.pipeline.warm_start import warm_start
 from dora_jax.platform import release_free_memory
+from dora_jax.resume import changes as resume_changes
 from dora_jax.sharding import tree_shardings
 
 __all__ = ["Experiment", "ExperimentError", "build", "load_examples", "run"]
@@ -141,6 +143,16 @@ class Experiment:
             "train_state": jax.tree.map(_abstract, self.trainer.state),
             "versions": {f"v{v}": param for v in state["grpo"]["versions"]},
         }
+
+    def check_saved_config(self, saved: dict) -> None:
+        """Refuse a checkpoint whose config ``saved`` this run cannot continue: a resume may
+        change the fields :data:`dora_jax.resume.RULES` allows, never the others (the shapes the
+        checkpoint holds, its prompt stream, ...); :class:`ConfigError` names the field."""
+        try:
+            saved_cfg = from_dict(ExperimentConfig, saved)
+        except ConfigError as e:
+            raise CheckpointError(f"the checkpoint's config cannot be read: {e}") from None
+        resume_changes(saved_cfg, self.cfg)
 
     def place_arrays(self, arrays, host_copies: bool, checkpoint=None) -> None:
         """Take the restored arrays (host copies: put into their shardings; a trainer spanning
