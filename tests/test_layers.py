@@ -258,10 +258,9 @@ def import_cycles(sources: dict[str, str]) -> list[list[str]]:
     return sorted(found)
 
 
-# Cycles not yet taken apart; the list may only shrink. The runtime hands each mode itself (a
-# type-only import back); the simulator's backend is split over mixins reading its arrays.
+# Cycles not yet taken apart; the list may only shrink. The simulator's backend is split over
+# mixins reading its arrays.
 KNOWN_CYCLES = [
-    ["dora_jax.orchestrator.modes", "dora_jax.orchestrator.runtime"],
     ["dora_jax.sim.backend", "dora_jax.sim.failures", "dora_jax.sim.shared_device"],
 ]
 

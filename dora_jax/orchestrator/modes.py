@@ -12,16 +12,41 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, Protocol, get_args
 
 from dora_jax.config import schema
 from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator import planner
-from dora_jax.orchestrator.backend import GroupInfo
-from dora_jax.orchestrator.records import PlanRecord
+from dora_jax.orchestrator.backend import GroupInfo, RolloutBackend, Source
+from dora_jax.orchestrator.clock import LogicalClock, WallClock
+from dora_jax.orchestrator.records import PlanRecord, Records
+from dora_jax.orchestrator.rollout_manager import RolloutManager
+from dora_jax.orchestrator.transfer_queue import TransferQueue
+from dora_jax.orchestrator.versions import VersionWindow
 
-if TYPE_CHECKING:
-    from dora_jax.orchestrator.runtime import Runtime
+
+class RuntimeView(Protocol):
+    """What a mode's hooks are given of the runtime that calls them (``runtime.Runtime``): its
+    parts to read and act on, and the three actions that go through the runtime's records."""
+
+    clock: LogicalClock | WallClock
+    backend: RolloutBackend
+    window: VersionWindow  # the versions in flight and the room under the staleness bound
+    queue: TransferQueue  # finished prompt groups waiting for the trainer
+    manager: RolloutManager  # prompt groups in flight, by version
+    records: Records
+    group_size: int
+    tick_index: int
+    engine_steps: int  # wall clock: engine steps reported by all groups
+    dispatching: bool  # False while the run drains: no new prompts
+
+    def switch_empty_groups(self, t: float, infos: list[GroupInfo]) -> list[GroupInfo]: ...
+
+    def send_weights(
+        self, t: float, group: int, version: int, source: Source, host: dict
+    ) -> None: ...
+
+    def discard(self, t: float, prompt_groups: list[int]) -> None: ...
 
 
 class Mode:
@@ -36,19 +61,19 @@ class Mode:
         self.rollout_batch = cfg.rollout_batch_prompts  # per batch (barrier) or in flight
         self.per_step = cfg.train_batch_prompts  # prompt groups a step takes, as the window counts
 
-    def on_publish(self, rt: Runtime, t: float, version: int) -> None:
+    def on_publish(self, rt: RuntimeView, t: float, version: int) -> None:
         """A new version was published: requests in flight go on under their version."""
 
-    def before_batch(self, rt: Runtime, t: float) -> None:
+    def before_batch(self, rt: RuntimeView, t: float) -> None:
         """The trainer is idle and may take a batch: nothing to do first."""
 
-    def route(self, rt: Runtime, t: float, infos: list[GroupInfo]) -> list[GroupInfo]:
+    def route(self, rt: RuntimeView, t: float, infos: list[GroupInfo]) -> list[GroupInfo]:
         """Empty groups switch to the newest version, then dispatch; returns the groups."""
         infos = rt.switch_empty_groups(t, infos)
         self.dispatch(rt)
         return infos
 
-    def dispatch(self, rt: Runtime) -> None:
+    def dispatch(self, rt: RuntimeView) -> None:
         """Top the newest version up to ``rollout_batch`` prompt groups in flight."""
         if rt.dispatching:
             room = rt.window.room(rt.window.latest)
@@ -75,7 +100,7 @@ class Sync(Mode):
         super().__init__(cfg)
         self.k, self.rollout_batch = 0, cfg.train_batch_prompts
 
-    def dispatch(self, rt: Runtime) -> None:
+    def dispatch(self, rt: RuntimeView) -> None:
         """A whole batch, once the previous one has finished and the window has room for it."""
         v, n = rt.window.latest, self.rollout_batch
         if rt.dispatching and rt.manager.in_flight == 0 and rt.window.room(v) >= n:
@@ -105,7 +130,7 @@ class Oversample(Sync):
         super().__init__(cfg)
         self.rollout_batch = self.per_step = cfg.rollout_batch_prompts
 
-    def before_batch(self, rt: Runtime, t: float) -> None:
+    def before_batch(self, rt: RuntimeView, t: float) -> None:
         tbs = self.cfg.train_batch_prompts
         if rt.queue.num_ready >= tbs:
             keep = {rg.prompt_group for rg in rt.queue.select(tbs)}
@@ -119,7 +144,7 @@ class Partial(Mode):
 
     name = "partial"
 
-    def on_publish(self, rt: Runtime, t: float, version: int) -> None:
+    def on_publish(self, rt: RuntimeView, t: float, version: int) -> None:
         running = [rid for g in rt.backend.groups() for rid in g.requests]
         partials = rt.backend.interrupt(running) if running else []
         rt.manager.upgrade_unstarted(version)
@@ -156,10 +181,10 @@ class Dora(Mode):
         self.last_plan, self.new_version = state.get("last_plan"), state.get("new_version", True)
         self.muted = dict(state.get("muted", {}))
 
-    def on_publish(self, rt: Runtime, t: float, version: int) -> None:
+    def on_publish(self, rt: RuntimeView, t: float, version: int) -> None:
         self.new_version = True
 
-    def route(self, rt: Runtime, t: float, infos: list[GroupInfo]) -> list[GroupInfo]:
+    def route(self, rt: RuntimeView, t: float, infos: list[GroupInfo]) -> list[GroupInfo]:
         cfg, kv, logical = self.cfg, self.cfg.kv_pressure_threshold, rt.clock.kind == "logical"
         # plan_period_ticks counts ticks, or on the wall clock engine steps per group (groups
         # step at their own pace, so rounds would count faster with more groups)
