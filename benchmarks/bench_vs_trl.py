@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -693,6 +694,11 @@ def main(argv=None) -> int:
     fake_cpu_devices(8)
     cfg = load_config(config, overrides(args.steps, args.set))
     if "trl" in parts:
+        if importlib.util.find_spec("trl") is None:
+            raise SystemExit(
+                "error: TRL is not installed; pip install -e '.[bench]' (trl 1.16.0), or run "
+                "without it: --only sync --only dora"
+            )
         trl_settings(cfg)  # refuse a recipe TRL cannot follow before anything runs
     problems = held_out_problems(cfg)
     load = wait_for_quiet(args.max_load, args.wait)

@@ -209,3 +209,17 @@ def test_overrides_and_ratios():
     systems["dora"] = {"samples_per_s": 1.5}
     assert bvt.ratios(systems)["samples_per_s dora_jax-dora / TRL"] == 3.0
     assert bvt.ratios({"sync": {"samples_per_s": 1.0}}) == {}
+
+
+def test_without_trl_the_benchmark_stops_with_one_line_naming_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find(name, *a)
+    )
+    monkeypatch.chdir(tmp_path)  # main moves to the checkout; this puts the test's back after
+    with pytest.raises(SystemExit) as stop:
+        bvt.main(["--steps", "1", "--out", str(tmp_path / "out.json")])
+    assert str(stop.value).startswith("error: TRL is not installed; pip install -e '.[bench]'")
+    assert not (tmp_path / "out.json").exists()
