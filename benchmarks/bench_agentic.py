@@ -38,6 +38,7 @@ import quiet  # noqa: E402
 from bench_wallclock import run_mode  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+PLOTS = RESULTS / "plots"  # a timeline of each mode's first window
 RECIPE = ROOT / "configs" / "recipes" / "tool-arithmetic-cpu.yaml"
 MODES = ("sync", "partial", "dora")
 
@@ -118,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     load0 = quiet.wait_for_quiet(a.max_load, a.wait)
     with tempfile.TemporaryDirectory(prefix="bench_agentic_") as tmp:
         res = measure(a, Path(tmp))
+        PLOTS.mkdir(parents=True, exist_ok=True)
         for mode in ("dora", "sync", "partial"):  # a picture of each mode's first window
             window = Path(res["runs"][mode][0]["run_dir"]) / "timeline_window.png"
             if window.is_file():
-                target = ROOT / "docs" / f"agentic_timeline_{mode}.png"
+                target = PLOTS / f"agentic_timeline_{mode}.png"
                 target.write_bytes(window.read_bytes())
         sim = None
         if not a.no_sim:

@@ -36,6 +36,7 @@ import quiet  # noqa: E402
 
 DRIVER = ROOT / "benchmarks" / "wallclock_driver.py"
 RESULTS = ROOT / "benchmarks" / "results"
+PLOTS = RESULTS / "plots"  # a timeline of each mode's first window
 BASE = [
     "eval.num_prompts=0",
     "logging.progress=false",
@@ -120,12 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_wallclock_") as tmp:
         res = measure(a.steps, a.warmup, a.rounds, a.overrides, Path(tmp))
         stem = a.out.stem.removeprefix("bench_wallclock").strip("_") or "default"
+        PLOTS.mkdir(parents=True, exist_ok=True)
         for mode in ("dora", "sync"):  # a picture of each mode's first window, for the docs
             window = Path(res["runs"][mode][0]["run_dir"]) / "timeline_window.png"
             if window.is_file():
-                (ROOT / "docs" / f"execution_timeline_{stem}_{mode}.png").write_bytes(
-                    window.read_bytes()
-                )
+                (PLOTS / f"execution_timeline_{stem}_{mode}.png").write_bytes(window.read_bytes())
     res = {
         "benchmark": "wall-clock throughput, sync vs dora (K=2), default task, real engines",
         "command": "python benchmarks/bench_wallclock.py "

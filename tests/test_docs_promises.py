@@ -1,5 +1,6 @@
 """Sentences the docs must keep: what a user has to know before relying on a feature."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,33 @@ def test_the_listeners_are_said_to_authenticate_nothing(capsys):
         parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "listeners authenticate nothing" in out and "DORA_BIND_ADDRESS=ADDR" in out
+
+
+IMAGE = re.compile(r"\.(png|jpe?g|svg|gif)$", re.I)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def doc_texts() -> dict[Path, str]:
+    return {p: p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+
+
+def test_every_image_in_docs_is_shown_by_a_doc_and_every_link_to_one_resolves():
+    """docs/ holds the pictures the docs show or name and no others (a benchmark's plots of every
+    run go to benchmarks/results/plots/); a doc's link to an image names a file that exists."""
+    texts = doc_texts()
+    shown = set()
+    for path, text in texts.items():
+        for target in LINK.findall(text):
+            if IMAGE.search(target) and "://" not in target:
+                file = (path.parent / target).resolve()
+                assert file.is_file(), f"{path.name} links {target}: no such file"
+                shown.add(file)
+    images = [p for p in (ROOT / "docs").rglob("*") if IMAGE.search(p.name)]
+    assert images, "no image found in docs/: the walk is wrong"
+    named = "\n".join(texts.values())
+    unshown = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in images
+        if p.resolve() not in shown and f"{p.name}`" not in named  # linked, or named in code
+    )
+    assert unshown == []
