@@ -41,6 +41,7 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
+
 def pytest_configure(config):
     missing = [m for m in TEST_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
