@@ -17,19 +17,15 @@ import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
 # Many tests build the same tiny run, and each build traces its own jitted functions, so XLA
 # compiles identical programs again and again, in this process, in the other xdist worker and in
 # every run a test starts as a subprocess. One compilation cache for the whole session (a fresh
-# directory, removed at exit by the process that made it) serves those repeats from disk: it is
-# passed on through the environment, so the workers and the subprocess runs read and write the same
-# one. The programs are the ones XLA would compile, the jit caches and their counts are untouched.
-# No size limit: with one, jax takes a file lock and lists the directory at every write, and a
-# wall-clock overlap test then failed 1 run in 3 alone (0 in 4 without it). An entry read while
-# another process writes it fails to load, which jax answers with a warning and a compile. An
+# directory, removed at exit by the process that made it) serves those repeats from disk: it is set
+# in the environment before jax is imported, so the workers and the subprocess runs read and write
+# the same one. The programs are the ones XLA would compile, the jit caches and their counts are
+# untouched. No size limit: with one, jax takes a file lock and lists the directory at every write,
+# and a wall-clock overlap test then failed 1 run in 3 alone (0 in 4 without it). An entry read
+# while another process writes it fails to load, which jax answers with a warning and a compile. An
 # outside JAX_COMPILATION_CACHE_DIR is left as the user set it.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _CACHE = tempfile.mkdtemp(prefix="dora_jax-tests-xla-")
@@ -37,9 +33,10 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    jax.config.update("jax_compilation_cache_dir", _CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_configure(config):
