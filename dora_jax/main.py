@@ -236,8 +236,8 @@ def _main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001  (a bug: keep the traceback, say what is left)
         traceback.print_exc()
         print(
-            f"error: the run crashed ({type(e).__name__}); its run dir is usable: continue "
-            f"from the last checkpoint with: {resume_hint(cfg.run_dir)}",
+            f"error: the run crashed ({type(e).__name__}); its run dir is usable: "
+            f"{_last_checkpoint(cfg.run_dir)}",
             file=sys.stderr,
         )
         return 1

@@ -692,6 +692,39 @@ def test_a_crash_leaves_a_usable_run_dir(tmp_path, capsys, monkeypatch):
     assert len(ids) == len(set(ids)) == 4 * 2 * 2
 
 
+@pytest.mark.slow  # two training runs
+@pytest.mark.parametrize("clock", ["logical", "wall"])
+def test_an_error_after_a_published_step_saves_that_step_first(
+    tmp_path, capsys, monkeypatch, clock
+):
+    """The held-out evaluation of step 2 raises (checkpoints every 3 steps): the state is step
+    2's end, so the run saves it before the error ends the run; --resume goes on from step 2,
+    each step logged once, nothing consumed twice. An error inside a train step saves nothing
+    (test_a_crash_leaves_a_usable_run_dir: only the earlier checkpoints are there)."""
+    run_dir = tmp_path / "run"
+    args = [
+        f"run_dir={run_dir}",
+        *T,
+        "eval.num_prompts=2",
+        "eval.every_steps=2",
+        "train.total_steps=4",
+        "checkpoint.every_steps=3",
+        f"orchestrator.clock={clock}",
+    ]
+    monkeypatch.setenv(faults.ENV, "eval@2:raise")  # visit 1 is step 0's evaluation
+    rc, out = cli(capsys, *args)
+    expect("crash-after-a-step", out, rc)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
+    assert metric_steps(run_dir / "metrics.jsonl") == [1, 2]
+    monkeypatch.delenv(faults.ENV)
+    rc, out = cli(capsys, "--resume", f"run_dir={run_dir}")
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in out and "2 steps done" in out
+    assert metric_steps(run_dir / "metrics.jsonl") == [1, 2, 3, 4]
+    ids = json.loads((run_dir / "summary.json").read_text())["extra"]["consumed_request_ids"]
+    assert len(ids) == len(set(ids)) == 4 * 2 * 2
+
+
 @pytest.mark.slow  # one training run
 def test_a_save_that_does_not_fit_is_refused(tmp_path, capsys, monkeypatch):
     import shutil

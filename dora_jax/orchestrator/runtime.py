@@ -136,6 +136,7 @@ class Runtime:
         self.trainer_host = 0  # the process of the trainer (weights it sends count as moves)
         self.stopping = False  # no new train step (a stop was asked): the running one ends
         self.stopped = False  # the last run() ended early on a stop request
+        self.at_step_end = False  # the observers of a published step are running (_publish)
         self._step_limit: int | None = None  # wall clock: no step beyond the run's target
         self.max_steps: int | None = None  # no step beyond this many, on either clock
         self._held = False  # wall clock: the groups are paused (between runs)
@@ -247,8 +248,12 @@ class Runtime:
             self._adapt_k(t, version)
         self.mode.on_publish(self, t, version)
         self.records.flush()  # (attached to history files: the records so far go to disk)
+        # the state is now a step's end, as a checkpoint saves it; it stays so when an observer
+        # raises (the round goes no further): the run can then be saved before it stops
+        self.at_step_end = True
         for obs in self.observers:
             obs.on_publish(self, version)
+        self.at_step_end = False
 
     def _count_wait(self, t: float) -> None:
         """Adaptive K: this round counts as waiting for the window when the trainer is idle with
@@ -412,7 +417,7 @@ class Runtime:
         ``stall_s`` seconds (wall) raises :class:`StallError`."""
         target = self.steps_done + num_steps
         wall = self.clock.kind == "wall"
-        self.stopped = False
+        self.stopped = self.at_step_end = False
         self._step_limit = target if wall and not drain else None
         if wall and self.tick_index == 0:
             self.clock.start()  # the run's time starts with its first round

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from pathlib import Path
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from dora_jax.checkpoint import CheckpointError
+from dora_jax.checkpoint import CheckpointError, CheckpointSaveError
 from dora_jax.config import ConfigError, ExperimentConfig, from_dict
 from dora_jax.data import Scorer
 from dora_jax.data.prompts import PromptSource
@@ -498,6 +499,10 @@ def run(
             stall_s=exp.cfg.orchestrator.stall_s,
             should_stop=should_stop,
         )
+    except Exception as e:
+        if checkpointer is not None and rt.at_step_end:
+            _save_before_failing(exp, checkpointer, e)
+        raise
     finally:
         rt.observers = []
         exp.wall_s += time.perf_counter() - t0
@@ -507,6 +512,25 @@ def run(
             checkpointer.save(exp)  # the end of the run, or the stop
         checkpointer.wait()
     return result
+
+
+def _save_before_failing(exp: Experiment, checkpointer, error: Exception) -> None:
+    """An observer of a published step raised (evaluation, metrics, a logger): the run's state
+    is that step's end, as a checkpoint saves it, so it is saved before the error ends the run
+    (an error elsewhere in a round leaves a state half changed: the last checkpoint stands).
+    One line says which it was; a save that fails too leaves the error to the caller."""
+    step = exp.runtime.steps_done
+    what = f"{type(error).__name__} after step {step} was published"
+    if isinstance(error, CheckpointSaveError):
+        return  # the checkpointer is the one that failed
+    try:
+        with exp.runtime.quiesce():
+            checkpointer.save(exp)
+        checkpointer.wait()
+    except Exception as e:  # noqa: BLE001  (the first error is the one to report)
+        print(f"warning: {what}; no checkpoint of that step ({e})", file=sys.stderr)
+    else:
+        print(f"note: {what}: saved a checkpoint of that step first", file=sys.stderr)
 
 
 class _StepLogs:
