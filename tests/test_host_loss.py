@@ -157,6 +157,7 @@ def test_a_rollout_host_told_to_stop_hands_its_requests_over(tmp_path, clock, st
     assert sum(m["recovery/group_failures"] for m in lines) == 0
 
     summary = _consumed_once(run_dir, steps)
+    assert (summary["group_failures"], summary["groups_left"]) == (0, 2)
     # every request the host held goes on from its KV, or from its prompt if it had none (a
     # request queued there, not yet prefilled); never from tokens to prefill again. On the
     # logical clock process 2's groups are mid-decode at the signal; on the wall clock the

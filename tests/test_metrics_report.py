@@ -15,6 +15,7 @@ from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.curves import reward_curve_plot
 from dora_jax.metrics import MetricsWriter, progress, read_metrics
 from dora_jax.orchestrator import FakeBackendConfig, GroupTick, Records, run_fake
+from dora_jax.orchestrator.backend import HOST_LEAVING
 from dora_jax.orchestrator.records import StepRecord
 from dora_jax.report import (
     phase_fractions,
@@ -287,6 +288,24 @@ def test_write_summary_tiny(tmp_path):
     assert d["bubble"] == pytest.approx(s.bubble) and d["staleness_hist"] == {}
     assert d["throughput"]["traj_per_s"] is None  # wall_s = 0: n/a, written as null
     assert d["reward"]["start"] is None and "![timeline](timeline.png)" in mpath.read_text()
+
+
+def test_groups_that_left_are_counted_apart_from_failures(tmp_path):
+    """A group whose process was asked to stop (it handed its requests over) left; an engine or
+    a process that died failed. summary.json counts them apart; only failures before the end."""
+    rec = _tiny()
+    rec.health = [
+        (1, 0, "dead", "engine step failed: boom"),
+        (3, 1, "dead", f"process 1 {HOST_LEAVING}signal 15): handing over"),
+        (4, 1, "restarting", "process 1 is back"),
+        (5, 0, "dead", "process 1 is gone: lifeline closed"),
+        (11, 1, "dead", "engine step failed: after the end"),
+    ]
+    s = rec.summary()
+    assert (s.group_failures, s.groups_left) == (2, 1)
+    jpath, _ = write_summary(tmp_path, summary=s, records=rec, rewards=[], wall_s=0.0)
+    d = json.loads(jpath.read_text())["summary"]
+    assert (d["group_failures"], d["groups_left"]) == (2, 1)
 
 
 def test_write_summary_agrees_with_summary(dora, tmp_path):

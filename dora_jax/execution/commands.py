@@ -230,5 +230,3 @@ class TransferError(RuntimeError):
 
 # in the error of a transfer whose holder's process died ("process 2 is gone: ...")
 HOST_GONE = "is gone:"
-# in the reason of a group whose host left on a signal ("process 2 is leaving (signal 15): ...")
-HOST_LEAVING = "is leaving ("

@@ -25,7 +25,12 @@ from dora_jax.execution import commands as c
 from dora_jax.execution.group import GroupWorker
 from dora_jax.execution.payloads import PromptPayload
 from dora_jax.execution.transport import Inline, Threaded, done
-from dora_jax.orchestrator.backend import BackendError, HealthChange, PartialRequest
+from dora_jax.orchestrator.backend import (
+    HOST_LEAVING,
+    BackendError,
+    HealthChange,
+    PartialRequest,
+)
 from dora_jax.rollout import Engine, Request, request_key
 from dora_jax.rollout.moves import EngineSnapshot, Handover, split_parked
 from dora_jax.rollout.requests import ExportedRequests
@@ -179,7 +184,7 @@ class GroupRecovery:
         mine = [g for g in self._groups_of(host) if self._state[g] == "healthy"]
         for g in mine:
             self.host_leaves[g] += 1
-            self._set_state(g, "dead", f"process {host} {c.HOST_LEAVING}{why}): handing over")
+            self._set_state(g, "dead", f"process {host} {HOST_LEAVING}{why}): handing over")
         paused = [self._send(g, c.Pause(g)) for g in mine] if self.wall else []
         self.cluster.flush()
         for g, fut in zip(mine, paused or [done()] * len(mine), strict=True):

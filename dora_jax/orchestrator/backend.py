@@ -167,6 +167,9 @@ RECOVERY_SOURCES = ("kv", "tokens", "prompt")
 # again), "stale" while a rejoining group loads the version it is given, "healthy" once it holds a
 # version again (only healthy groups are in the run).
 HEALTH_STATES = ("healthy", "dead", "restarting", "stale")
+# in the reason of a group that went "dead" because its process was asked to stop and handed its
+# requests over ("process 2 is leaving (signal 15): ..."): it left, it did not fail
+HOST_LEAVING = "is leaving ("
 
 
 class HealthChange(NamedTuple):

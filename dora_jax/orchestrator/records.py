@@ -40,7 +40,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import NamedTuple
 
-from dora_jax.orchestrator.backend import GroupTick, StepEvents
+from dora_jax.orchestrator.backend import HOST_LEAVING, GroupTick, StepEvents
 from dora_jax.orchestrator.history import HistoryFiles
 from dora_jax.orchestrator.transfer_queue import ConsumedRecord
 
@@ -129,7 +129,8 @@ class Summary:
     # staleness_k: auto: the K chosen after each step (mean, min, max, last) and the decisions
     # by reason (empty for a fixed K)
     k_chosen: dict = field(default_factory=dict)
-    group_failures: int = 0  # rollout groups' engines that failed (and were rebuilt)
+    group_failures: int = 0  # rollout groups that failed: their engine or their process
+    groups_left: int = 0  # rollout groups whose process was asked to stop (handed over)
     recovered: dict[str, int] = field(default_factory=dict)  # recovered requests per source
 
 
@@ -382,6 +383,7 @@ class Records:
         plans = [p for p in self.plans if p.tick < end]
         st = [c.staleness for c in consumed]
         moves = [m for m in self.cross_host if m[0] < end]
+        dead = [h[3] for h in self.health if h[0] < end and h[2] == "dead"]  # (the reasons)
         return steps_in, {
             "mode": self.mode,
             "steps": len(steps_in),
@@ -398,7 +400,8 @@ class Records:
             "max_version_span": max((c.version_span for c in consumed), default=0),
             "cross_host_weight_transfers": sum(1 for m in moves if m[1] == "weights"),
             "cross_host_migrated": sum(m[4] for m in moves if m[1] == "kv"),
-            "group_failures": sum(1 for h in self.health if h[0] < end and h[2] == "dead"),
+            "group_failures": sum(1 for why in dead if HOST_LEAVING not in why),
+            "groups_left": sum(1 for why in dead if HOST_LEAVING in why),
             "recovered": dict(Counter(r[2] for r in self.recoveries if r[0] < end)),
             "k_chosen": _k_chosen([r for r in self.k_log if r[0] <= end]),
             **plan_counts(plans),

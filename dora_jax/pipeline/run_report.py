@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from dora_jax.curves import reward_curve_plot
-from dora_jax.execution.commands import HOST_GONE, HOST_LEAVING
+from dora_jax.execution.commands import HOST_GONE
 from dora_jax.metrics import METRICS_FILE, binomial_se, read_metrics
 from dora_jax.orchestrator.runtime import RunResult
 from dora_jax.pipeline.experiment import Experiment
@@ -110,19 +110,17 @@ def write_run_report(
             f"staleness_k auto: K {k['min']}-{k['max']} (mean {k['mean']:.2f}, last "
             f"{k['last']}); changes and their reasons: {why or 'none'}"
         )
-    if s.group_failures:
+    if s.group_failures or s.groups_left:
         parts = ", ".join(f"{n} from {src}" for src, n in sorted(s.recovered.items()))
-        dead = [h[3] for h in rec.health if h[2] == "dead"]
-        left = sum(1 for why in dead if HOST_LEAVING in why)  # (asked to stop: handed over)
-        lost = sum(1 for why in dead if HOST_GONE in why)  # (its process died)
+        lost = sum(1 for h in rec.health if h[2] == "dead" and HOST_GONE in h[3])  # (process died)
         said = []
-        if len(dead) > left:
+        if s.group_failures:
             how = "each rebuilt" if not lost else f"{lost} of them with their process"
-            said.append(f"rollout groups failed {len(dead) - left} time(s), {how}")
-        if left:
+            said.append(f"rollout groups failed {s.group_failures} time(s), {how}")
+        if s.groups_left:
             said.append(
-                f"rollout groups left {left} time(s) with their process, asked to stop (their "
-                "requests handed over)"
+                f"rollout groups left {s.groups_left} time(s) with their process, asked to stop "
+                "(their requests handed over)"
             )
         print(
             f"{'; '.join(said)}; the requests they held went on elsewhere: {parts or 'none held'}"
