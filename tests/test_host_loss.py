@@ -170,6 +170,25 @@ def test_a_rollout_host_told_to_stop_hands_its_requests_over(tmp_path, clock, st
     assert all("leaving" in h[3] for h in health if h[1] in (2, 3) and h[2] == "dead"), health
 
 
+def test_a_live_hosts_command_started_twice_leaves_one_host(tmp_path):
+    """Process 2's command started a second time while process 2 runs: process 0 takes the new
+    one as process 2 started again (its groups rejoin); the old one says it was replaced and
+    leaves (exit 3), holding nothing. The run finishes, every prompt group consumed once."""
+    steps = 120
+    proc, run_dir = _start(tmp_path, "wall", steps)
+    logs = run_dir / "logs"
+    old = int((logs / "process_2.pid").read_text())
+    log0 = _start_again_and_finish(tmp_path, run_dir, proc)
+    log2 = (logs / "process_2.log").read_text()
+    expect("duplicate-host", log0 + log2)
+    assert not _alive(old), "the replaced process is still running"
+    assert "process 2 is back" in log0
+    _consumed_once(run_dir, steps)
+    health = _health(run_dir)
+    assert all("process 2" in h[3] for h in health if h[2] == "dead"), health
+    assert _worked_after(run_dir, {2, 3}, max(h[0] for h in health))
+
+
 # Two processes, as docs/usage.md's first layout: the trainer on process 0, every rollout group
 # on process 1. Losing process 1 leaves no group in the run.
 ALONE = [

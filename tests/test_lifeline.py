@@ -65,6 +65,27 @@ def test_a_newer_lifeline_replaces_the_old_one_and_a_bad_first_line_is_ignored()
     lines.close()
 
 
+def test_a_lifeline_of_a_replaced_incarnation_says_nothing_when_it_closes():
+    """A second copy of process 1's command joined (its token is now the current one) before
+    the first copy's lifeline closed: the first's closing is no news; the second's is."""
+    closed: queue.Queue = queue.Queue()
+    current = {1: "first"}
+    lines = Lifelines("127.0.0.1", closed.put, 4, current_token=current.get)
+    first = socket.create_connection(("127.0.0.1", lines.port))
+    first.sendall(b"1 first\n")
+    time.sleep(0.2)
+    current[1] = "second"  # the second copy joined; its lifeline is not up yet
+    first.close()
+    time.sleep(0.3)
+    assert closed.empty()
+    second = socket.create_connection(("127.0.0.1", lines.port))
+    second.sendall(b"1 second\n")
+    time.sleep(0.2)
+    second.close()
+    assert closed.get(timeout=5) == 1
+    lines.close()
+
+
 def test_the_other_end_hears_process_0_end():
     lines, _, where = _lifelines()
     ended: queue.Queue = queue.Queue()

@@ -168,7 +168,9 @@ class Process:
         from dora_jax.distributed import lifeline
 
         if self.is_main:
-            self.lifelines = lifeline.Lifelines(self.bind, self.line_closed, self.count)
+            self.lifelines = lifeline.Lifelines(
+                self.bind, self.line_closed, self.count, current_token=self.join_token
+            )
             host = self.coordinator.rsplit(":", 1)[0]  # (the others reach this machine so)
             self.client.key_value_set("dora/lifeline", f"{host}:{self.lifelines.port}")
         else:  # (process 0 may open its lifelines later, or never: then the heartbeat alone)
@@ -177,7 +179,9 @@ class Process:
                 try:
                     where = self.client.blocking_key_value_get("dora/lifeline", 86_400_000)
                     if not self._finishing.is_set():
-                        lifeline.hold(where, self.index, lambda: self.line_closed(0))
+                        lifeline.hold(
+                            where, self.index, lambda: self.line_closed(0), token=self.token
+                        )
                 except Exception:  # noqa: BLE001 - no lifeline: the watchdog still watches
                     return
 
@@ -199,6 +203,8 @@ class Process:
                     return
                 if self._finishing.is_set():
                     return
+                if not self.is_main:
+                    self._leave_if_replaced()
                 if not isinstance(live, dict):  # (a list where the runtime gives no incarnations)
                     live = dict.fromkeys(live, 0)
                 for p in everyone:
@@ -217,6 +223,29 @@ class Process:
                 first = False
 
         threading.Thread(target=watch, name="dora-watchdog", daemon=True).start()
+
+    def join_token(self, process: int) -> str | None:
+        """The join token of ``process``'s newest incarnation (None: not readable now)."""
+        try:
+            return self.client.key_value_try_get(f"dora/join/{process}")
+        except Exception:  # noqa: BLE001 - not set, or the service is going away
+            return None
+
+    def _leave_if_replaced(self) -> None:
+        """Another process joined the run under this one's index (its command started a second
+        time while it runs): process 0 now serves that one, so this one says so and leaves
+        (exit 3) rather than hold its devices for nothing."""
+        newest = self.join_token(self.index)
+        if not self.token or newest is None or newest == self.token:
+            return
+        print(
+            f"error: process {self.index}: another process joined the run as process "
+            f"{self.index} (was its command started a second time?) and took its place; this "
+            "one leaves",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(3)
 
     def present(self) -> list[int]:
         """The processes in the run: every one but the rollout hosts gone (and not back)."""
