@@ -7,10 +7,10 @@ processes learn of process 0's end the same way. A host that vanishes without cl
 (a machine powered off, a cut cable) is still found by the heartbeat, which stays the fallback.
 
 Nothing travels on a lifeline but its first line, ``"<process index> <join token>\\n"`` (the
-token names the process's incarnation); process 0 keeps the newest connection of each process, so
-a process started again replaces its old one and the old one's closing says nothing; nor does the closing
-of a lifeline whose token is no longer its process's (``current_token``): a second copy of the
-process's command took its place while the first still ran.
+token names the process's incarnation). Process 0 keeps the newest connection of each process,
+so a process started again replaces its old one and the old one's closing says nothing; nor does
+the closing of a lifeline whose token is no longer its process's (``current_token``): a second
+copy of the process's command took its place while the first still ran.
 """
 
 from __future__ import annotations
