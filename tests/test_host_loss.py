@@ -64,9 +64,9 @@ def _start(tmp_path: Path, clock: str, steps: int, *extra: str) -> tuple[subproc
     return start_until_steps(args, tmp_path, run_dir, 2), run_dir
 
 
-def _wait_for(path: Path, text: str, proc: subprocess.Popen) -> None:
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, times: int = 1) -> None:
     deadline = time.time() + 600
-    while text not in path.read_text():
+    while path.read_text().count(text) < times:
         assert time.time() < deadline and proc.poll() is None, path.read_text()[-2000:]
         time.sleep(0.2)
 
@@ -168,6 +168,43 @@ def test_a_rollout_host_told_to_stop_hands_its_requests_over(tmp_path, clock, st
         assert recovered.get("kv", 0) > 0, recovered
     health = _back_and_working(run_dir)  # (its exit after the handover: no second loss)
     assert all("leaving" in h[3] for h in health if h[1] in (2, 3) and h[2] == "dead"), health
+
+
+def test_a_host_killed_again_while_it_rejoins_comes_back_later(tmp_path):
+    """Process 2 killed, started again, and killed again as soon as process 0 has it back (its
+    groups to rebuild their engines: the control plane may not even have looked yet, then it
+    finds a loss and a return between two rounds): the run goes on with the others; started a
+    third time, process 2's groups rejoin and take work, every prompt group consumed once."""
+    steps = 80
+    proc, run_dir = _start(tmp_path, "logical", steps)
+    logs = run_dir / "logs"
+    os.kill(int((logs / "process_2.pid").read_text()), signal.SIGKILL)
+    _wait_for(logs / "process_0.log", "process 2 is gone", proc)
+    again = (logs / "process_2.cmd").read_text()
+    with open(logs / "process_2.second.log", "w") as out:
+        second = subprocess.Popen(
+            again,
+            shell=True,
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # (its shell and python: one group to kill)
+        )
+    _wait_for(logs / "process_0.log", "process 2 is back", proc)
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait(timeout=60)
+    _wait_for(logs / "process_0.log", "process 2 is gone", proc, times=2)
+    log0 = _start_again_and_finish(tmp_path, run_dir, proc)
+    assert log0.count("process 2 is back") == 2, log0[-3000:]
+    expect("host-killed-mid-rejoin", log0, proc.returncode)
+    _consumed_once(run_dir, steps)
+    health = _health(run_dir)
+    for g in (2, 3):
+        states = [h[2] for h in health if h[1] == g]
+        assert states[0] == "dead" and states[-2:] == ["stale", "healthy"], health
+        assert states.count("dead") == 2 and states.count("healthy") == 1, health
+        assert states[: states.index("dead", 1)] == ["dead", "restarting"], health  # mid-rejoin
+    assert _worked_after(run_dir, {2, 3}, max(h[0] for h in health if h[2] == "healthy"))
 
 
 def test_a_live_hosts_command_started_twice_leaves_one_host(tmp_path):

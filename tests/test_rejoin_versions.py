@@ -106,3 +106,57 @@ def test_a_run_with_no_rollout_group_counts_down_then_stops(tmp_path):
     assert not at(210) and not at(309) and wait.tripped is None
     assert at(310) and wait.tripped.startswith("no rollout group is left in the run")
     assert "none came back in 100 s (orchestrator.no_groups_wait_s)" in wait.tripped
+
+
+class Link:
+    """The part of the cluster link the recovery reads: hosts lost, leaving and joined."""
+
+    def __init__(self, lost=None, joined=()):
+        self.lost, self.joined = dict(lost or {}), list(joined)
+
+    def take_leaving(self):
+        return {}
+
+    def take_joined(self):
+        out, self.joined = self.joined, []
+        return out
+
+
+def with_requests(b: EngineBackend, members: dict[int, list[int]], link: Link) -> EngineBackend:
+    """``b`` with requests in its groups and a cluster whose link is ``link``."""
+    from types import SimpleNamespace
+
+    n = len(b.handles)
+    b._members = [dict.fromkeys(members.get(g, [])) for g in range(n)]
+    b._where = {rid: g for g, rids in members.items() for rid in rids}
+    b._recovered, b._in_transit, b._leaving = [], {}, set()
+    b._lost_hosts, b._rejoining = set(), {}
+    b._backups, b._backup_asked, b._since_backup = {}, {}, [0] * n
+    b.host_losses = [0] * n
+    b._recover = lambda rid, version, *sources: (rid, version)
+    b.cluster = SimpleNamespace(link=link, start_host=lambda host: Future())
+    return b
+
+
+def test_a_host_lost_and_back_between_two_rounds_is_lost_first():
+    """Process 1 died and was started again before the control plane looked (its loss and its
+    return both waiting): its groups' requests go on elsewhere, as for a loss seen in time,
+    before the groups rebuild; a group whose rejoin was cut short so is counted lost again."""
+    b = with_requests(backend([3, 3, 4], [0, 1, 1], published=4), {1: [10, 11], 2: [12]}, Link())
+    b.cluster.link.joined = [1]
+    b._hosts_changed()
+    assert sorted(b._recovered) == [(10, 3), (11, 3), (12, 4)]  # from their prompts
+    assert b._members[1] == b._members[2] == {}
+    assert [(h.group, h.state) for h in b._health] == [
+        (1, "dead"),
+        (2, "dead"),
+        (1, "restarting"),
+        (2, "restarting"),
+    ]
+    assert b.host_losses == [0, 1, 1] and b._state == ["healthy", "restarting", "restarting"]
+    # lost again while rebuilding, and back again, unseen: a second loss, nothing to recover
+    b._health, b._recovered = [], []
+    b.cluster.link.joined = [1]
+    b._hosts_changed()
+    assert b.host_losses == [0, 2, 2] and b._recovered == []
+    assert [h.state for h in b._health] == ["dead", "dead", "restarting", "restarting"]

@@ -123,18 +123,11 @@ class GroupRecovery:
             if host not in link.lost and host not in self._lost_hosts | self._leaving:
                 self._hand_over(host, why)
         for host, why in list(link.lost.items()):
-            if host in self._lost_hosts:
-                continue
-            self._lost_hosts.add(host)
-            self._rejoining.pop(host, None)
-            if host in self._leaving:  # (its groups were handed over already)
-                self._leaving.discard(host)
-            else:
-                for g in self._groups_of(host):
-                    self._lose_group(g, f"process {host} is gone: {why}")
-            for ticket in [t for t, x in self._in_transit.items() if x[0] == host]:
-                self._lost_in_transit(ticket, f"process {host} is gone: {why}")
+            if host not in self._lost_hosts:
+                self._host_lost(host, why)
         for host in link.take_joined():
+            if host not in self._lost_hosts:  # lost and back since the last round: unseen
+                self._host_lost(host, "it was lost and started again since the last round")
             self._lost_hosts.discard(host)
             for g in self._groups_of(host):
                 self._set_state(g, "restarting", f"process {host} is back: building its engines")
@@ -149,6 +142,19 @@ class GroupRecovery:
                     self._set_state(g, "healthy", f"v{self._version[g]} loaded")
                 else:
                     self._set_state(g, "dead", f"its load failed: {self._loads[g].exception()}")
+
+    def _host_lost(self, host: int, why: str) -> None:
+        """``host`` died: its groups are dead, what they held goes on elsewhere (unless it handed
+        it over first), and so do the migrations whose KV it was still to serve."""
+        self._lost_hosts.add(host)
+        self._rejoining.pop(host, None)
+        if host in self._leaving:  # (its groups were handed over already)
+            self._leaving.discard(host)
+        else:
+            for g in self._groups_of(host):
+                self._lose_group(g, f"process {host} is gone: {why}")
+        for ticket in [t for t, x in self._in_transit.items() if x[0] == host]:
+            self._lost_in_transit(ticket, f"process {host} is gone: {why}")
 
     def _rejoined(self, host: int, error: BaseException | None) -> None:
         """``host`` built its engines (or failed to: its groups stay out): each loads the
