@@ -211,6 +211,44 @@ def test_sigkill_of_one_process_then_resume(tmp_path, layout):
             np.testing.assert_allclose(got["loss"], want["loss"], atol=1e-6, rtol=0)
 
 
+def test_a_trainer_follower_lost_under_the_default_checkpoint_cadence(tmp_path):
+    """The trainer spans both processes and checkpoints come at the default cadence (every 50
+    steps, saved asynchronously): process 1 killed after step 52. Process 0 stops within 60 s
+    naming the newest finished checkpoint (50, or none if its save had not finished) and the
+    command; that command, run as printed, finishes the run: nothing lost or consumed twice."""
+    from dora_jax.checkpoint import finished_steps
+
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "launch" / "train.py"), "--local-processes", "2"]
+    args += [*TINY, *SPANNING, f"run_dir={run_dir}", "train.total_steps=56"]
+    args += ["logging.tensorboard=false"]
+    proc = start_until_steps(args, tmp_path, run_dir, 52)
+    os.kill(int((run_dir / "logs" / "process_1.pid").read_text()), signal.SIGKILL)
+    t_kill = time.time()
+    proc.communicate(timeout=180)
+    assert proc.returncode != 0 and time.time() - t_kill < 60
+    log0 = (run_dir / "logs" / "process_0.log").read_text()
+    expect("follower-lost-default-cadence", log0)
+    saved = finished_steps(run_dir / "checkpoints")
+    assert saved in ([], [50]), saved
+    said = f"the last checkpoint is {run_dir / 'checkpoints' / '50'}" if saved else "no checkpoint"
+    assert said in log0, log0[-3000:]
+    command = log0.split("Continue with: ")[-1].splitlines()[0]
+    assert command.startswith("python launch/train.py --local-processes 2 --resume run_dir=")
+    resumed = subprocess.run(
+        [sys.executable, *command.split()[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    ids = json.loads((run_dir / "summary.json").read_text())["extra"]["consumed_request_ids"]
+    assert len(ids) == len(set(ids)) >= 56 * 2 * 4
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 57))
+
+
 CHATTER = [
     f"env.spec={ROOT / 'tests' / 'agentic_envs.py'}:Chatter",
     "env.workers=2",
