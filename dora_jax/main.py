@@ -171,6 +171,7 @@ def _main(argv: list[str]) -> int:
     try:
         spec = spec_from(args)
         if spec is not None:
+            _refuse_ended_launch(spec, run_dir)
             proc = initialize(spec)
     except ProcessError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -241,6 +242,21 @@ def _main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _refuse_ended_launch(spec, run_dir: Path) -> None:
+    """A host's command of a local launch started after that run ended: one line at once (not
+    a wait for a process 0 that is gone), naming the command that continues the run."""
+    from dora_jax.distributed.launcher import ended_launch
+    from dora_jax.distributed.process import ProcessError
+
+    pid = ended_launch(run_dir, spec.process_id or 0)
+    if pid is not None:
+        raise ProcessError(
+            f"process {spec.process_id}: the run this command joins has ended (its process 0, "
+            f"pid {pid}, is gone): nothing to join. The run goes on from its last checkpoint "
+            f"with: {resume_hint(run_dir)}"
+        )
 
 
 def interrupted_message(signum: int) -> str:

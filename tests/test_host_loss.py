@@ -224,6 +224,16 @@ def test_a_live_hosts_command_started_twice_leaves_one_host(tmp_path):
     health = _health(run_dir)
     assert all("process 2" in h[3] for h in health if h[2] == "dead"), health
     assert _worked_after(run_dir, {2, 3}, max(h[0] for h in health))
+    # the same command once the run has ended: one line at once, nothing to join
+    late = subprocess.run(
+        (logs / "process_2.cmd").read_text(),
+        shell=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    expect("host-after-the-end", late.stdout + late.stderr, late.returncode)
 
 
 # Two processes, as docs/usage.md's first layout: the trainer on process 0, every rollout group

@@ -671,6 +671,34 @@ def test_stale_lock_and_old_logs_of_a_killed_run(tmp_path, capsys):
     assert not (run_dir / ".lock").exists()  # released at the end
 
 
+def test_a_hosts_command_started_after_its_run_ended_says_so_at_once(tmp_path, capsys, monkeypatch):
+    """``process_1.cmd`` of a local launch whose process 0 has ended: one line at once naming
+    the resume command, instead of waiting minutes for a coordinator that is gone. While
+    process 0 runs (its pid alive), the command joins as before."""
+    from dora_jax.distributed import launcher, process
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "process_0.pid").write_text(str(_dead_pid()))
+    monkeypatch.setenv(launcher.ENV_LAUNCH, "--local-processes 2")
+    monkeypatch.setenv(process.ENV_COORDINATOR, "127.0.0.1:9")
+    monkeypatch.setenv(process.ENV_NUM, "2")
+    monkeypatch.setenv(process.ENV_ID, "1")
+    joined = []
+
+    def initialize(spec):
+        joined.append(spec.process_id)
+        raise process.ProcessError("(joined)")
+
+    monkeypatch.setattr(process, "initialize", initialize)
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T)
+    expect("host-after-the-end", out, rc)
+    assert joined == [] and "--local-processes 2 --resume run_dir=" in out
+    (run_dir / "logs" / "process_0.pid").write_text(str(os.getpid()))  # a live process 0
+    rc, out = cli(capsys, f"run_dir={run_dir}", *T)
+    assert joined == [1] and rc == 2 and "(joined)" in out
+
+
 @pytest.mark.slow  # three commands, two of them train
 def test_a_crash_leaves_a_usable_run_dir(tmp_path, capsys, monkeypatch):
     """An exception in step 3 while a save may be in progress: the save is finished, the run dir

@@ -55,6 +55,23 @@ def term_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def ended_launch(run_dir: Path, process_id: int) -> int | None:
+    """For process ``process_id`` > 0 of a local launch (``DORA_LOCAL_LAUNCH`` set: every
+    process on this machine), started again with its ``process_<i>.cmd``: the pid of process 0
+    when that process no longer runs (the run it would join has ended: nothing will ever answer
+    at its coordinator's address), else None. The launcher writes ``process_0.pid`` before it
+    starts any other process, so a process of a running launch always finds it alive."""
+    if not process_id or not launch_flags():
+        return None
+    from dora_jax.run_dir import pid_alive
+
+    try:
+        pid = int((Path(run_dir) / "logs" / "process_0.pid").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if pid_alive(pid) else pid
+
+
 def local_flags(n: int, devices_per_process: int, pin_cores: bool) -> list[str]:
     """The launcher's flags as a command line gives them (what ``--resume`` needs again)."""
     flags = ["--local-processes", str(n)]
