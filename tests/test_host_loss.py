@@ -71,6 +71,27 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, times: int = 1) -> 
         time.sleep(0.2)
 
 
+def _kill_until_gone(proc: subprocess.Popen, logs: Path, p: int) -> None:
+    """SIGKILL process ``p``; return once process 0 has said it is gone."""
+    said = (logs / "process_0.log").read_text().count(f"process {p} is gone")
+    os.kill(int((logs / f"process_{p}.pid").read_text()), signal.SIGKILL)
+    _wait_for(logs / "process_0.log", f"process {p} is gone", proc, times=said + 1)
+
+
+def _start_command(tmp_path: Path, logs: Path, p: int, name: str) -> subprocess.Popen:
+    """Start process ``p`` again with the command the launcher wrote for it, in a session of
+    its own (its shell and python: one group to kill), its output to ``process_<p>.<name>.log``."""
+    with open(logs / f"process_{p}.{name}.log", "w") as out:
+        return subprocess.Popen(
+            (logs / f"process_{p}.cmd").read_text(),
+            shell=True,
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 def _start_again_and_finish(tmp_path: Path, run_dir: Path, proc: subprocess.Popen) -> str:
     """Start process 2 again with the command the launcher wrote for it, wait for the run to
     end (both must exit 0) and return process 0's log."""
@@ -178,18 +199,8 @@ def test_a_host_killed_again_while_it_rejoins_comes_back_later(tmp_path):
     steps = 80
     proc, run_dir = _start(tmp_path, "logical", steps)
     logs = run_dir / "logs"
-    os.kill(int((logs / "process_2.pid").read_text()), signal.SIGKILL)
-    _wait_for(logs / "process_0.log", "process 2 is gone", proc)
-    again = (logs / "process_2.cmd").read_text()
-    with open(logs / "process_2.second.log", "w") as out:
-        second = subprocess.Popen(
-            again,
-            shell=True,
-            cwd=tmp_path,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # (its shell and python: one group to kill)
-        )
+    _kill_until_gone(proc, logs, 2)
+    second = _start_command(tmp_path, logs, 2, "second")
     _wait_for(logs / "process_0.log", "process 2 is back", proc)
     os.killpg(second.pid, signal.SIGKILL)
     second.wait(timeout=60)
@@ -259,17 +270,12 @@ def test_the_only_rollout_host_killed_and_started_again_finishes_the_run(tmp_pat
     steps = 30
     proc, run_dir = _start_alone(tmp_path, steps)
     logs = run_dir / "logs"
-    os.kill(int((logs / "process_1.pid").read_text()), signal.SIGKILL)
-    _wait_for(logs / "process_0.log", "process 1 is gone", proc)
-    again = (logs / "process_1.cmd").read_text()
-    with open(logs / "process_1.again.log", "w") as out:
-        rejoined = subprocess.Popen(
-            again, shell=True, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
-        )
-        try:
-            _, stderr = proc.communicate(timeout=900)  # (a hang fails here, not forever)
-        finally:
-            rejoined.wait(timeout=120)
+    _kill_until_gone(proc, logs, 1)
+    rejoined = _start_command(tmp_path, logs, 1, "again")
+    try:
+        _, stderr = proc.communicate(timeout=900)  # (a hang fails here, not forever)
+    finally:
+        rejoined.wait(timeout=120)
     log0 = (logs / "process_0.log").read_text()
     assert proc.returncode == 0, log0[-3000:] + stderr[-2000:]
     rows = [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()]

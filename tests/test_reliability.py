@@ -699,6 +699,17 @@ def test_a_hosts_command_started_after_its_run_ended_says_so_at_once(tmp_path, c
     assert joined == [1] and rc == 2 and "(joined)" in out
 
 
+def _resume_to_the_end(capsys, run_dir: Path, done: int, total: int) -> None:
+    """``--resume`` continues from ``done`` steps to ``total``: each step logged once, every
+    prompt group (2 a step, 2 samples each) consumed once."""
+    rc, out = cli(capsys, "--resume", f"run_dir={run_dir}")
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in out and f"{done} steps done" in out
+    assert metric_steps(run_dir / "metrics.jsonl") == list(range(1, total + 1))
+    ids = json.loads((run_dir / "summary.json").read_text())["extra"]["consumed_request_ids"]
+    assert len(ids) == len(set(ids)) == total * 2 * 2
+
+
 @pytest.mark.slow  # three commands, two of them train
 def test_a_crash_leaves_a_usable_run_dir(tmp_path, capsys, monkeypatch):
     """An exception in step 3 while a save may be in progress: the save is finished, the run dir
@@ -712,12 +723,7 @@ def test_a_crash_leaves_a_usable_run_dir(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(faults.ENV)
     rc, out = cli(capsys, *args)
     expect("fresh-run-into-checkpoints", out, rc)
-    rc, out = cli(capsys, "--resume", f"run_dir={run_dir}")
-    assert rc == 0, out[-3000:]
-    assert "resumed from" in out and "2 steps done" in out
-    assert metric_steps(run_dir / "metrics.jsonl") == [1, 2, 3, 4]
-    ids = json.loads((run_dir / "summary.json").read_text())["extra"]["consumed_request_ids"]
-    assert len(ids) == len(set(ids)) == 4 * 2 * 2
+    _resume_to_the_end(capsys, run_dir, done=2, total=4)
 
 
 @pytest.mark.slow  # two training runs
@@ -745,12 +751,7 @@ def test_an_error_after_a_published_step_saves_that_step_first(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
     assert metric_steps(run_dir / "metrics.jsonl") == [1, 2]
     monkeypatch.delenv(faults.ENV)
-    rc, out = cli(capsys, "--resume", f"run_dir={run_dir}")
-    assert rc == 0, out[-3000:]
-    assert "resumed from" in out and "2 steps done" in out
-    assert metric_steps(run_dir / "metrics.jsonl") == [1, 2, 3, 4]
-    ids = json.loads((run_dir / "summary.json").read_text())["extra"]["consumed_request_ids"]
-    assert len(ids) == len(set(ids)) == 4 * 2 * 2
+    _resume_to_the_end(capsys, run_dir, done=2, total=4)
 
 
 @pytest.mark.slow  # one training run
