@@ -134,7 +134,10 @@ def with_requests(b: EngineBackend, members: dict[int, list[int]], link: Link) -
     b._backups, b._backup_asked, b._since_backup = {}, {}, [0] * n
     b.host_losses = [0] * n
     b._recover = lambda rid, version, *sources: (rid, version)
-    b.cluster = SimpleNamespace(link=link, start_host=lambda host: Future())
+    b.started = []
+    b.cluster = SimpleNamespace(
+        link=link, start_host=lambda host: (b.started.append(host), Future())[1]
+    )
     return b
 
 
@@ -154,9 +157,38 @@ def test_a_host_lost_and_back_between_two_rounds_is_lost_first():
         (2, "restarting"),
     ]
     assert b.host_losses == [0, 1, 1] and b._state == ["healthy", "restarting", "restarting"]
+    assert b.started == [1]
     # lost again while rebuilding, and back again, unseen: a second loss, nothing to recover
     b._health, b._recovered = [], []
     b.cluster.link.joined = [1]
     b._hosts_changed()
     assert b.host_losses == [0, 2, 2] and b._recovered == []
     assert [h.state for h in b._health] == ["dead", "dead", "restarting", "restarting"]
+    assert b.started == [1, 1]
+
+
+def test_returns_and_losses_queued_between_two_rounds_are_each_counted_once():
+    """Seen lost; then back, lost, back (two returns queued): one more loss (the first return
+    leaves no row of its own), one build. Then
+    back and lost again before the round: restarting, then dead, and nothing to build."""
+    b = with_requests(backend([3, 3], [0, 1], published=3), {1: [7]}, Link(lost={1: "killed"}))
+    b._hosts_changed()  # the loss, seen
+    assert b._recovered == [(7, 3)] and b._state == ["healthy", "dead"]
+    b._health = []
+    b.cluster.link.lost, b.cluster.link.joined = {}, [1, 1]
+    b._hosts_changed()
+    assert [h.state for h in b._health] == ["dead", "restarting"]
+    assert b.host_losses == [0, 2] and b.started == [1]
+    b.cluster.link.lost = {1: "killed"}
+    b._hosts_changed()  # lost again, seen
+    b._health = []
+    b.cluster.link.lost, b.cluster.link.joined = {1: "killed again"}, [1]
+    b._hosts_changed()
+    assert [(h.state, h.reason) for h in b._health] == [
+        ("restarting", "process 1 is back: building its engines"),
+        ("dead", "process 1 is gone: killed again"),
+    ]
+    assert b.host_losses == [0, 4] and b.started == [1] and 1 not in b._rejoining
+    b._health = []
+    b._hosts_changed()  # the same loss, already handled
+    assert b._health == [] and b.host_losses == [0, 4]

@@ -122,16 +122,24 @@ class GroupRecovery:
         for host, why in link.take_leaving().items():
             if host not in link.lost and host not in self._lost_hosts | self._leaving:
                 self._hand_over(host, why)
+        # (a return takes its process out of link.lost: one that is there with a return waiting
+        # was lost after it came back, and is handled after the return)
+        joined = Counter(link.take_joined())
         for host, why in list(link.lost.items()):
-            if host not in self._lost_hosts:
+            if host not in self._lost_hosts and host not in joined:
                 self._host_lost(host, why)
-        for host in link.take_joined():
-            if host not in self._lost_hosts:  # lost and back since the last round: unseen
+        for host, joins in joined.items():
+            # every return follows a loss: those not seen fell between two rounds
+            unseen = joins - (host in self._lost_hosts)
+            for _ in range(unseen):
                 self._host_lost(host, "it was lost and started again since the last round")
             self._lost_hosts.discard(host)
             for g in self._groups_of(host):
                 self._set_state(g, "restarting", f"process {host} is back: building its engines")
-            self._rejoining[host] = self.cluster.start_host(host)
+            if host in link.lost:  # (lost again since it came back: nothing to build)
+                self._host_lost(host, link.lost[host])
+            else:  # (one build for its newest process, however often it came back)
+                self._rejoining[host] = self.cluster.start_host(host)
         for host, fut in list(self._rejoining.items()):
             if fut.done():
                 del self._rejoining[host]
