@@ -96,15 +96,11 @@ def _start_again_and_finish(tmp_path: Path, run_dir: Path, proc: subprocess.Pope
     """Start process 2 again with the command the launcher wrote for it, wait for the run to
     end (both must exit 0) and return process 0's log."""
     logs = run_dir / "logs"
-    again = (logs / "process_2.cmd").read_text()  # the documented command, as written
-    with open(logs / "process_2.again.log", "w") as out:
-        rejoined = subprocess.Popen(
-            again, shell=True, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
-        )
-        try:
-            _, stderr = proc.communicate(timeout=900)
-        finally:
-            rejoined.wait(timeout=120)
+    rejoined = _start_command(tmp_path, logs, 2, "again")  # the documented command, as written
+    try:
+        _, stderr = proc.communicate(timeout=900)
+    finally:
+        rejoined.wait(timeout=120)
     log0 = (logs / "process_0.log").read_text()
     assert proc.returncode == 0, log0[-3000:] + stderr[-2000:]
     assert rejoined.returncode == 0, (logs / "process_2.again.log").read_text()[-3000:]

@@ -508,10 +508,15 @@ def run(
         exp.wall_s += time.perf_counter() - t0
     exp.stopped = rt.stopped
     if checkpointer is not None:
-        with rt.quiesce():
-            checkpointer.save(exp)  # the end of the run, or the stop
-        checkpointer.wait()
+        _save_and_wait(exp, checkpointer)  # the end of the run, or the stop
     return result
+
+
+def _save_and_wait(exp: Experiment, checkpointer) -> None:
+    """Save now, with the run held still, and wait until the save is complete."""
+    with exp.runtime.quiesce():
+        checkpointer.save(exp)
+    checkpointer.wait()
 
 
 def _save_before_failing(exp: Experiment, checkpointer, error: Exception) -> None:
@@ -519,14 +524,11 @@ def _save_before_failing(exp: Experiment, checkpointer, error: Exception) -> Non
     is that step's end, as a checkpoint saves it, so it is saved before the error ends the run
     (an error elsewhere in a round leaves a state half changed: the last checkpoint stands).
     One line says which it was; a save that fails too leaves the error to the caller."""
-    step = exp.runtime.steps_done
-    what = f"{type(error).__name__} after step {step} was published"
     if isinstance(error, CheckpointSaveError):
         return  # the checkpointer is the one that failed
+    what = f"{type(error).__name__} after step {exp.runtime.steps_done} was published"
     try:
-        with exp.runtime.quiesce():
-            checkpointer.save(exp)
-        checkpointer.wait()
+        _save_and_wait(exp, checkpointer)
     except Exception as e:  # noqa: BLE001  (the first error is the one to report)
         print(f"warning: {what}; no checkpoint of that step ({e})", file=sys.stderr)
     else:
