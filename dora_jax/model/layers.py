@@ -17,6 +17,7 @@ import numpy as np
 
 from dora_jax.config import ModelConfig
 from dora_jax.model.attention import Attend
+from dora_jax.model.dense import dense
 from dora_jax.model.moe import moe_mlp
 from dora_jax.sharding import constrain
 
@@ -68,9 +69,9 @@ def qkv_projection(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Project normed ``x [B, T, D]`` to ``q [B,T,N,H]``, ``k, v [B,T,K,H]``, RoPE applied.
     With ``q_norm``/``k_norm`` (Qwen3), q and k are RMS-normed per head before RoPE."""
-    q = jnp.einsum("BTD,DNH->BTNH", x, lp["wq"])
-    k = jnp.einsum("BTD,DKH->BTKH", x, lp["wk"])
-    v = jnp.einsum("BTD,DKH->BTKH", x, lp["wv"])
+    q = dense("BTD,DNH->BTNH", x, lp["wq"])
+    k = dense("BTD,DKH->BTKH", x, lp["wk"])
+    v = dense("BTD,DKH->BTKH", x, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if "q_norm" in lp:
@@ -107,10 +108,10 @@ def map_seq_chunks(fn: Any, xs: Any, chunk: int) -> Any:
 
 def mlp(lp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-    gate = jnp.einsum("BTD,DF->BTF", x, lp["w_gate"])
-    up = jnp.einsum("BTD,DF->BTF", x, lp["w_up"])
+    gate = dense("BTD,DF->BTF", x, lp["w_gate"])
+    up = dense("BTD,DF->BTF", x, lp["w_up"])
     h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return jnp.einsum("BTF,FD->BTD", h, lp["w_down"])
+    return dense("BTF,FD->BTD", h, lp["w_down"])
 
 
 def decoder_layer(
@@ -138,7 +139,7 @@ def decoder_layer(
 
     def out_and_mlp(xo):
         x, o = xo[:2]
-        x = constrain(x + jnp.einsum("BTNH,NHD->BTD", o, lp["wo"]), ("batch", "seq", "embed"))
+        x = constrain(x + dense("BTNH,NHD->BTD", o, lp["wo"]), ("batch", "seq", "embed"))
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         if cfg.is_moe:
             y, chosen = moe_mlp(lp, h, cfg, xo[2] if len(xo) > 2 else None)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from dora_jax.config import ModelConfig
 from dora_jax.model.attention import make_attend
+from dora_jax.model.dense import dense
 from dora_jax.model.layers import decoder_layer, rms_norm
 from dora_jax.model.params import Params, dtype_of
 from dora_jax.sharding import constrain
@@ -149,9 +150,13 @@ def _full_remat(apply):
 
 
 def logits_from_hidden(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """``[..., V]`` float32 logits from hidden states ``[..., D]``."""
-    w = unembed_matrix(params, cfg).astype(h.dtype)
-    return jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32)
+    """``[..., V]`` float32 logits from hidden states ``[..., D]``. A tied embedding is
+    contracted as it is stored, ``[V, D]``: its transpose would be a copy of the matrix each
+    call, and on a CPU a 16-bit transpose goes through float32 (measured on SmolLM2-135M's
+    ``[49152, 576]`` in bfloat16: 51 ms against 8 ms a call at 32 rows)."""
+    if cfg.tie_word_embeddings:
+        return dense("...D,VD->...V", h, params["embed"].astype(h.dtype), jnp.float32)
+    return dense("...D,DV->...V", h, params["lm_head"].astype(h.dtype), jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("cfg",))

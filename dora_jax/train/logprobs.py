@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dora_jax.config import ModelConfig
+from dora_jax.model.dense import dense
 from dora_jax.model.layers import map_seq_chunks
 from dora_jax.model.params import Params
 from dora_jax.model.transformer import hidden_states, unembed_matrix
@@ -92,7 +93,7 @@ def _vocab_scan(h, targets, w_chunks, col, V, spec):
     def body(carry, xs):
         m, s, t, tgt = carry
         wk, k = xs
-        z = jnp.einsum(spec, h, wk, preferred_element_type=jnp.float32)
+        z = dense(spec, h, wk, jnp.float32)
         z = constrain(z, ("batch", "seq", "vocab"))
         ids = col + k
         z = jnp.where(ids < V, z, NEG)
