@@ -1,7 +1,9 @@
 """TRL's ``GRPOTrainer`` and dora_jax (``sync`` and ``dora`` modes) side by side: the same model,
 task, GRPO settings and number of samples, one after the other on this machine's CPU.
 
-1. TRL (``pip install 'dora-jax[bench]'``): ``trl.GRPOTrainer`` in float32 on the CPU, the
+1. TRL (``pip install 'dora-jax[bench]'``): ``trl.GRPOTrainer`` on the CPU, twice: in float32
+   (part ``trl``) and with ``bf16=True`` (``trl_bf16``: torch's bfloat16 autocast over float32
+   weights, the faster of the two on a CPU with bfloat16 dot-product instructions), the
    model loaded from the recipe's ``model.hf_path`` with transformers, its own generation (no
    vLLM), every setting taken from the dora_jax recipe (:func:`trl_settings`): ``G`` samples per
    prompt, ``orchestrator.train_batch_prompts x G`` new completions and one optimizer step per
@@ -9,7 +11,8 @@ task, GRPO settings and number of samples, one after the other on this machine's
    and loss aggregation, no KL. The prompts are the first ``TBS x steps`` of the stream a dora_jax
    run trains on, in its order, as chat messages; the reward is dora_jax's own
    ``final_number_reward``, ``finish_reason`` "eos" when the completion ends with an EOS token.
-   The final model is saved as a Hugging Face directory.
+   The final model is saved as a Hugging Face directory. The ratios are against each TRL run and
+   against the faster one.
 2. dora_jax: ``launch/train.py --config RECIPE train.total_steps=N eval.every_steps=N`` in
    ``sync`` and in ``dora`` mode (subprocesses; the recipe's clock and other settings as they are).
 3. The held-out score after the same samples, measured the same way: dora_jax's evaluator
@@ -57,7 +60,9 @@ from dora_jax.metrics import binomial_se  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "recipes" / "smollm2-add-cpu.yaml"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "bench_vs_trl.json"
-PARTS = ("trl", "sync", "dora")
+PARTS = ("trl", "trl_bf16", "sync", "dora")
+TRL_PARTS = {"trl": "float32", "trl_bf16": "bfloat16"}  # TRL's dtype: its model in float32, and
+# with bf16=True its forward and backward under torch's bfloat16 autocast (float32 master weights)
 
 # dora_jax's train.loss_agg -> TRL's loss_type, and how the two normalise the summed token losses
 LOSS_TYPES = {
@@ -85,12 +90,18 @@ def overrides(steps: int, extra: Sequence[str] = ()) -> list[str]:
 
 
 def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Samples per second of each dora_jax mode over TRL's (when both ran)."""
-    if "trl" not in systems:
-        return {}
-    base = systems["trl"]["samples_per_s"]
+    """Samples per second of each dora_jax mode over each TRL run's (float32: ``TRL``,
+    bfloat16: ``TRL bfloat16``) and, when both ran, over the faster of the two (``TRL fastest``)."""
+    bases = {
+        name: systems[part]["samples_per_s"]
+        for part, name in (("trl", "TRL"), ("trl_bf16", "TRL bfloat16"))
+        if part in systems
+    }
+    if len(bases) == 2:
+        bases["TRL fastest"] = max(bases.values())
     return {
-        f"samples_per_s dora_jax-{mode} / TRL": systems[mode]["samples_per_s"] / base
+        f"samples_per_s dora_jax-{mode} / {name}": systems[mode]["samples_per_s"] / base
+        for name, base in bases.items()
         for mode in ("sync", "dora")
         if mode in systems
     }
@@ -431,8 +442,9 @@ def save_hf_dir(trainer, src: Path, dest: Path) -> list[str]:
     return copied
 
 
-def run_trl(cfg: ExperimentConfig, work: Path) -> dict[str, Any]:
-    """TRL's GRPO run of ``cfg``'s settings; its final model in ``work / "model"``."""
+def run_trl(cfg: ExperimentConfig, work: Path, bf16: bool = False) -> dict[str, Any]:
+    """TRL's GRPO run of ``cfg``'s settings (``bf16``: under torch's bfloat16 autocast); its
+    final model in ``work / "model"``."""
     import torch
     import transformers
     import trl
@@ -442,7 +454,7 @@ def run_trl(cfg: ExperimentConfig, work: Path) -> dict[str, Any]:
     from dora_jax.model.tokenizer import eos_ids
 
     t_setup = time.perf_counter()
-    kwargs = trl_settings(cfg)
+    kwargs = {**trl_settings(cfg), "bf16": bf16}
     steps = cfg.train.total_steps
     batch = cfg.orchestrator.train_batch_prompts * cfg.train.group_size
     tokenizer, encode, source, _ = _inputs(cfg)
@@ -625,7 +637,12 @@ def table(results: dict[str, Any]) -> str:
         f"{'held-out solved':>20}{'train reward':>13}"
     )
     lines = [head]
-    names = {"trl": "TRL GRPOTrainer", "sync": "dora_jax sync", "dora": "dora_jax dora"}
+    names = {
+        "trl": "TRL GRPOTrainer",
+        "trl_bf16": "TRL bfloat16",
+        "sync": "dora_jax sync",
+        "dora": "dora_jax dora",
+    }
     for part, name in names.items():
         r = results["systems"].get(part)
         if r is None:
@@ -693,7 +710,7 @@ def main(argv=None) -> int:
 
     fake_cpu_devices(8)
     cfg = load_config(config, overrides(args.steps, args.set))
-    if "trl" in parts:
+    if set(parts) & set(TRL_PARTS):
         if importlib.util.find_spec("trl") is None:
             raise SystemExit(
                 "error: TRL is not installed; pip install -e '.[bench]' (trl 1.16.0), or run "
@@ -711,12 +728,14 @@ def main(argv=None) -> int:
         )
         results: dict[str, Any] = {"systems": {}}
         phase_s: dict[str, float] = {}
-        if "trl" in parts:
+        for part, dtype in TRL_PARTS.items():
+            if part not in parts:
+                continue
             t0 = time.perf_counter()
-            (work / "trl").mkdir(exist_ok=True)
-            results["systems"]["trl"] = run_trl(cfg, work / "trl")
-            phase_s["trl_training"] = time.perf_counter() - t0
-            print(f"TRL: {phase_s['trl_training']:.0f} s", flush=True)
+            (work / part).mkdir(exist_ok=True)
+            results["systems"][part] = run_trl(cfg, work / part, bf16=dtype == "bfloat16")
+            phase_s[f"{part}_training"] = time.perf_counter() - t0
+            print(f"TRL {dtype}: {phase_s[f'{part}_training']:.0f} s", flush=True)
         runs = {}
         for mode in ("sync", "dora"):
             if mode not in parts:
@@ -738,9 +757,11 @@ def main(argv=None) -> int:
         cfg = resolve_model(cfg)
         held_out = HeldOut(cfg)
         results["base_model"] = held_out(Path(cfg.model.hf_path), 0)
-        if "trl" in parts:
-            trl_dir = work / "trl" / "model"
-            trl = results["systems"]["trl"]
+        for part in TRL_PARTS:
+            if part not in parts:
+                continue
+            trl_dir = work / part / "model"
+            trl = results["systems"][part]
             trl["saved_model"].update(check_saved_dir(trl_dir, Path(cfg.model.hf_path)))
             trl["held_out"] = held_out(trl_dir, args.steps)
         phase_s["held_out_evaluation"] = time.perf_counter() - t0

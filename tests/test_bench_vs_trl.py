@@ -209,6 +209,11 @@ def test_overrides_and_ratios():
     systems["dora"] = {"samples_per_s": 1.5}
     assert bvt.ratios(systems)["samples_per_s dora_jax-dora / TRL"] == 3.0
     assert bvt.ratios({"sync": {"samples_per_s": 1.0}}) == {}
+    systems["trl_bf16"] = {"samples_per_s": 0.75}  # the faster TRL run sets the fastest ratio
+    r = bvt.ratios(systems)
+    assert r["samples_per_s dora_jax-sync / TRL"] == 2.0
+    assert r["samples_per_s dora_jax-dora / TRL bfloat16"] == 2.0
+    assert r["samples_per_s dora_jax-sync / TRL fastest"] == pytest.approx(1.0 / 0.75)
 
 
 def test_without_trl_the_benchmark_stops_with_one_line_naming_the_extra(monkeypatch, tmp_path):
