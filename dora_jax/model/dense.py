@@ -3,8 +3,9 @@ into a float32 result on CPU hosts.
 
 On a CPU, XLA sends a bfloat16 x bfloat16 dot with a float32 result to a library kernel that uses
 the processor's bfloat16 dot-product instructions (``avx512_bf16``, AMX), while the same dot with
-a bfloat16 result runs a slower generic loop: measured on a 2-core AVX-512 host at SmolLM2-135M's
-shapes, 337-414 against 154-188 GFLOP/s (float32: 184-200). So a 16-bit product here is computed
+a bfloat16 result runs a generic loop no faster than float32: measured on a 2-core host with
+``avx512_bf16`` at SmolLM2-135M's train shapes, 393-403 against 172-186 GFLOP/s (float32:
+182-203; ``benchmarks/bench_cpu_matmul.py``). So a 16-bit product here is computed
 as ``einsum(x, w, preferred_element_type=float32)`` and cast to the compute dtype afterwards, and
 its backward pass (a ``custom_vjp``) does the same for both of its products, the input's and the
 weight's gradient; JAX's own transpose would multiply the float32 cotangent by the 16-bit weight,
