@@ -53,7 +53,7 @@ from dora_jax.config.schema import replace as config_replace
 from dora_jax.mesh import Meshes, build_meshes, make_mesh, processes
 from dora_jax.model.params import abstract_params, dtype_of, param_axes
 from dora_jax.rollout.attention import resolve_impl
-from dora_jax.rollout.steps import lower_steps
+from dora_jax.rollout.steps import kv_cache_dtype, lower_steps
 from dora_jax.sharding import rollout_rules, trainer_rules, tree_shardings
 from dora_jax.train.batch import choose_bucket, chunked_shape, row_ladder
 from dora_jax.train.state import init_state, state_shardings, uses_master
@@ -548,7 +548,7 @@ def _engine_temporaries(m, r, mesh: Mesh, impl: str, interpret: bool) -> int:
 def _page_bytes(cfg: ExperimentConfig, tp: int) -> int:
     """K and V of one page of every layer, on one device of a group of ``tp`` devices."""
     m, r = cfg.model, cfg.rollout
-    itemsize = np.dtype(dtype_of(m.compute_dtype)).itemsize
+    itemsize = np.dtype(kv_cache_dtype(m, jax.devices()[0].platform)).itemsize
     kv_heads = -(-m.num_kv_heads // tp)
     return 2 * m.num_layers * r.page_size * kv_heads * m.resolved_head_dim * itemsize
 

@@ -85,9 +85,12 @@ def decode_attend(
     lengths = jnp.where(active, lengths, 0).astype(jnp.int32)
 
     def local(q, k, v, kp, vp, bt, ln, sp, so, act, w):
-        kp, vp = append_kv(kp, vp, k[:, 0], v[:, 0], sp, so, act, impl=impl, interpret=interpret)
+        # the cache may be wider than the model (kv_cache_dtype): the new token's k and v and
+        # the query are cast to it, the result back (exact: the attention runs in float32)
+        k, v = k[:, 0].astype(kp.dtype), v[:, 0].astype(vp.dtype)
+        kp, vp = append_kv(kp, vp, k, v, sp, so, act, impl=impl, interpret=interpret)
         out = paged_decode_attention(
-            q[:, 0],
+            q[:, 0].astype(kp.dtype),
             kp,
             vp,
             bt,
@@ -97,7 +100,7 @@ def decode_attend(
             interpret=interpret,
             window=w if windowed else None,
         )
-        return out[:, None], kp, vp
+        return out[:, None].astype(q.dtype), kp, vp
 
     return _shard_attend(local, mesh, replicated=6)(
         q, k, v, k_pages, v_pages, block_tables, lengths, slot_page, slot_offset, active, window
@@ -137,6 +140,7 @@ def prefill_attend(
         raise ValueError(f"chunk_attention must be 'dense' or 'blockwise', got {chunk_attention!r}")
 
     def local(q, k, v, kp, vp, bt, st, nv, w):
+        k, v = k.astype(kp.dtype), v.astype(vp.dtype)  # the cache may be wider (kv_cache_dtype)
         kp, vp = append_kv_chunk(kp, vp, k, v, bt, st, nv, impl=impl, interpret=interpret)
         if chunk_attention == "blockwise":
             out = _paged_chunk_blockwise(q, kp, vp, bt, st, nv, scale, block, w)
@@ -166,6 +170,7 @@ def _paged_chunk_blockwise(
     (for a window > 0; pure jnp, one device)."""
     B, C = q.shape[:2]
     ks, vs = _gather_pages(k_pages, v_pages, block_tables)
+    ks, vs = ks.astype(q.dtype), vs.astype(q.dtype)  # a float32 cache of a 16-bit model
     S = ks.shape[1]
     kv_seg = (jnp.arange(S)[None, :] < (start + num_valid)[:, None]).astype(jnp.int32)
     q_seg = jnp.ones((B, C), jnp.int32)
@@ -192,4 +197,4 @@ def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid, 
     scores = jnp.where(mask[:, None, None], scores * scale, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(vs.dtype)
     out = jnp.einsum("BKGCS,BSKH->BCKGH", probs, vs)
-    return out.reshape(B, C, N, H)
+    return out.reshape(B, C, N, H).astype(q.dtype)  # a float32 cache of a 16-bit model
