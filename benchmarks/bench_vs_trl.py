@@ -154,7 +154,9 @@ def trl_settings(cfg: ExperimentConfig) -> dict[str, Any]:
         "use_cpu": True,
         "bf16": False,
         "fp16": False,
-        "activation_checkpointing": cfg.model.remat != "none",  # TRL: gradient_checkpointing
+        # TRL at its fastest: no gradient checkpointing (the models this compares fit without
+        # it); dora_jax's model.remat is a speed choice on a CPU (settings_notes)
+        "activation_checkpointing": False,
         "seed": cfg.seed,
         # one generation batch of TBS x G completions, one optimizer step on it (on-policy),
         # in micro-batches of at most what one of dora_jax's microbatches holds
@@ -211,8 +213,13 @@ def settings_notes(cfg: ExperimentConfig) -> list[str]:
         "warmup starts one step later, at 0)",
         "TRL's mask_truncated_completions=False: like dora_jax, truncated completions are "
         "trained on (and the final_number reward gives them 0)",
-        "TRL runs in float32 with torch; dora_jax with the recipe's dtypes "
-        f"(model.param_dtype={m.param_dtype}, compute_dtype={m.compute_dtype})",
+        "TRL runs twice, in float32 and under torch's bfloat16 autocast (bf16=True); dora_jax "
+        f"with the recipe's dtypes (model.param_dtype={m.param_dtype}, compute_dtype="
+        f"{m.compute_dtype})",
+        f"recomputation: TRL without gradient checkpointing; dora_jax with model.remat="
+        f"{cfg.model.remat} (on a CPU, recomputing a layer's products in the backward pass "
+        "can be faster than saving them: XLA's CPU backend copies saved bfloat16 activations "
+        "to float32 and back)",
         "weight decay (if any): both skip norms and biases; transformers also by name",
     ]
     if t.tis_cap is not None:

@@ -66,7 +66,8 @@ def test_the_settings_are_the_recipes():
     assert other["lr_scheduler_type"] == "constant_with_warmup"
     assert other["num_generations"] == 4 and other["epsilon_high"] == 0.3
     assert other["scale_rewards"] == "none" and other["loss_type"] == "grpo"
-    assert other["adam_beta2"] == 0.99 and other["activation_checkpointing"]
+    assert other["adam_beta2"] == 0.99
+    assert not other["activation_checkpointing"]  # TRL at its fastest, whatever model.remat
     assert (other["max_completion_length"], other["temperature"]) == (32, 0.7)
 
 
