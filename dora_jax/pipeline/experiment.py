@@ -55,7 +55,7 @@ from dora_jax.pipeline.inputs import evaluator as make_evaluator
 from dora_jax.pipeline.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
 from dora_jax.pipeline.memory_plan import resolve as resolve_pages
 from dora_jax.pipeline.warm_start import warm_start
-from dora_jax.platform import release_free_memory
+from dora_jax.platform import cpu_bfloat16_note, release_free_memory
 from dora_jax.resume import changes as resume_changes
 from dora_jax.sharding import tree_shardings
 
@@ -257,6 +257,9 @@ def build(
         check_hf_checkpoint(cfg.model.hf_path, cfg.model)
     check_fits(cfg)
     meshes = build_meshes(cfg.mesh)
+    slow_bf16 = cpu_bfloat16_note(cfg.model.compute_dtype, jax.devices()[0].platform)
+    if slow_bf16:
+        print(f"note: {slow_bf16}", flush=True)
     plan = _memory_plan(cfg, meshes)  # before anything is allocated
     cfg = resolve_pages(cfg, plan)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
