@@ -65,13 +65,14 @@ import quiet  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "bench_train_step.json"
 
 
-def matmul_peak_tflops(n: int = 1024, reps: int = 20) -> float:
-    """The best float32 ``n x n x n`` matmul rate of one device, in TFLOP/s."""
+def matmul_peak_tflops(n: int = 1024, reps: int = 20, dtype: str = "float32") -> float:
+    """The best ``n x n x n`` matmul rate of one device, in TFLOP/s, with ``dtype`` operands
+    (bfloat16: into a float32 result, the form the model's products take on a CPU)."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
+    a = jnp.ones((n, n), getattr(jnp, dtype))
+    f = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
     f(a).block_until_ready()
     best = float("inf")
     for _ in range(reps):

@@ -204,7 +204,7 @@ def main(args, matmul_peak_tflops) -> int:
     prompts = [encode_prompt(tok, r["prompt"]) for r in problems("+", 1, 20, NG, cfg.seed)]
     cap = cfg.rollout.max_new_tokens
     data = batches(prompts, mcfg.vocab_size, G, args.smollm2_steps + 1, cap, cfg.seed)
-    peak = matmul_peak_tflops()
+    peak = matmul_peak_tflops(dtype=mcfg.compute_dtype)  # the peak of the dtype it runs in
     params = load_hf_params(args.model_dir, mcfg)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     # the recipe's layout and, for the side-by-side ratio, the same batches without shared prompts
@@ -321,6 +321,7 @@ def main(args, matmul_peak_tflops) -> int:
         "model_flops_per_real_token": {**per_token, "total": sum(per_token.values())},
         "model_tflops": tflops,
         "matmul_peak_tflops": peak,
+        "matmul_peak_dtype": f"{mcfg.compute_dtype} operands, float32 result, 1024^3",
         "mfu": tflops / peak,
         "executed_tflops": statistics.median(r[2] / r[0] / 1e12 for r in rows),
         "model_over_executed_flops": sum(r[1]["total"] for r in rows) / sum(r[2] for r in rows),
