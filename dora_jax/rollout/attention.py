@@ -186,6 +186,7 @@ def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid, 
     B, C, N, H = q.shape
     K = k_pages.shape[0]
     ks, vs = _gather_pages(k_pages, v_pages, block_tables)
+    ks, vs = ks.astype(q.dtype), vs.astype(q.dtype)  # a float32 cache of a 16-bit model
     S = ks.shape[1]
     q_pos = start[:, None] + jnp.arange(C)[None, :]  # [B, C]
     kv_pos = jnp.arange(S)
@@ -197,4 +198,4 @@ def _paged_chunk_attention(q, k_pages, v_pages, block_tables, start, num_valid, 
     scores = jnp.where(mask[:, None, None], scores * scale, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(vs.dtype)
     out = jnp.einsum("BKGCS,BSKH->BCKGH", probs, vs)
-    return out.reshape(B, C, N, H).astype(q.dtype)  # a float32 cache of a 16-bit model
+    return out.reshape(B, C, N, H)
