@@ -28,9 +28,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import quiet  # noqa: E402
+
+from dora_jax.platform import cpu_flags as read_cpu_flags  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_cpu_matmul.json"
 SHAPES = {
@@ -109,13 +112,8 @@ def measure(lib: str, reps: int) -> dict:
 
 
 def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
-    return [f for f in line.split(":", 1)[-1].split() if f in wanted]
+    return [f for f in read_cpu_flags() if f in wanted]
 
 
 def main(argv: list[str] | None = None) -> int:

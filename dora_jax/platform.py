@@ -59,6 +59,17 @@ _libc = None
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's feature flags, in the order ``cpuinfo`` lists them (its first ``flags`` line);
+    empty where the file cannot be read or has none."""
+    try:
+        with open(cpuinfo) as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+    except OSError:
+        return []
+    return line.split(":", 1)[-1].split()
+
+
 def cpu_bfloat16_note(compute_dtype: str, platform: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     """A line for a 16-bit model on a CPU whose flags name no bfloat16 dot-product
     instructions (``avx512_bf16``, ``amx_bf16``): there its products run no faster than in
@@ -67,12 +78,8 @@ def cpu_bfloat16_note(compute_dtype: str, platform: str, cpuinfo: str = "/proc/c
     the flags cannot be read."""
     if compute_dtype == "float32" or platform != "cpu":
         return ""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-    if not flags or any(flag in flags.split() for flag in BF16_CPU_FLAGS):
+    flags = cpu_flags(cpuinfo)
+    if not flags or any(flag in flags for flag in BF16_CPU_FLAGS):
         return ""
     return (
         f"model.compute_dtype={compute_dtype} on a CPU without bfloat16 dot-product "
