@@ -36,7 +36,7 @@ def one_run(steps: int, every: int, work: Path) -> dict:
     from dora_jax.pipeline.experiment import build, run
 
     taken = {"s": 0.0, "copies": 0, "kv_bytes": 0}
-    original = recovery.GroupRecovery._take_backups
+    original = recovery.GroupRecovery.take_backups
 
     def timed(self):
         before = dict(self._backups)
@@ -48,7 +48,7 @@ def one_run(steps: int, every: int, work: Path) -> dict:
                 taken["copies"] += 1
                 taken["kv_bytes"] += int(snap.running.kv.nbytes) if snap.running.requests else 0
 
-    recovery.GroupRecovery._take_backups = timed
+    recovery.GroupRecovery.take_backups = timed
     try:
         cfg = load_config(
             DEFAULT_CONFIG,
@@ -70,7 +70,7 @@ def one_run(steps: int, every: int, work: Path) -> dict:
         finally:
             exp.close()
     finally:
-        recovery.GroupRecovery._take_backups = original
+        recovery.GroupRecovery.take_backups = original
     return {
         "backup_every_steps": every,
         "steps": steps,

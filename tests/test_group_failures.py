@@ -108,10 +108,12 @@ def test_a_failed_engine_costs_its_work_not_the_run(base, no_fault, monkeypatch,
     s = result.summary
     assert s.steps >= 3
     assert s.group_failures == 1
-    assert backend.restarts.count(1) == 1 and sum(backend.restarts) == 1
-    recovered = backend.recovered_ids
+    assert backend.recovery.restarts.count(1) == 1 and sum(backend.recovery.restarts) == 1
+    recovered = backend.recovery.recovered_ids
     assert recovered, "the failed group held no request: choose another fault point"
-    assert s.recovered == dict(backend.recoveries) and sum(s.recovered.values()) == len(recovered)
+    assert s.recovered == dict(backend.recovery.recoveries) and sum(s.recovered.values()) == len(
+        recovered
+    )
     assert set(s.recovered) <= {"kv", "prompt"}  # a copy every step: nothing to re-prefill
     assert all(len(row) == 4 for row in result.records.groups)  # every tick records every group
     states = [h[2] for h in result.records.full().health]
@@ -163,7 +165,7 @@ def test_a_failed_engine_on_the_wall_clock_does_not_hang_the_run(base, monkeypat
     result, backend, runtime, consumed, batches = run(base, wall=True, backup_every=2)
     s = result.summary
     assert s.steps >= 3 and s.group_failures == 1
-    assert sum(s.recovered.values()) == len(backend.recovered_ids) > 0
+    assert sum(s.recovered.values()) == len(backend.recovery.recovered_ids) > 0
     assert all(c.version_span == 1 for c in result.records.full().consumed)
     fed = [rid for _, ids in batches for rid in ids]
     assert len(fed) == len(set(fed)) == runtime.manager.dispatched_prompt_groups * G

@@ -5,8 +5,10 @@ replaced the lost one in the backend's books: no group could be given it, and a 
 rollout group was on that host stepped empty groups forever."""
 
 from concurrent.futures import Future
+from types import SimpleNamespace
 
-from dora_jax.execution.backend import EngineBackend
+from dora_jax.execution.books import Books
+from dora_jax.execution.recovery import GroupRecovery
 
 
 def done() -> Future:
@@ -15,21 +17,27 @@ def done() -> Future:
     return f
 
 
-def backend(versions: list[int], hosts: list[int], published: int) -> EngineBackend:
-    """The recovery books of an engine backend (no engines): groups on ``hosts`` holding
-    ``versions``, the trainer at ``published``."""
-    b = EngineBackend.__new__(EngineBackend)
+def backend(versions: list[int], hosts: list[int], published: int) -> GroupRecovery:
+    """The recovery of an engine backend (no engines): groups on ``hosts`` holding
+    ``versions``, the trainer at ``published``; the commands sent are in ``groups.sent``."""
     n = len(versions)
-    b.handles = [None] * n
-    b._version, b._hosts, b.published = list(versions), list(hosts), published
-    b._state, b._health, b._loads = ["healthy"] * n, [], [done() for _ in range(n)]
-    b._orphaned, b.cluster = set(), None
-    b.me = 0
-    b.trainer_params = lambda v: {"v": v}
-    b._trainer_source = lambda g, v, params: {"params": params}
-    b.sent = []
-    b._send = lambda g, cmd: (b.sent.append((g, cmd)), done())[1]
-    return b
+    sent: list = []
+    groups = SimpleNamespace(
+        handles=[None] * n,
+        hosts=list(hosts),
+        loads=[done() for _ in range(n)],
+        me=0,
+        cluster=None,
+        published=published,
+        sent=sent,
+        trainer_params=lambda v: {"v": v},
+        trainer_source=lambda g, v, params: {"params": params},
+        send=lambda g, cmd: (sent.append((g, cmd)), done())[1],
+    )
+    books = Books(n)
+    books.versions[:] = versions
+    rollout = SimpleNamespace(backup_every_steps=0, max_group_restarts=0)
+    return GroupRecovery(groups, books, rollout)
 
 
 def test_a_version_only_lost_groups_held_stays_needed_after_they_rejoin():
@@ -39,14 +47,19 @@ def test_a_version_only_lost_groups_held_stays_needed_after_they_rejoin():
         b._set_state(g, "dead", "process 1 is gone")
     assert b.sendable_versions() == {3, 4} and b.versions_held() == {3, 4}
     b._rejoined(1, None)  # its engines are built again: each loads v5 from the trainer
-    assert b._version == [5, 5, 5, 5] and [cmd.version for _, cmd in b.sent] == [5, 5, 5, 5]
+    assert b.books.versions == [5, 5, 5, 5] and [cmd.version for _, cmd in b.groups.sent] == [
+        5,
+        5,
+        5,
+        5,
+    ]
     for g in range(4):
         b._set_state(g, "healthy", "v5 loaded")
     # v3 and v4 are still the versions of their prompt groups' remaining requests
     assert b.versions_held() == {3, 4, 5}
     assert b.sendable_versions() == {3, 4}
     # a group in the run holds v4 again: v4 is no longer the trainer's to send
-    b._version[0] = 4
+    b.books.versions[0] = 4
     assert b.sendable_versions() == {3} and b.versions_held() == {3, 4, 5}
 
 
@@ -60,11 +73,12 @@ def test_a_version_another_group_still_holds_is_not_orphaned():
     assert b.sendable_versions() == set() and b.versions_held() == {3, 4}
 
 
-class Groups:
+class OutOfGroups:
     """The part of a backend NoRolloutGroups reads: groups in the run and those out of it."""
 
     def __init__(self, n: int, lost: list[int]):
         self.state, self.lost = ["healthy"] * n, lost
+        self.recovery = self
 
     def groups(self):
         return [g for g, s in enumerate(self.state) if s == "healthy"]
@@ -77,13 +91,11 @@ class Groups:
 
 
 def test_a_run_with_no_rollout_group_counts_down_then_stops(tmp_path):
-    from types import SimpleNamespace
-
     from dora_jax.config import load_config
     from dora_jax.pipeline.health import NoRolloutGroups
 
     cfg = load_config(None, ["orchestrator.no_groups_wait_s=100"])
-    backend, t, said = Groups(2, [1]), [0.0], []
+    backend, t, said = OutOfGroups(2, [1]), [0.0], []
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "process_1.cmd").write_text("python launch/train.py ...\n")
     wait = NoRolloutGroups(
@@ -122,20 +134,14 @@ class Link:
         return out
 
 
-def with_requests(b: EngineBackend, members: dict[int, list[int]], link: Link) -> EngineBackend:
+def with_requests(b: GroupRecovery, members: dict[int, list[int]], link: Link) -> GroupRecovery:
     """``b`` with requests in its groups and a cluster whose link is ``link``."""
-    from types import SimpleNamespace
-
-    n = len(b.handles)
-    b._members = [dict.fromkeys(members.get(g, [])) for g in range(n)]
-    b._where = {rid: g for g, rids in members.items() for rid in rids}
-    b._recovered, b._in_transit, b._leaving = [], {}, set()
-    b._lost_hosts, b._rejoining = set(), {}
-    b._backups, b._backup_asked, b._since_backup = {}, {}, [0] * n
-    b.host_losses = [0] * n
+    for g, rids in members.items():
+        for rid in rids:
+            b.books.join(rid, g)
     b._recover = lambda rid, version, *sources: (rid, version)
     b.started = []
-    b.cluster = SimpleNamespace(
+    b.groups.cluster = SimpleNamespace(
         link=link, start_host=lambda host: (b.started.append(host), Future())[1]
     )
     return b
@@ -146,10 +152,10 @@ def test_a_host_lost_and_back_between_two_rounds_is_lost_first():
     return both waiting): its groups' requests go on elsewhere, as for a loss seen in time,
     before the groups rebuild; a group whose rejoin was cut short so is counted lost again."""
     b = with_requests(backend([3, 3, 4], [0, 1, 1], published=4), {1: [10, 11], 2: [12]}, Link())
-    b.cluster.link.joined = [1]
-    b._hosts_changed()
-    assert sorted(b._recovered) == [(10, 3), (11, 3), (12, 4)]  # from their prompts
-    assert b._members[1] == b._members[2] == {}
+    b.groups.cluster.link.joined = [1]
+    b.hosts_changed()
+    assert sorted(b.recovered) == [(10, 3), (11, 3), (12, 4)]  # from their prompts
+    assert b.books.members[1] == b.books.members[2] == {}
     assert [(h.group, h.state) for h in b._health] == [
         (1, "dead"),
         (2, "dead"),
@@ -159,10 +165,10 @@ def test_a_host_lost_and_back_between_two_rounds_is_lost_first():
     assert b.host_losses == [0, 1, 1] and b._state == ["healthy", "restarting", "restarting"]
     assert b.started == [1]
     # lost again while rebuilding, and back again, unseen: a second loss, nothing to recover
-    b._health, b._recovered = [], []
-    b.cluster.link.joined = [1]
-    b._hosts_changed()
-    assert b.host_losses == [0, 2, 2] and b._recovered == []
+    b._health, b.recovered = [], []
+    b.groups.cluster.link.joined = [1]
+    b.hosts_changed()
+    assert b.host_losses == [0, 2, 2] and b.recovered == []
     assert [h.state for h in b._health] == ["dead", "dead", "restarting", "restarting"]
     assert b.started == [1, 1]
 
@@ -172,23 +178,23 @@ def test_returns_and_losses_queued_between_two_rounds_are_each_counted_once():
     leaves no row of its own), one build. Then
     back and lost again before the round: restarting, then dead, and nothing to build."""
     b = with_requests(backend([3, 3], [0, 1], published=3), {1: [7]}, Link(lost={1: "killed"}))
-    b._hosts_changed()  # the loss, seen
-    assert b._recovered == [(7, 3)] and b._state == ["healthy", "dead"]
+    b.hosts_changed()  # the loss, seen
+    assert b.recovered == [(7, 3)] and b._state == ["healthy", "dead"]
     b._health = []
-    b.cluster.link.lost, b.cluster.link.joined = {}, [1, 1]
-    b._hosts_changed()
+    b.groups.cluster.link.lost, b.groups.cluster.link.joined = {}, [1, 1]
+    b.hosts_changed()
     assert [h.state for h in b._health] == ["dead", "restarting"]
     assert b.host_losses == [0, 2] and b.started == [1]
-    b.cluster.link.lost = {1: "killed"}
-    b._hosts_changed()  # lost again, seen
+    b.groups.cluster.link.lost = {1: "killed"}
+    b.hosts_changed()  # lost again, seen
     b._health = []
-    b.cluster.link.lost, b.cluster.link.joined = {1: "killed again"}, [1]
-    b._hosts_changed()
+    b.groups.cluster.link.lost, b.groups.cluster.link.joined = {1: "killed again"}, [1]
+    b.hosts_changed()
     assert [(h.state, h.reason) for h in b._health] == [
         ("restarting", "process 1 is back: building its engines"),
         ("dead", "process 1 is gone: killed again"),
     ]
     assert b.host_losses == [0, 4] and b.started == [1] and 1 not in b._rejoining
     b._health = []
-    b._hosts_changed()  # the same loss, already handled
+    b.hosts_changed()  # the same loss, already handled
     assert b._health == [] and b.host_losses == [0, 4]

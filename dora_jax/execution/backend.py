@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 from dora_jax import faults
 from dora_jax.config import ModelConfig, RolloutConfig
 from dora_jax.execution import commands as c
+from dora_jax.execution.books import Books
 from dora_jax.execution.commands import GroupEvent
 from dora_jax.execution.group import GroupWorker, Place, error_text
 from dora_jax.execution.payloads import Completion, PromptPayload
@@ -83,7 +84,7 @@ class Overheads:
     log: list[tuple[str, int, float, float]] = field(default_factory=list)  # kind, group, t0, s
 
 
-class EngineBackend(GroupRecovery):
+class EngineBackend:
     """Groups = engines on ``meshes``; version 0 (``initial_params``) is loaded everywhere.
 
     ``eos_id``: one id or several (any of them ends a response; the engines add
@@ -122,27 +123,27 @@ class EngineBackend(GroupRecovery):
         self.me = cluster.index if cluster is not None else 0
         place = Place(cluster.transfers if cluster is not None else None)
         # what rebuilding a failed group's engine on its devices needs
-        self._place, self._meshes = place, list(meshes)
+        self.place, self._meshes = place, list(meshes)
         self._build = (model_cfg, rollout_cfg, eos_id, interpret)
         self._new_ticket = cluster.transfers.new_id if cluster else itertools.count(1).__next__
         self.handles: list[Any] = []  # a transport per group
-        self._hosts: list[int] = []
-        self._loads: list[Future] = []  # each group's latest weight load
+        self.hosts: list[int] = []
+        self.loads: list[Future] = []  # each group's latest weight load
         for g, m in enumerate(meshes):
             host = cluster.owner(m, f"rollout group {g}") if cluster is not None else 0
-            self._hosts.append(host)
+            self.hosts.append(host)
             if host != self.me:
                 self.handles.append(
                     cluster.remote(g, host, not self.wall, rollout_cfg.num_pages - 1)
                 )
-                src = self._trainer_source(g, 0, initial_params)
-                self._loads.append(self._send(g, c.Load(g, 0, **src)))
+                src = self.trainer_source(g, 0, initial_params)
+                self.loads.append(self.send(g, c.Load(g, 0, **src)))
                 continue
             e = Engine(model_cfg, rollout_cfg, m, eos_id, interpret=interpret)
             e.load_params(initial_params, 0)
             w = GroupWorker(g, e, self.clock.now, place)
             self.handles.append(Threaded(w, self.bus.post) if self.wall else Inline(w))
-            self._loads.append(done())
+            self.loads.append(done())
         self.seed = seed
         self.max_slots = rollout_cfg.max_slots
         self.tokens_per_slot_tick = rollout_cfg.decode_steps  # for utilisation figures
@@ -154,11 +155,7 @@ class EngineBackend(GroupRecovery):
         # scoring it at once, off the control loop); must return at once
         self.on_finished: Callable[[int, Completion], None] | None = None
         self._tick = 0
-        n = len(meshes)
-        self._version = [0] * n  # what each group holds, or is receiving
-        self._members: list[dict[int, None]] = [{} for _ in range(n)]  # ids in arrival order
-        self._where: dict[int, int] = {}  # request id -> its group
-        self._meta: dict[int, tuple[int, PromptPayload, list[int]]] = {}  # pg, prompt, versions
+        self.books = Books(len(meshes))  # versions, members, where each request is
         self._held: list[GroupEvent] = []  # reports pulled while pausing, for the next step()
         self._closed = False
         self._paused: list[Future] = []  # the last pause, per group (wall clock)
@@ -173,37 +170,37 @@ class EngineBackend(GroupRecovery):
         self._held_turns: dict[int, list[tuple[int, ...]]] = {}
         self._over: dict[int, TurnOutcome] = {}
         self._ended: list[FinishedRequest] = []
-        self._init_recovery(rollout_cfg, n)
+        self.recovery = GroupRecovery(self, self.books, rollout_cfg)  # failed groups
 
     # -- queries ---------------------------------------------------------------------------------
     def groups(self) -> list[GroupInfo]:
         """The groups in the run (a group whose process died is out until it is back)."""
-        return [self._info(g) for g in range(len(self.handles)) if not self._gone(g)]
+        return [self._info(g) for g in range(len(self.handles)) if not self.recovery.gone(g)]
 
     def _info(self, g: int) -> GroupInfo:
-        st, ids = self.handles[g].status, tuple(self._members[g])
+        st, ids = self.handles[g].status, tuple(self.books.members[g])
         return GroupInfo(
             group=g,
-            version=self._version[g],
-            busy_ticks=0 if self._loads[g].done() else 1,
+            version=self.books.versions[g],
+            busy_ticks=0 if self.loads[g].done() else 1,
             max_slots=self.max_slots,
             free_slots=self._free_slots(g),
             kv_pages_used=st.pages_used,
             kv_pages_total=st.pages_total,
             requests=ids,
             request_pages=tuple(st.pages.get(r, 0) for r in ids),
-            host=self._hosts[g],
+            host=self.hosts[g],
             waiting=tuple(r for r in ids if r in self._waiting),
         )
 
     def _free_slots(self, group: int) -> int:
         """Decode slots left: requests waiting on their environment hold none."""
-        members = self._members[group]
+        members = self.books.members[group]
         busy = len(members) - sum(1 for r in members if r in self._waiting)
         return max(self.max_slots - busy, 0)
 
     def live_requests(self) -> int:
-        return len(self._where)
+        return len(self.books.where)
 
     # -- versions --------------------------------------------------------------------------------
     def publish(self, version: int) -> None:
@@ -215,34 +212,68 @@ class EngineBackend(GroupRecovery):
         self._check_group(group)
         if source != TRAINER:
             self._check_group(source)
-        if self._gone(group) or (source != TRAINER and self._gone(source)):
+        if self.recovery.gone(group) or (source != TRAINER and self.recovery.gone(source)):
             return  # (its process died: the next step() takes the group out of the run)
-        held, version_of = len(self._members[group]), self._version.__getitem__
-        more = self.sendable_versions()  # (older versions only lost groups held)
+        held, version_of = len(self.books.members[group]), self.books.versions.__getitem__
+        more = self.recovery.sendable_versions()  # (older versions only lost groups held)
         if not check_set_version(group, version, source, held, self.published, version_of, more):
             return
         if source == TRAINER:
-            src = self._trainer_source(group, version, self.trainer_params(version))
+            src = self.trainer_source(group, version, self.trainer_params(version))
             cmd = c.Load(group, version, **src)
-        elif self._hosts[source] == self._hosts[group]:  # (it may still be loading it)
+        elif self.hosts[source] == self.hosts[group]:  # (it may still be loading it)
             cmd = c.Load(group, version, peer=source)
         else:
             cmd = c.Load(group, version, ticket=self._new_ticket())
-            self._send(source, c.OfferParams(source, cmd.ticket))
-        self._version[group] = version
-        self._loads[group] = self._send(group, cmd)
+            self.send(source, c.OfferParams(source, cmd.ticket))
+        self.books.versions[group] = version
+        self.loads[group] = self.send(group, cmd)
 
-    def _trainer_source(self, group: int, version: int, params: Params) -> dict:
+    def trainer_source(self, group: int, version: int, params: Params) -> dict:
         """Where ``group`` takes the trainer's ``params``: as they are for a group of this
         process, else staged for the group's process to pull (``Load``/``Restore`` fields)."""
-        if self._hosts[group] == self.me:
+        if self.hosts[group] == self.me:
             return {"params": params}
         return {"ticket": self.cluster.link.stage_trainer(params, version)}
 
-    def _send(self, group: int, cmd: c.GroupCommand) -> Future:
+    def send(self, group: int, cmd: c.GroupCommand) -> Future:
         return self.handles[group].send(cmd)
 
+    def sendable_versions(self) -> frozenset[int]:
+        """Versions older than the newest that only groups out of the run held."""
+        return self.recovery.sendable_versions()
+
+    def rebuild(self, g: int) -> None:
+        """A new engine on group ``g``'s devices with the version it held (the newest published
+        one if that version's params are no longer kept)."""
+        model_cfg, rollout_cfg, eos_id, interpret = self._build
+        v = self.books.versions[g]
+        try:
+            params = self.trainer_params(v)
+        except KeyError:
+            v = self.books.versions[g] = self.published
+            params = self.trainer_params(v)
+        e = Engine(model_cfg, rollout_cfg, self._meshes[g], eos_id, interpret=interpret)
+        e.load_params(params, v)
+        w = GroupWorker(g, e, self.clock.now, self.place)
+        self.handles[g] = Threaded(w, self.bus.post) if self.wall else Inline(w)
+        self.loads[g] = done()
+        if self._paused:  # the others are paused: so is it, until resume()
+            self._paused[g] = self.send(g, c.Pause(g))
+
     # -- requests --------------------------------------------------------------------------------
+    def new_request(self, rid: int, version: int, prompt: PromptPayload) -> Request:
+        """Request ``rid`` as first submitted (the same sampling key, so the same tokens)."""
+        budget = prompt.max_new_tokens or self.max_new_tokens
+        r = Request(rid, list(prompt.tokens), version, request_key(self.seed, rid), budget)
+        if prompt.conversation is not None:
+            if self.turns is None:
+                raise BackendError(
+                    f"request {rid} is a conversation and the backend has no turn driver"
+                )
+            r.multi_turn, r.stop_seqs = True, self.turns.stop_sequences
+        return r
+
     def submit(self, group: int, requests: list[RequestSpec]) -> None:
         self._check_group(group)
         free = self._free_slots(group)
@@ -251,15 +282,15 @@ class EngineBackend(GroupRecovery):
         reqs, over, imports = [], [], []
         for spec in requests:
             rid = spec.request_id
-            if spec.version != self._version[group]:
+            if spec.version != self.books.versions[group]:
                 raise BackendError(
                     f"request {rid} of version {spec.version} "
-                    f"submitted to group {group} of version {self._version[group]}"
+                    f"submitted to group {group} of version {self.books.versions[group]}"
                 )
             if spec.resume is not None:  # partial rollout (a new version) or recovery (its own)
-                if rid not in self._meta or rid in self._where:
+                if rid not in self.books.meta or rid in self.books.where:
                     raise BackendError(f"request {rid} was not interrupted")
-                versions = self._meta[rid][2]
+                versions = self.books.meta[rid][2]
                 r: Request = spec.resume.payload
                 if spec.resume.source == "kv":  # a host copy of its KV: continues from it
                     if spec.version == versions[-1]:
@@ -268,7 +299,7 @@ class EngineBackend(GroupRecovery):
                     r = spec.resume.payload.requests[0]  # moved on to a newer version (partial
                     r.kv_len = 0  # rollout): its KV is the old version's, it is re-prefilled
                 if spec.resume.source == "prompt" and r.multi_turn:  # a new episode
-                    self.turns.begin(rid, self._meta[rid][1])
+                    self.turns.begin(rid, self.books.meta[rid][1])
                 for obs in self._held_turns.pop(r.id, ()):  # its environment answered meanwhile
                     r.append_env_turn(list(obs))
                 if r.id in self._over:  # its episode ended meanwhile: it finishes now
@@ -281,86 +312,86 @@ class EngineBackend(GroupRecovery):
                 prompt = spec.payload
                 if not isinstance(prompt, PromptPayload):
                     raise BackendError(f"request {rid}: payload must be a PromptPayload")
-                if rid in self._meta:
+                if rid in self.books.meta:
                     raise BackendError(f"request {rid} was already submitted")
-                budget = prompt.max_new_tokens or self.max_new_tokens
-                r = Request(
-                    rid, list(prompt.tokens), spec.version, request_key(self.seed, rid), budget
-                )
-                if prompt.conversation is not None:
-                    if self.turns is None:
-                        raise BackendError(
-                            f"request {rid} is a conversation and the backend has no turn driver"
-                        )
-                    r.multi_turn, r.stop_seqs = True, self.turns.stop_sequences
-                self._meta[rid] = (spec.prompt_group, prompt, [spec.version])
+                r = self.new_request(rid, spec.version, prompt)
+                self.books.meta[rid] = (spec.prompt_group, prompt, [spec.version])
                 if r.multi_turn:
                     self.turns.begin(rid, prompt)
             reqs.append(r)
         for rid in over:
             self._ended.append(self._conversation_over(rid, self._over.pop(rid)))
         for rid in [r.id for r in reqs] + [x.requests[0].id for x in imports]:
-            self._join(rid, group)
+            self.books.join(rid, group)
         if reqs:
-            self._send(group, c.Submit(group, tuple(reqs)))
+            self.send(group, c.Submit(group, tuple(reqs)))
         if imports:
-            self._send(group, c.Import(group, tuple(imports)))
-            self._backup_due(group)
+            self.send(group, c.Import(group, tuple(imports)))
+            self.recovery.backup_due(group)
 
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         self._check_group(src)
         self._check_group(dst)
-        if self._gone(src) or self._gone(dst):
+        if self.recovery.gone(src) or self.recovery.gone(dst):
             return  # (a process died since the plan: the next step() recovers its requests)
         check_migrate(
-            request_ids, src, dst, self._version.__getitem__, self._where.get, self._free_slots(dst)
+            request_ids,
+            src,
+            dst,
+            self.books.versions.__getitem__,
+            self.books.where.get,
+            self._free_slots(dst),
         )
         for rid in request_ids:
-            self._leave(rid)
-            self._join(rid, dst)
+            self.books.leave(rid)
+            self.books.join(rid, dst)
         faults.point("migration")
         self.overheads.migrated_requests += len(request_ids)
-        ticket, remote = self._new_ticket(), self._hosts[src] != self._hosts[dst]
-        sent = self._send(src, c.SendRequests(src, tuple(request_ids), ticket, remote))
-        if sent.done() and isinstance(sent.exception(), GroupDead) and self._gone(src):
+        ticket, remote = self._new_ticket(), self.hosts[src] != self.hosts[dst]
+        sent = self.send(src, c.SendRequests(src, tuple(request_ids), ticket, remote))
+        if sent.done() and isinstance(sent.exception(), GroupDead) and self.recovery.gone(src):
             for rid in request_ids:  # its process died: recovered with the rest of its requests
-                self._leave(rid)
-                self._join(rid, src)
+                self.books.leave(rid)
+                self.books.join(rid, src)
             return
-        fut = self._send(dst, c.ReceiveRequests(dst, ticket, remote))
-        if remote and self._hosts[src] != self.me:
-            self._track_transit(ticket, self._hosts[src], request_ids, dst, fut)
-        self._backup_due(dst)
+        fut = self.send(dst, c.ReceiveRequests(dst, ticket, remote))
+        if remote and self.hosts[src] != self.me:
+            self.recovery.track_transit(ticket, self.hosts[src], request_ids, dst, fut)
+        self.recovery.backup_due(dst)
 
     def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]:
         by_group: dict[int, list[int]] = {}
         for rid in request_ids:
-            if rid not in self._where:
+            if rid not in self.books.where:
                 raise BackendError(f"request {rid} is not in flight")
-            by_group.setdefault(self._where[rid], []).append(rid)
+            by_group.setdefault(self.books.where[rid], []).append(rid)
         out = []
         for g, ids in by_group.items():
             for rid in ids:
-                self._leave(rid)  # those not returned below finished meanwhile: their event comes
-            if self._gone(g):  # (its process died: they come back with the next step's recovered)
+                self.books.leave(
+                    rid
+                )  # those not returned below finished meanwhile: their event comes
+            if self.recovery.gone(
+                g
+            ):  # (its process died: they come back with the next step's recovered)
                 for r in ids:
-                    self._restart(r, self._version[g])
+                    self.recovery.restart(r, self.books.versions[g])
                 continue
-            for r in self._send(g, c.Interrupt(g, tuple(ids))).result(WAIT_S):
-                pg, prompt, versions = self._meta[r.id]
+            for r in self.send(g, c.Interrupt(g, tuple(ids))).result(WAIT_S):
+                pg, prompt, versions = self.books.meta[r.id]
                 out.append(
                     PartialRequest(r.id, pg, len(prompt.tokens), len(r.tokens), tuple(versions), r)
                 )
         if discard:  # never resubmitted: forget them (and end their episodes)
             for p in out:
-                self._meta.pop(p.request_id, None)
-                self._forget_conversation(p.request_id)
+                self.books.meta.pop(p.request_id, None)
+                self.forget_conversation(p.request_id)
         return out
 
     # -- conversations ---------------------------------------------------------------------------
     def _turn_ended(self, rec: EngineFinished) -> None:
         """A conversation ended a model turn: it waits while its environment answers."""
-        if rec.id not in self._meta:  # discarded while its turn ended (wall clock)
+        if rec.id not in self.books.meta:  # discarded while its turn ended (wall clock)
             return
         self._last_turn[rec.id] = rec
         self._waiting.add(rec.id)
@@ -374,7 +405,7 @@ class EngineBackend(GroupRecovery):
         for o in self.turns.outcomes(wait):
             rid = o.request_id
             self._waiting.discard(rid)
-            g = self._where.get(rid)
+            g = self.books.where.get(rid)
             if not o.over:
                 if g is None:
                     self._held_turns.setdefault(rid, []).append(o.observation)
@@ -386,9 +417,9 @@ class EngineBackend(GroupRecovery):
                 end.setdefault(g, []).append(rid)
                 self._ended.append(self._conversation_over(rid, o))
         for g, items in extend.items():
-            self._send(g, c.Extend(g, tuple(items)))
+            self.send(g, c.Extend(g, tuple(items)))
         for g, ids in end.items():
-            self._send(g, c.End(g, tuple(ids)))
+            self.send(g, c.End(g, tuple(ids)))
 
     def _conversation_over(self, rid: int, o: TurnOutcome) -> FinishedRequest:
         rec = self._last_turn.pop(rid)
@@ -398,7 +429,7 @@ class EngineBackend(GroupRecovery):
                 f"engine's conversation has {len(rec.tokens)}"
             )
         figures = dict(o.figures or {})
-        return self._finish(
+        return self.finish(
             rec,
             str(figures.get("end_reason") or "env"),
             loss_mask=o.loss_mask,
@@ -406,7 +437,7 @@ class EngineBackend(GroupRecovery):
             conversation=figures,
         )
 
-    def _forget_conversation(self, rid: int) -> None:
+    def forget_conversation(self, rid: int) -> None:
         if self.turns is not None:
             self.turns.drop(rid)
         for d in (self._last_turn, self._held_turns, self._over):
@@ -421,7 +452,7 @@ class EngineBackend(GroupRecovery):
     def step(self) -> StepEvents:
         """Logical clock: one engine step of every group. Wall clock: every report since the last
         call (waiting at most ``WAIT_S`` for the first)."""
-        self._take_backups()  # (before the engines step: what was admitted or moved in too)
+        self.recovery.take_backups()  # (before the engines step: what was admitted or moved in too)
         if self.wall and self.turns is not None:  # the answers that have come
             self._take_outcomes(wait=False)
         if self.cluster is not None:
@@ -432,42 +463,45 @@ class EngineBackend(GroupRecovery):
             events = []
             for g in range(len(self.handles)):
                 try:
-                    if self._gone(g):  # (out of the run: its tick's record says it did nothing)
+                    if self.recovery.gone(
+                        g
+                    ):  # (out of the run: its tick's record says it did nothing)
                         raise GroupDead(f"group {g} is out of the run")
-                    events += self._send(g, c.Step(g)).result(WAIT_S)
+                    events += self.send(g, c.Step(g)).result(WAIT_S)
                 except Exception as e:  # noqa: BLE001 - its engine failed: recovered below
-                    if self._hosts[g] != self.me and not self._gone(g):
+                    if self.hosts[g] != self.me and not self.recovery.gone(g):
                         raise
                     t = self.clock.now()
-                    idle = GroupTick(g, self._version[g], "idle", 0, 0, 0, 0, 0.0, t, t)
+                    idle = GroupTick(g, self.books.versions[g], "idle", 0, 0, 0, 0, 0.0, t, t)
                     events.append(GroupEvent(g, span=idle))
-                    if self._hosts[g] == self.me:
+                    if self.hosts[g] == self.me:
                         events.append(GroupEvent(g, error=error_text(e)))
             if self.turns is not None:  # every answer to the turns of earlier ticks: a call
                 self._take_outcomes(wait=True)  # takes one tick, its answer fed the next
         ticks, finished, self._ended = [], self._ended, []
         for e in events:
-            if self._hosts[e.group] != self.me and self._gone(e.group) and self.wall:
-                finished += self._finished_before_leaving(e)  # (the rest is recovered)
+            if self.hosts[e.group] != self.me and self.recovery.gone(e.group) and self.wall:
+                finished += self.recovery.finished_before_leaving(e)  # (the rest is recovered)
                 continue
             if e.error is not None:
-                if self._hosts[e.group] != self.me:
+                if self.hosts[e.group] != self.me:
                     raise BackendError(f"group {e.group}'s worker failed:\n{e.error}")
-                self._fail(e.group, e.error)
+                self.recovery.engine_failed(e.group, e.error)
                 continue
             if e.span is not None:
                 self._account(e.span)
                 if self.wall or e.span.activity not in ("transfer", "migrate"):
                     ticks.append(e.span)  # logical: one record per group and tick
                 if e.span.activity in ("prefill", "decode"):
-                    self._since_backup[e.group] += 1
-            finished += [self._finish(f, f.finish_reason) for f in e.finished if f.id in self._meta]
+                    self.recovery.stepped(e.group)
+            finished += [
+                self.finish(f, f.finish_reason) for f in e.finished if f.id in self.books.meta
+            ]
             for rec in e.turn_ends:
                 self._turn_ended(rec)
         if self.cluster is not None:  # hosts lost or back (those lost mid-round are out already)
-            self._hosts_changed()
-        recovered, health = tuple(self._recovered), tuple(self._health)
-        self._recovered, self._health = [], []
+            self.recovery.hosts_changed()
+        recovered, health = self.recovery.take_events()
         out = StepEvents(self._tick, tuple(finished), tuple(ticks), recovered, health)
         self._tick += 1
         return out
@@ -477,7 +511,7 @@ class EngineBackend(GroupRecovery):
         included; their reports wait for the next :meth:`step`). A no-op on the logical clock."""
         if not self.wall:
             return
-        self._paused = [self._send(g, c.Pause(g)) for g in range(len(self.handles))]
+        self._paused = [self.send(g, c.Pause(g)) for g in range(len(self.handles))]
         if self.cluster is not None:
             self.cluster.flush()
         deadline = time.monotonic() + timeout
@@ -494,7 +528,7 @@ class EngineBackend(GroupRecovery):
         if self.wall:
             self._paused = []
             for g in range(len(self.handles)):
-                self._send(g, c.Resume(g))
+                self.send(g, c.Resume(g))
             if self.cluster is not None:
                 self.cluster.flush()
 
@@ -517,14 +551,16 @@ class EngineBackend(GroupRecovery):
         return {
             "published": self.published,
             "tick": self._tick,
-            "versions": list(self._version),
-            "orphaned": sorted(self._orphaned),
-            "members": [list(m) for m in self._members],
-            "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self._meta.items()},
+            "versions": list(self.books.versions),
+            "orphaned": sorted(self.recovery.orphaned),
+            "members": [list(m) for m in self.books.members],
+            "meta": {rid: (pg, p, list(v)) for rid, (pg, p, v) in self.books.meta.items()},
             "overheads": self.overheads,
-            "recovered": list(self._recovered),  # (requests of a failed group, not yet handed on)
+            "recovered": list(
+                self.recovery.recovered
+            ),  # (requests of a failed group, not yet handed on)
             "engines": [  # (None: a group out of the run, its process dead or rejoining)
-                None if self._gone(g) else self._send(g, c.Snapshot(g)).result(WAIT_S)
+                None if self.recovery.gone(g) else self.send(g, c.Snapshot(g)).result(WAIT_S)
                 for g in range(len(self.handles))
             ],
             "conversations": conversations_state(self),
@@ -538,42 +574,33 @@ class EngineBackend(GroupRecovery):
             )
         self.published, self._tick = state["published"], state["tick"]
         self.overheads = state["overheads"]
-        self._meta = {rid: (pg, p, list(v)) for rid, (pg, p, v) in state["meta"].items()}
-        self._members = [dict.fromkeys(m) for m in state["members"]]
-        self._where = {rid: g for g, m in enumerate(self._members) for rid in m}
-        self._version = list(state["versions"])
-        self._orphaned = set(state.get("orphaned", ()))
-        self._recovered = list(state.get("recovered", ()))
+        self.books.meta = {rid: (pg, p, list(v)) for rid, (pg, p, v) in state["meta"].items()}
+        self.books.members = [dict.fromkeys(m) for m in state["members"]]
+        self.books.where = {rid: g for g, m in enumerate(self.books.members) for rid in m}
+        self.books.versions = list(state["versions"])
+        self.recovery.orphaned = set(state.get("orphaned", ()))
+        self.recovery.recovered = list(state.get("recovered", ()))
         load_conversations_state(self, state.get("conversations"))
         for g, snap in enumerate(state["engines"]):
             if snap is None:  # out of the run when saved: back now, with the newest version
-                self._orphan(g)
-                self._version[g] = v = self.published
-                src = self._trainer_source(g, v, params_for(v))
-                self._send(g, c.Load(g, v, **src)).result(WAIT_S)
-                self._loads[g] = done()
+                self.recovery.orphan(g)
+                self.books.versions[g] = v = self.published
+                src = self.trainer_source(g, v, params_for(v))
+                self.send(g, c.Load(g, v, **src)).result(WAIT_S)
+                self.loads[g] = done()
                 continue
-            if snap.version != self._version[g]:
+            if snap.version != self.books.versions[g]:
                 raise BackendError(
-                    f"group {g}: snapshot of v{snap.version}, state v{self._version[g]}"
+                    f"group {g}: snapshot of v{snap.version}, state v{self.books.versions[g]}"
                 )
-            source = self._trainer_source(g, snap.version, params_for(snap.version))
-            self._send(g, c.Restore(g, snap, **source)).result(WAIT_S)  # on the group's thread
-            self._loads[g] = done()
+            source = self.trainer_source(g, snap.version, params_for(snap.version))
+            self.send(g, c.Restore(g, snap, **source)).result(WAIT_S)  # on the group's thread
+            self.loads[g] = done()
 
     # -- internals -------------------------------------------------------------------------------
     def _check_group(self, group) -> None:
         if not isinstance(group, int) or not 0 <= group < len(self.handles):
             raise BackendError(f"no group {group!r}")
-
-    def _join(self, rid: int, group: int) -> None:
-        self._where[rid] = group
-        self._members[group][rid] = None
-
-    def _leave(self, rid: int) -> None:
-        g = self._where.pop(rid, None)
-        if g is not None:
-            self._members[g].pop(rid, None)
 
     def _pull(self, timeout: float) -> list[GroupEvent]:
         """The workers' reports from the bus (wake-ups from other senders dropped)."""
@@ -590,11 +617,11 @@ class EngineBackend(GroupRecovery):
             return
         o.log.append((span.activity, span.group, span.t0, span.time_s))
 
-    def _finish(self, f: EngineFinished, reason: str, **extra: Any) -> FinishedRequest:
+    def finish(self, f: EngineFinished, reason: str, **extra: Any) -> FinishedRequest:
         """Request ``f.id`` is over: out of its group, its :class:`Completion` told to
         :attr:`on_finished`."""
-        self._leave(f.id)
-        pg, prompt, versions = self._meta.pop(f.id)
+        self.books.leave(f.id)
+        pg, prompt, versions = self.books.meta.pop(f.id)
         comp = Completion(
             prompt, f.tokens, f.logprobs, reason, f.prefill_tokens, f.migrations, f.routes, **extra
         )

@@ -1,6 +1,6 @@
 """Failed rollout groups of this process (docs/reliability.md, "A rollout group that fails"):
 host copies of each group's requests, the recovery of a failed group's requests and the rebuild
-of its engine, mixed into :class:`~dora_jax.execution.backend.EngineBackend`.
+of its engine; a component of :class:`~dora_jax.execution.backend.EngineBackend`.
 
 A group's engine that raises is *dead*: every request it held leaves it, to continue on a group
 of its own version from, best first, a host copy of its KV (``"kv"``: nothing prefilled again),
@@ -16,40 +16,68 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from dora_jax.execution import commands as c
-from dora_jax.execution.group import GroupWorker
+from dora_jax.execution.books import Books
+from dora_jax.execution.group import Place
 from dora_jax.execution.payloads import PromptPayload
-from dora_jax.execution.transport import Inline, Threaded, done
+from dora_jax.execution.transport import done
 from dora_jax.orchestrator.backend import (
     HOST_LEAVING,
     BackendError,
     HealthChange,
     PartialRequest,
 )
-from dora_jax.rollout import Engine, Request, request_key
+from dora_jax.rollout import Engine, Request
 from dora_jax.rollout.moves import EngineSnapshot, Handover, split_parked
 from dora_jax.rollout.requests import ExportedRequests
 
 HANDOVER_S = 30.0  # a leaving host's groups: bound on their pause and on their host copy
 
 
-class GroupRecovery:
-    """Host copies, recovery and rebuild of failed groups (the backend's state: ``_members``,
-    ``_meta``, ``_version``, ``handles``, ``_loads`` and the fields its constructor sets for
-    them), and the groups of rollout hosts that die (or leave on a SIGTERM, handing their
-    requests over) and are started again."""
+class Groups(Protocol):
+    """What recovery needs of the engine backend: its groups' transports and hosts, the trainer's
+    versions, and the backend's own steps for a request (a new one, a finished one) and for a
+    group (a new engine)."""
 
-    def _init_recovery(self, rollout_cfg: Any, n: int) -> None:
-        # failed groups (docs/reliability.md, "A rollout group that fails"): host copies of each
-        # group's requests every ``backup_every`` of its engine steps (the latest one taken, and
-        # one asked for on the wall clock), engine steps since its last copy, rebuilds per group,
-        # requests recovered by source (and each recovered id's source), and the recovered
-        # requests and health changes for the next step()'s events
+    handles: list[Any]  # a transport per group
+    hosts: list[int]  # each group's process
+    loads: list[Future]  # each group's latest weight load
+    me: int  # this process
+    cluster: Any  # multi-process runs: the link to the other processes (else None)
+    wall: bool  # groups on worker threads (a pause must be sent and waited for)
+    place: Place  # where moves hand their KV over
+    published: int
+    trainer_params: Callable[[int], Any]
+
+    def send(self, group: int, cmd: c.GroupCommand) -> Future: ...
+    def trainer_source(self, group: int, version: int, params: Any) -> dict: ...
+    def new_request(self, rid: int, version: int, prompt: PromptPayload) -> Request: ...
+    def finish(self, f: Any, reason: str) -> Any: ...
+    def forget_conversation(self, rid: int) -> None: ...
+    def rebuild(self, group: int) -> None: ...
+
+
+class GroupRecovery:
+    """Host copies, recovery and rebuild of the failed groups of one engine backend, and the
+    groups of rollout hosts that die (or leave on a SIGTERM, handing their requests over) and
+    are started again. It owns its state (host copies, each group's health, lost and returning
+    hosts, counters); it shares the control plane's :class:`~dora_jax.execution.books.Books`
+    with the backend and reaches the groups through :class:`Groups`, the backend's public
+    surface."""
+
+    def __init__(self, groups: Groups, books: Books, rollout_cfg: Any):
+        self.groups, self.books = groups, books
+        n = len(books.versions)
+        # host copies of each group's requests every ``backup_every`` of its engine steps (the
+        # latest one taken, and one asked for on the wall clock), engine steps since its last
+        # copy, rebuilds per group, requests recovered by source (and each recovered id's
+        # source), and the recovered requests and health changes for the next step()'s events
         self.backup_every = rollout_cfg.backup_every_steps
         self.max_restarts = rollout_cfg.max_group_restarts
         self._backups: dict[int, EngineSnapshot] = {}
@@ -58,7 +86,7 @@ class GroupRecovery:
         self.restarts = [0] * n
         self.recoveries: Counter = Counter()
         self.recovered_ids: dict[int, str] = {}
-        self._recovered: list[PartialRequest] = []
+        self.recovered: list[PartialRequest] = []
         self._health: list[HealthChange] = []
         # rollout hosts that die and come back: each group's health (not "healthy": out of
         # groups()), hosts whose loss was handled, hosts building their engines again, migrations
@@ -74,49 +102,61 @@ class GroupRecovery:
         # versions that only groups out of the run held when those groups came back with the
         # newest one: their recovered requests still need them (from the trainer), until a
         # group in the run holds them again
-        self._orphaned: set[int] = set()
+        self.orphaned: set[int] = set()
+
+    def take_events(self) -> tuple[tuple[PartialRequest, ...], tuple[HealthChange, ...]]:
+        """The requests recovered and the health changes since the last call."""
+        out = tuple(self.recovered), tuple(self._health)
+        self.recovered, self._health = [], []
+        return out
+
+    def stepped(self, g: int) -> None:
+        """Group ``g`` took an engine step (prefill or decode): one more since its host copy."""
+        self._since_backup[g] += 1
 
     def out_of_run(self) -> dict[int, str]:
         """Each group out of the run and its state: ``dead`` (its process gone, or its engine
         failed for good), ``restarting`` (its process is back, building its engine), ``stale``
         (loading a version before it takes work)."""
-        return {g: self._state[g] for g in range(len(self.handles)) if self._gone(g)}
+        return {g: self._state[g] for g in range(len(self.groups.handles)) if self.gone(g)}
 
     def lost_hosts(self) -> list[int]:
         """The processes whose rollout groups are gone with them (not yet started again)."""
-        link = self.cluster.link if self.cluster is not None else None
+        link = self.groups.cluster.link if self.groups.cluster is not None else None
         return sorted(link.lost) if link is not None else []
 
     def versions_held(self) -> set[int]:
         """Every version a group holds, groups out of the run included, and the versions only
         lost groups held before they came back (the versions their recovered requests need:
         the trainer keeps them)."""
-        return set(self._version) | self._orphaned
+        return set(self.books.versions) | self.orphaned
 
     def sendable_versions(self) -> frozenset[int]:
         """Versions older than the newest that the trainer may send (only groups out of the run
         held them: their recovered requests need a group of that version)."""
-        live = {self._version[g] for g in range(len(self.handles)) if not self._gone(g)}
-        gone = {self._version[g] for g in range(len(self.handles)) if self._gone(g)}
-        self._orphaned -= live  # (held in the run again: a group of that version serves them)
-        return frozenset((gone | self._orphaned) - live - {self.published})
+        live = {self.books.versions[g] for g in range(len(self.groups.handles)) if not self.gone(g)}
+        gone = {self.books.versions[g] for g in range(len(self.groups.handles)) if self.gone(g)}
+        self.orphaned -= live  # (held in the run again: a group of that version serves them)
+        return frozenset((gone | self.orphaned) - live - {self.groups.published})
 
     # -- rollout hosts that die and come back (multi-process runs) ---------------------------------
-    def _gone(self, g: int) -> bool:
+    def gone(self, g: int) -> bool:
         """Whether group ``g`` is out of the run (its process died, left, or is rejoining)."""
-        link = self.cluster.link if self.cluster is not None else None
-        return self._state[g] != "healthy" or (link is not None and self._hosts[g] in link.lost)
+        link = self.groups.cluster.link if self.groups.cluster is not None else None
+        return self._state[g] != "healthy" or (
+            link is not None and self.groups.hosts[g] in link.lost
+        )
 
     def _set_state(self, g: int, state: str, why: str) -> None:
         self._state[g] = state
         self._health.append(HealthChange(g, state, why))
 
-    def _hosts_changed(self) -> None:
+    def hosts_changed(self) -> None:
         """Groups of a rollout host that died are dead: their requests are recovered from their
         prompts (what a lost host held is gone with it). A host started again builds its
         engines (*restarting*), loads the newest version from the trainer (*stale*), and its
         groups take work again once it is loaded (*healthy*)."""
-        link = self.cluster.link if self.cluster is not None else None
+        link = self.groups.cluster.link if self.groups.cluster is not None else None
         if link is None:
             return
         for host, why in link.take_leaving().items():
@@ -139,17 +179,23 @@ class GroupRecovery:
             if host in link.lost:  # (lost again since it came back: nothing to build)
                 self._host_lost(host, link.lost[host])
             else:  # (one build for its newest process, however often it came back)
-                self._rejoining[host] = self.cluster.start_host(host)
+                self._rejoining[host] = self.groups.cluster.start_host(host)
         for host, fut in list(self._rejoining.items()):
             if fut.done():
                 del self._rejoining[host]
                 self._rejoined(host, fut.exception())
         for g, state in enumerate(self._state):
-            if state == "stale" and self._loads[g].done() and self._hosts[g] not in link.lost:
-                if self._loads[g].exception() is None:
-                    self._set_state(g, "healthy", f"v{self._version[g]} loaded")
+            if (
+                state == "stale"
+                and self.groups.loads[g].done()
+                and self.groups.hosts[g] not in link.lost
+            ):
+                if self.groups.loads[g].exception() is None:
+                    self._set_state(g, "healthy", f"v{self.books.versions[g]} loaded")
                 else:
-                    self._set_state(g, "dead", f"its load failed: {self._loads[g].exception()}")
+                    self._set_state(
+                        g, "dead", f"its load failed: {self.groups.loads[g].exception()}"
+                    )
 
     def _host_lost(self, host: int, why: str) -> None:
         """``host`` died: its groups are dead, what they held goes on elsewhere (unless it handed
@@ -167,24 +213,26 @@ class GroupRecovery:
     def _rejoined(self, host: int, error: BaseException | None) -> None:
         """``host`` built its engines (or failed to: its groups stay out): each loads the
         newest version from the trainer before it takes work."""
-        v = self.published
+        v = self.groups.published
         for g in self._groups_of(host):
             if error is not None:
                 self._set_state(g, "dead", f"process {host} could not build its engines: {error}")
                 continue
-            self._orphan(g)
-            self._version[g] = v
-            src = self._trainer_source(g, v, self.trainer_params(v))
-            self._loads[g] = self._send(g, c.Load(g, v, **src))
+            self.orphan(g)
+            self.books.versions[g] = v
+            src = self.groups.trainer_source(g, v, self.groups.trainer_params(v))
+            self.groups.loads[g] = self.groups.send(g, c.Load(g, v, **src))
             self._set_state(g, "stale", f"loading v{v}")
 
-    def _orphan(self, g: int) -> None:
+    def orphan(self, g: int) -> None:
         """Group ``g``, out of the run, is about to hold the newest version: if no group in the
         run holds the one it held, that version stays needed (its recovered requests)."""
-        v = self._version[g]
-        others = [h for h in range(len(self.handles)) if h != g]
-        if v != self.published and all(self._gone(h) or self._version[h] != v for h in others):
-            self._orphaned.add(v)
+        v = self.books.versions[g]
+        others = [h for h in range(len(self.groups.handles)) if h != g]
+        if v != self.groups.published and all(
+            self.gone(h) or self.books.versions[h] != v for h in others
+        ):
+            self.orphaned.add(v)
 
     def _hand_over(self, host: int, why: str) -> None:
         """``host`` is leaving (a SIGTERM, as before a preemption): its groups leave the run
@@ -199,33 +247,35 @@ class GroupRecovery:
         for g in mine:
             self.host_leaves[g] += 1
             self._set_state(g, "dead", f"process {host} {HOST_LEAVING}{why}): handing over")
-        paused = [self._send(g, c.Pause(g)) for g in mine] if self.wall else []
-        self.cluster.flush()
+        paused = [self.groups.send(g, c.Pause(g)) for g in mine] if self.groups.wall else []
+        self.groups.cluster.flush()
         for g, fut in zip(mine, paused or [done()] * len(mine), strict=True):
             kv: dict[int, ExportedRequests] = {}
             tokens: dict[int, Request] = {}
             try:
                 fut.result(HANDOVER_S)
-                snap = self._send(g, c.Snapshot(g)).result(HANDOVER_S)
+                snap = self.groups.send(g, c.Snapshot(g)).result(HANDOVER_S)
             except Exception:  # noqa: BLE001 - gone meanwhile: its requests from their prompts
-                held = set(self._members[g])
+                held = set(self.books.members[g])
             else:
                 kv, tokens = _sources(snap)
                 held = {*kv, *(r.id for r in snap.pending)}
-            for rid in [r for r in self._members[g] if r in held]:
-                self._leave(rid)
-                self._recovered.append(self._recover(rid, self._version[g], kv, {}, tokens))
-        self.cluster.link.let_go(host)
+            for rid in [r for r in self.books.members[g] if r in held]:
+                self.books.leave(rid)
+                self.recovered.append(self._recover(rid, self.books.versions[g], kv, {}, tokens))
+        self.groups.cluster.link.let_go(host)
 
-    def _finished_before_leaving(self, e: Any) -> list:
+    def finished_before_leaving(self, e: Any) -> list:
         """Wall clock, the report of a group out of the run: its requests were recovered, all
         but those that finished before its host's handover paused it, which are still its own."""
         return [
-            self._finish(f, f.finish_reason) for f in e.finished if self._where.get(f.id) == e.group
+            self.groups.finish(f, f.finish_reason)
+            for f in e.finished
+            if self.books.where.get(f.id) == e.group
         ]
 
     def _groups_of(self, host: int) -> list[int]:
-        return [g for g in range(len(self.handles)) if self._hosts[g] == host]
+        return [g for g in range(len(self.groups.handles)) if self.groups.hosts[g] == host]
 
     def _lose_group(self, g: int, why: str) -> None:
         """Group ``g``'s process died: every request it held goes on elsewhere, from its prompt
@@ -235,18 +285,18 @@ class GroupRecovery:
         self._backups.pop(g, None)
         self._backup_asked.pop(g, None)
         self._since_backup[g] = 0
-        for rid in list(self._members[g]):
-            self._leave(rid)
-            self._restart(rid, self._version[g])
+        for rid in list(self.books.members[g]):
+            self.books.leave(rid)
+            self.restart(rid, self.books.versions[g])
 
-    def _track_transit(self, ticket: int, src_host: int, ids: list[int], dst: int, fut) -> None:
+    def track_transit(self, ticket: int, src_host: int, ids: list[int], dst: int, fut) -> None:
         """A migration whose KV comes from another process: if that process dies before it
         served the KV, the requests are recovered (:meth:`_lost_in_transit`)."""
         self._in_transit[ticket] = (src_host, list(ids), dst)
 
         def over(_f) -> None:
             if self._in_transit.pop(ticket, None) is not None:
-                self.cluster.transfers.forget(ticket)
+                self.groups.cluster.transfers.forget(ticket)
 
         fut.add_done_callback(over)
 
@@ -255,20 +305,20 @@ class GroupRecovery:
         gets an error instead, and takes nothing), its requests are recovered from their
         prompts; if it did, the receiver has them."""
         moving = self._in_transit.pop(ticket, None)  # (None: it arrived meanwhile)
-        if moving is None or not self.cluster.transfers.fail_unless_served(ticket, why):
+        if moving is None or not self.groups.cluster.transfers.fail_unless_served(ticket, why):
             return
         _, ids, dst = moving
         for rid in ids:
-            if self._where.get(rid) == dst:
-                self._leave(rid)
-                self._restart(rid, self._version[dst])
+            if self.books.where.get(rid) == dst:
+                self.books.leave(rid)
+                self.restart(rid, self.books.versions[dst])
 
-    def _restart(self, rid: int, version: int) -> None:
+    def restart(self, rid: int, version: int) -> None:
         """Request ``rid`` (out of every group) goes on from its prompt under ``version``: a
         recovered request of the next step()'s events."""
-        self._recovered.append(self._recover(rid, version, {}, {}, {}))
+        self.recovered.append(self._recover(rid, version, {}, {}, {}))
 
-    def _take_backups(self) -> None:
+    def take_backups(self) -> None:
         """Ask each group of this process that has taken ``backup_every`` engine steps since its
         last host copy for a new one, before the engines step (logical clock: taken now, with
         what this round admitted and moved in; wall clock: when its worker gets to it, the
@@ -280,26 +330,26 @@ class GroupRecovery:
                 del self._backup_asked[g]
                 if fut.exception() is None:
                     self._backups[g] = fut.result()
-        for g in range(len(self.handles)):
-            if self._hosts[g] != self.me or g in self._backup_asked:
+        for g in range(len(self.groups.handles)):
+            if self.groups.hosts[g] != self.groups.me or g in self._backup_asked:
                 continue
-            if not self._members[g]:
+            if not self.books.members[g]:
                 self._backups.pop(g, None)
                 self._since_backup[g] = 0
             elif self._since_backup[g] >= self.backup_every:
                 self._since_backup[g] = 0
-                fut = self._send(g, c.Snapshot(g))
+                fut = self.groups.send(g, c.Snapshot(g))
                 if fut.done() and fut.exception() is None:
                     self._backups[g] = fut.result()
                 else:
                     self._backup_asked[g] = fut
 
-    def _backup_due(self, g: int) -> None:
+    def backup_due(self, g: int) -> None:
         """``g`` took in requests with KV: its next host copy is taken before it steps again."""
         if self.backup_every:
             self._since_backup[g] = max(self._since_backup[g], self.backup_every)
 
-    def _fail(self, g: int, error: str) -> None:
+    def engine_failed(self, g: int, error: str) -> None:
         """Group ``g``'s engine failed: every request it held leaves it, to continue on a group
         of its version from, best first, a host copy of its KV, its tokens so far, or its prompt
         (the next step()'s ``recovered``); the engine is rebuilt on the group's devices with the
@@ -312,7 +362,7 @@ class GroupRecovery:
                 f"(rollout.max_group_restarts: {self.max_restarts}); the last error:\n{error}"
             )
         self._health.append(HealthChange(g, "dead", reason))
-        old = self.handles[g]
+        old = self.groups.handles[g]
         kv, tokens = self._unapplied(g, old)
         snap = self._backups.pop(g, None)
         self._backup_asked.pop(g, None)
@@ -321,16 +371,18 @@ class GroupRecovery:
             kv_copy, tokens_copy = _sources(snap)
             kv, tokens = kv_copy | kv, tokens_copy | tokens
         salvaged = _host_records(old.worker.engine)
-        ids = list(self._members[g])
-        version = self._version[g]
+        ids = list(self.books.members[g])
+        version = self.books.versions[g]
         for rid in ids:
-            self._leave(rid)
-            self._recovered.append(self._recover(rid, version, kv, salvaged, tokens))
+            self.books.leave(rid)
+            self.recovered.append(self._recover(rid, version, kv, salvaged, tokens))
         old.stop(1.0)
         old.worker.engine.cache = None  # (its device memory, before the new engine takes its own)
         self._health.append(HealthChange(g, "restarting", f"rebuilding its engine ({reason})"))
-        self._rebuild(g)
-        self._health.append(HealthChange(g, "healthy", f"engine rebuilt, v{self._version[g]}"))
+        self.groups.rebuild(g)
+        self._health.append(
+            HealthChange(g, "healthy", f"engine rebuilt, v{self.books.versions[g]}")
+        )
 
     def _recover(
         self,
@@ -343,10 +395,10 @@ class GroupRecovery:
         """Request ``rid`` of a failed group, to resubmit under ``version``: from a host copy
         of its KV, else its tokens so far (the failed engine's host record, else the copy's),
         else its prompt. A conversation starts a new episode from its prompt."""
-        pg, prompt, versions = self._meta[rid]
+        pg, prompt, versions = self.books.meta[rid]
         conversation = prompt.conversation is not None
         if conversation:
-            self._forget_conversation(rid)
+            self.groups.forget_conversation(rid)
         payload: Any = None
         if not conversation and rid in kv:
             source, payload = "kv", kv[rid]
@@ -358,7 +410,7 @@ class GroupRecovery:
                 source, payload = "tokens", copy.deepcopy(max(usable, key=lambda x: len(x.tokens)))
                 payload.kv_len = 0
             else:
-                source, payload = "prompt", self._new_request(rid, version, prompt)
+                source, payload = "prompt", self.groups.new_request(rid, version, prompt)
             generated = len(payload.tokens)
         self.recoveries[source] += 1
         self.recovered_ids[rid] = source
@@ -375,15 +427,15 @@ class GroupRecovery:
         for cmd in handle.unapplied() if hasattr(handle, "unapplied") else []:
             if isinstance(cmd, c.SendRequests):
                 for rid in cmd.ids:
-                    if rid in self._where:
-                        self._leave(rid)
-                        self._join(rid, g)
+                    if rid in self.books.where:
+                        self.books.leave(rid)
+                        self.books.join(rid, g)
                 if not cmd.remote:
-                    self._place.handoffs.slot(cmd.ticket).set_result(Handover(None, [], []))
+                    self.groups.place.handoffs.slot(cmd.ticket).set_result(Handover(None, [], []))
             elif isinstance(cmd, c.ReceiveRequests) and not cmd.remote:
-                slot = self._place.handoffs.slot(cmd.ticket)  # packed by now: its KV to host
+                slot = self.groups.place.handoffs.slot(cmd.ticket)  # packed by now: its KV to host
                 if slot.done() and slot.exception() is None:
-                    running = self._place.handoffs.take(cmd.ticket, 0).running
+                    running = self.groups.place.handoffs.take(cmd.ticket, 0).running
                     if running is not None:
                         running.kv = np.asarray(running.kv)
                         kv.update((x.requests[0].id, x) for x in split_parked(running))
@@ -392,32 +444,6 @@ class GroupRecovery:
             elif isinstance(cmd, c.Submit):
                 tokens.update((r.id, r) for r in cmd.requests if r.tokens)
         return kv, tokens
-
-    def _new_request(self, rid: int, version: int, prompt: PromptPayload) -> Request:
-        """Request ``rid`` as it was first submitted (same sampling key: same tokens)."""
-        budget = prompt.max_new_tokens or self.max_new_tokens
-        r = Request(rid, list(prompt.tokens), version, request_key(self.seed, rid), budget)
-        if prompt.conversation is not None:
-            r.multi_turn, r.stop_seqs = True, self.turns.stop_sequences
-        return r
-
-    def _rebuild(self, g: int) -> None:
-        """A new engine on group ``g``'s devices with the version it held (the newest published
-        one if that version's params are no longer kept)."""
-        model_cfg, rollout_cfg, eos_id, interpret = self._build
-        v = self._version[g]
-        try:
-            params = self.trainer_params(v)
-        except KeyError:
-            v = self._version[g] = self.published
-            params = self.trainer_params(v)
-        e = Engine(model_cfg, rollout_cfg, self._meshes[g], eos_id, interpret=interpret)
-        e.load_params(params, v)
-        w = GroupWorker(g, e, self.clock.now, self._place)
-        self.handles[g] = Threaded(w, self.bus.post) if self.wall else Inline(w)
-        self._loads[g] = done()
-        if self._paused:  # the others are paused: so is it, until resume()
-            self._paused[g] = self._send(g, c.Pause(g))
 
 
 def _sources(snap: EngineSnapshot) -> tuple[dict[int, ExportedRequests], dict[int, Request]]:

@@ -579,7 +579,8 @@ class _FreeVersions:
 
     def on_publish(self, runtime: Runtime, version: int) -> None:
         backend = self.exp.backend  # (groups out of the run too: their requests need them)
-        held = getattr(backend, "versions_held", lambda: {g.version for g in backend.groups()})()
+        recovery = getattr(backend, "recovery", None)
+        held = recovery.versions_held() if recovery else {g.version for g in backend.groups()}
         self.exp.grpo.forget(held | {self.exp.grpo.version})
         if version % TRIM_EVERY == 0:
             release_free_memory()

@@ -183,10 +183,10 @@ class NoRolloutGroups:
 
     def __call__(self) -> bool:
         backend = self.exp.backend
-        if not hasattr(backend, "out_of_run") or backend.groups():
+        if not hasattr(backend, "recovery") or backend.groups():
             self._since = None
             return False
-        out = backend.out_of_run()
+        out = backend.recovery.out_of_run()
         if any(state != "dead" for state in out.values()):  # coming back: wait for it
             self._since = None
             return False
@@ -211,14 +211,14 @@ class NoRolloutGroups:
         return False
 
     def _why(self) -> str:
-        hosts = self.exp.backend.lost_hosts()
+        hosts = self.exp.backend.recovery.lost_hosts()
         if hosts:
             names = ", ".join(str(h) for h in hosts)
             return f"no rollout group is left in the run (process {names} is gone)"
         return "no rollout group is left in the run (every engine failed)"
 
     def _how(self) -> str:
-        hosts = self.exp.backend.lost_hosts()
+        hosts = self.exp.backend.recovery.lost_hosts()
         if not hosts:
             return "(a failed engine does not come back by itself)"
         logs = self.run_dir / "logs"

@@ -101,12 +101,12 @@ class MetricsLog:
     def recovery_figures(self) -> dict[str, int]:
         """Since the last line: rollout groups that failed (their engine or their process) and
         the requests recovered from them by source (``recovery/redispatched/<source>``)."""
-        b = self.exp.backend
-        if not hasattr(b, "recoveries"):
+        b = getattr(self.exp.backend, "recovery", None)
+        if b is None:
             return {}
         now = Counter(b.recoveries)
         now["group_failures"] = sum(b.restarts) + sum(b.host_losses)
-        now["groups_left"] = sum(getattr(b, "host_leaves", ()))
+        now["groups_left"] = sum(b.host_leaves)
         out = {f"recovery/redispatched/{src}": now[src] - self._recovery[src] for src in SOURCES}
         for k in ("group_failures", "groups_left"):
             out[f"recovery/{k}"] = now[k] - self._recovery[k]
