@@ -19,9 +19,12 @@ from typing import Any
 
 
 class LogicalClock:
-    """Ticks: ``now()`` is set by the runtime to the index of the current round."""
+    """Ticks: ``now()`` is set by the runtime to the index of the current round. Nothing runs
+    between two rounds, so there is nothing to hold still (``concurrent`` is false)."""
 
     kind = "logical"
+    unit = "tick"
+    concurrent = False
 
     def __init__(self) -> None:
         self.tick = 0
@@ -29,11 +32,29 @@ class LogicalClock:
     def now(self) -> int:
         return self.tick
 
+    def start(self, offset: float = 0.0) -> None:
+        """Nothing to start: a round's time is its index."""
+
+    def begin_round(self, index: int) -> None:
+        self.tick = index
+
+    def round_length(self, t: float, last: float | None) -> float:
+        """The time a round stands for: one tick, whatever ``t``."""
+        return 1.0
+
+    def stall(self, rounds: int, idle_s: float, max_ticks: int, stall_s: float) -> str | None:
+        """Why a run that has taken ``rounds`` rounds, the last ``idle_s`` seconds without
+        progress, counts as stalled (None: it does not): a bound on rounds."""
+        return f"{max_ticks} ticks" if rounds >= max_ticks else None
+
 
 class WallClock:
-    """Seconds since :meth:`start` (``time.perf_counter``); shared by every worker of a run."""
+    """Seconds since :meth:`start` (``time.perf_counter``); shared by every worker of a run,
+    which runs beside the control loop (``concurrent``)."""
 
     kind = "wall"
+    unit = "s"
+    concurrent = True
 
     def __init__(self) -> None:
         self._t0 = time.perf_counter()
@@ -44,6 +65,25 @@ class WallClock:
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
+
+    def begin_round(self, index: int) -> None:
+        """Nothing to set: a round's time is when it runs."""
+
+    def round_length(self, t: float, last: float | None) -> float:
+        """Seconds since the last round (none for the first)."""
+        return t - (last or t)
+
+    def stall(self, rounds: int, idle_s: float, max_ticks: int, stall_s: float) -> str | None:
+        """As :meth:`LogicalClock.stall`: a bound on seconds without progress."""
+        return f"{stall_s:.0f} s without progress" if idle_s > stall_s else None
+
+
+CLOCKS = {c.kind: c for c in (LogicalClock, WallClock)}
+
+
+def make_clock(kind: str) -> LogicalClock | WallClock:
+    """The clock ``orchestrator.clock`` names (``logical`` or ``wall``)."""
+    return CLOCKS[kind]()
 
 
 class Bus:

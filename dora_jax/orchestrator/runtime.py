@@ -154,8 +154,7 @@ class Runtime:
     # -- one tick --------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        if self.clock.kind == "logical":
-            self.clock.tick = self.tick_index
+        self.clock.begin_round(self.tick_index)
         t = self.clock.now()
         if self._train is not None:
             done = self.trainer.poll(t)
@@ -184,7 +183,6 @@ class Runtime:
             t,
         )
         events = self.backend.step()
-        t = cluster.time if self.clock.kind == "wall" else cluster.tick
         self.engine_steps += sum(g.activity in ("prefill", "decode") for g in events.groups)
         for fr in events.finished:
             if self.manager.status.get(fr.request_id) == DISCARDED:
@@ -213,20 +211,22 @@ class Runtime:
         """Hold the run still: every group stops once its queued work (loads, moves in flight)
         is done, and what it reported is taken in, so the control plane and the engines agree
         (checkpoints, evaluation). A no-op on the logical clock, which is still between ticks."""
-        if self.clock.kind == "logical" or self._held:
-            yield
-            return
-        self._hold()
+        held = not self._held and self._hold()
         try:
             yield
         finally:
-            self._release()
+            if held:
+                self._release()
 
-    def _hold(self) -> None:
-        """Wall clock: pause every group and take in what they reported."""
+    def _hold(self) -> bool:
+        """Pause every group and take in what they reported; whether it did (nothing runs beside
+        the control loop on a clock that is not ``concurrent``)."""
+        if not self.clock.concurrent:  # (kept: the one rule of holding a run still)
+            return False
         self.backend.pause()
         self._held = True
         self._step_backend(self.clock.now())
+        return True
 
     def _release(self) -> None:
         self.backend.resume()
@@ -240,8 +240,7 @@ class Runtime:
         self.backend.publish(version)
         self.steps_done += 1
         n = self.records.steps[-1].prompt_groups if self.records.steps else 0
-        if self.clock.kind == "wall":  # when the step really ran
-            start, t = t0, t1
+        start, t = t0, t1  # when the step really ran (a ticked step: its start and end ticks)
         self.records.steps[-1] = StepRecord(start, t, version, n, maxst)
         self._train = None
         if self.mode.adapts_k:
@@ -258,7 +257,7 @@ class Runtime:
     def _count_wait(self, t: float) -> None:
         """Adaptive K: this round counts as waiting for the window when the trainer is idle with
         a full batch ready (the oldest version has not drained)."""
-        dt = 1.0 if self.clock.kind == "logical" else t - (self._last_round or t)
+        dt = self.clock.round_length(t, self._last_round)
         self._last_round = t
         if self._train is None and self.queue.num_ready >= self.cfg.train_batch_prompts:
             self._blocked += dt
@@ -391,8 +390,7 @@ class Runtime:
         self.queue.consumed = self.records.consumed
         self.queue.load_state_dict(state["queue"])
         self.manager.load_state_dict(state["manager"])
-        if isinstance(self.clock, WallClock):
-            self.clock.start(offset=self.records.latest_time())
+        self.clock.start(offset=self.records.latest_time())
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -416,10 +414,12 @@ class Runtime:
         (``stopped`` is set). A run that makes no progress for ``max_ticks`` rounds (logical) or
         ``stall_s`` seconds (wall) raises :class:`StallError`."""
         target = self.steps_done + num_steps
-        wall = self.clock.kind == "wall"
+        # a ticked step in progress is part of the saved state; a worker's step must end, so
+        # none starts beyond the target
+        ticked = isinstance(self.trainer, TickedTrainer)
         self.stopped = self.at_step_end = False
-        self._step_limit = target if wall and not drain else None
-        if wall and self.tick_index == 0:
+        self._step_limit = None if ticked or drain else target
+        if self.tick_index == 0:
             self.clock.start()  # the run's time starts with its first round
         if self._held:
             self._release()
@@ -431,16 +431,14 @@ class Runtime:
                     self.dispatching = False
                 if should_stop is not None and not self.stopping and should_stop():
                     self.stopping = self.stopped = True
-                # a logical step in progress is part of the saved state; a worker's must end
-                if self.stopping and (self._train is None or not wall):
+                if self.stopping and (self._train is None or ticked):
                     break
                 self.tick()
                 now = self._progress()
                 if now != progress:
                     progress, last_change = now, time.monotonic()
                 self._guard(max_ticks, stall_s, last_change)
-            if wall:
-                self._hold()  # between runs the groups wait (evaluation, checkpoints, the end)
+            self._hold()  # between runs the groups wait (evaluation, checkpoints, the end)
         finally:
             self.stopping = False
             self._step_limit = None
@@ -462,10 +460,9 @@ class Runtime:
         return (self.steps_done, self.records.consumed_count, self.manager.dispatched_prompt_groups)
 
     def _guard(self, max_ticks: int, stall_s: float, last_change: float) -> None:
-        wall = self.clock.kind == "wall"
-        stalled = time.monotonic() - last_change > stall_s if wall else self.tick_index >= max_ticks
-        if stalled:
-            limit = f"{stall_s:.0f} s without progress" if wall else f"{max_ticks} ticks"
+        idle_s = time.monotonic() - last_change
+        limit = self.clock.stall(self.tick_index, idle_s, max_ticks, stall_s)
+        if limit is not None:
             raise StallError(
                 f"{self.mode.name}: no end after {limit}: steps {self.steps_done}, "
                 f"window v{self.window.latest} open {self.window.live_versions()}, "
