@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     clock, bus = LogicalClock(), Bus()
     cluster = Cluster(proc)
     cluster.connect(bus.post, clock.now, lambda: layout)
-    cluster.start_hosts(to_dict(cfg), [-1], cfg.seed, False)
+    cluster.start_hosts(to_dict(cfg), [-1], cfg.seed, "logical")
     trainer = SpmdTrainer.start(
         cfg, meshes.trainer, {"hf": None}, cluster.trainer_broadcast(meshes.trainer)
     )

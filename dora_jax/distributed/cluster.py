@@ -84,11 +84,11 @@ class Cluster:
             f"process {p} is back: its rollout groups rejoin once they hold a version", flush=True
         )
 
-    def start_hosts(self, config: dict, eos_ids: list[int], seed: int, wall: bool) -> None:
-        """Every other process builds the engines of its groups (a bounded wait for each); any of
-        ``eos_ids`` ends a response there too."""
+    def start_hosts(self, config: dict, eos_ids: list[int], seed: int, clock: str) -> None:
+        """Every other process builds the engines of its groups (a bounded wait for each) on
+        ``clock`` (its kind); any of ``eos_ids`` ends a response there too."""
         self._init = {"op": "init", "config": config, "eos_ids": list(eos_ids), "seed": seed}
-        self._init["wall"] = wall
+        self._init["clock"] = clock
         for p in range(self.count):
             if p != self.index:
                 self.start_host(p).result(WAIT_S)

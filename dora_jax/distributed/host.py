@@ -21,6 +21,7 @@ from dora_jax.distributed.process import Process
 from dora_jax.distributed.remote import GroupHost
 from dora_jax.distributed.transfers import Transfers
 from dora_jax.execution.trainer_worker import FollowTrainer
+from dora_jax.orchestrator.clock import make_clock
 
 LEAVE_S = 60.0  # how long a leaving host waits for process 0 to take its requests
 
@@ -57,7 +58,7 @@ def serve(proc: Process, log=print) -> int:
             mine = {g: m for g, m in enumerate(meshes.groups) if processes(m) == {proc.index}}
             stops = msg["eos_ids"]  # the tokenizer's EOS ids (rollout.extra_eos_ids: the config)
             engines = {g: Engine(cfg.model, cfg.rollout, m, stops) for g, m in mine.items()}
-            host.append(GroupHost(channel, transfers, engines, msg["wall"]))
+            host.append(GroupHost(channel, transfers, engines, make_clock(msg["clock"])))
             log(f"process {proc.index}: hosting rollout groups {sorted(engines)}", flush=True)
             if proc.index in processes(meshes.trainer):
                 follower.append(FollowTrainer(cfg, meshes.trainer))

@@ -34,7 +34,7 @@ from dora_jax.distributed.channel import Channel
 from dora_jax.distributed.transfers import Transfers
 from dora_jax.execution.commands import GroupCommand, GroupEvent, GroupStatus
 from dora_jax.execution.group import GroupWorker, Place
-from dora_jax.execution.transport import GroupDead, Inline, Threaded, done
+from dora_jax.execution.transport import GroupDead, done, transport_for
 from dora_jax.orchestrator.clock import Bus
 
 WAIT_S = 600.0
@@ -281,18 +281,17 @@ class RemoteTransport:
 class GroupHost:
     """Runs this process's groups for process 0 (every process but 0)."""
 
-    def __init__(self, channel: Channel, transfers: Transfers, engines: dict, wall: bool):
-        self.channel, self.transfers, self.wall = channel, transfers, wall
+    def __init__(self, channel: Channel, transfers: Transfers, engines: dict, clock: Any):
+        self.channel, self.transfers = channel, transfers
         self.bus = Bus()
         self.stopped = threading.Event()
         now = time.time  # epoch seconds: process 0 puts them on its own clock
         place = Place(transfers)
         workers = {g: GroupWorker(g, e, now, place) for g, e in engines.items()}
-        self.transports = {
-            g: Threaded(w, self.bus.post) if wall else Inline(w) for g, w in workers.items()
-        }
+        transport = transport_for(clock)
+        self.transports = {g: transport(w, self.bus.post) for g, w in workers.items()}
         self._applied = dict.fromkeys(engines, 0)
-        if wall:
+        if not transport.sync:  # the workers' events go to process 0 as they come
             threading.Thread(target=self._forward, name="forward", daemon=True).start()
 
     def _groups(self) -> dict:

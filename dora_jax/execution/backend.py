@@ -33,7 +33,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jax.sharding import Mesh
@@ -46,7 +46,7 @@ from dora_jax.execution.commands import GroupEvent
 from dora_jax.execution.group import GroupWorker, Place, error_text
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.execution.recovery import GroupRecovery
-from dora_jax.execution.transport import GroupDead, Inline, Threaded, done
+from dora_jax.execution.transport import GroupDead, done, transport_for
 from dora_jax.execution.turns import (
     TurnDriver,
     TurnOutcome,
@@ -117,7 +117,7 @@ class EngineBackend:
         turns: TurnDriver | None = None,
     ):
         self.clock = clock or LogicalClock()
-        self.wall = self.clock.kind == "wall"
+        self.transport = transport_for(self.clock)  # (Inline: every call carried out at once)
         self.bus = bus or Bus()
         self.cluster = cluster  # multi-process: groups on other processes get remote transports
         self.me = cluster.index if cluster is not None else 0
@@ -134,7 +134,7 @@ class EngineBackend:
             self.hosts.append(host)
             if host != self.me:
                 self.handles.append(
-                    cluster.remote(g, host, not self.wall, rollout_cfg.num_pages - 1)
+                    cluster.remote(g, host, self.transport.sync, rollout_cfg.num_pages - 1)
                 )
                 src = self.trainer_source(g, 0, initial_params)
                 self.loads.append(self.send(g, c.Load(g, 0, **src)))
@@ -142,7 +142,7 @@ class EngineBackend:
             e = Engine(model_cfg, rollout_cfg, m, eos_id, interpret=interpret)
             e.load_params(initial_params, 0)
             w = GroupWorker(g, e, self.clock.now, place)
-            self.handles.append(Threaded(w, self.bus.post) if self.wall else Inline(w))
+            self.handles.append(self.transport(w, self.bus.post))
             self.loads.append(done())
         self.seed = seed
         self.max_slots = rollout_cfg.max_slots
@@ -163,7 +163,7 @@ class EngineBackend:
         # one's last turn-end record; environment turns (and ends) that came while a request was
         # interrupted, applied when it is resubmitted; conversations ended, for the next step()
         self.turns = turns
-        if turns is not None and self.wall and hasattr(turns, "on_answer"):
+        if turns is not None and not self.transport.sync and hasattr(turns, "on_answer"):
             turns.on_answer = lambda: self.bus.post(None)  # step() stops waiting for reports
         self._waiting: set[int] = set()
         self._last_turn: dict[int, EngineFinished] = {}
@@ -256,7 +256,7 @@ class EngineBackend:
         e = Engine(model_cfg, rollout_cfg, self._meshes[g], eos_id, interpret=interpret)
         e.load_params(params, v)
         w = GroupWorker(g, e, self.clock.now, self.place)
-        self.handles[g] = Threaded(w, self.bus.post) if self.wall else Inline(w)
+        self.handles[g] = self.transport(w, self.bus.post)
         self.loads[g] = done()
         if self._paused:  # the others are paused: so is it, until resume()
             self._paused[g] = self.send(g, c.Pause(g))
@@ -453,36 +453,10 @@ class EngineBackend:
         """Logical clock: one engine step of every group. Wall clock: every report since the last
         call (waiting at most ``WAIT_S`` for the first)."""
         self.recovery.take_backups()  # (before the engines step: what was admitted or moved in too)
-        if self.wall and self.turns is not None:  # the answers that have come
-            self._take_outcomes(wait=False)
-        if self.cluster is not None:
-            self.cluster.flush()  # this round's calls to other processes, one message each
-        if self.wall:
-            events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
-        else:
-            events = []
-            for g in range(len(self.handles)):
-                try:
-                    if self.recovery.gone(
-                        g
-                    ):  # (out of the run: its tick's record says it did nothing)
-                        raise GroupDead(f"group {g} is out of the run")
-                    events += self.send(g, c.Step(g)).result(WAIT_S)
-                except Exception as e:  # noqa: BLE001 - its engine failed: recovered below
-                    if self.hosts[g] != self.me and not self.recovery.gone(g):
-                        raise
-                    t = self.clock.now()
-                    idle = GroupTick(g, self.books.versions[g], "idle", 0, 0, 0, 0, 0.0, t, t)
-                    events.append(GroupEvent(g, span=idle))
-                    if self.hosts[g] == self.me:
-                        events.append(GroupEvent(g, error=error_text(e)))
-            if self.turns is not None:  # every answer to the turns of earlier ticks: a call
-                self._take_outcomes(wait=True)  # takes one tick, its answer fed the next
+        # (kept: groups on the caller's thread step now; worker threads have reported already)
+        events = self._step_groups() if self.transport.sync else self._reports()
         ticks, finished, self._ended = [], self._ended, []
         for e in events:
-            if self.hosts[e.group] != self.me and self.recovery.gone(e.group) and self.wall:
-                finished += self.recovery.finished_before_leaving(e)  # (the rest is recovered)
-                continue
             if e.error is not None:
                 if self.hosts[e.group] != self.me:
                     raise BackendError(f"group {e.group}'s worker failed:\n{e.error}")
@@ -490,8 +464,7 @@ class EngineBackend:
                 continue
             if e.span is not None:
                 self._account(e.span)
-                if self.wall or e.span.activity not in ("transfer", "migrate"):
-                    ticks.append(e.span)  # logical: one record per group and tick
+                ticks.append(e.span)
                 if e.span.activity in ("prefill", "decode"):
                     self.recovery.stepped(e.group)
             finished += [
@@ -506,11 +479,57 @@ class EngineBackend:
         self._tick += 1
         return out
 
+    def _step_groups(self) -> list[GroupEvent]:
+        """One engine step of every group, in group order, then every answer to the turns of
+        earlier rounds (an environment call takes one round; its answer is fed the next). One
+        record per group and round: a weight load's or KV move's span counts in the overheads
+        only."""
+        if self.cluster is not None:
+            self.cluster.flush()  # this round's calls to other processes, one message each
+        events = []
+        for g in range(len(self.handles)):
+            try:
+                if self.recovery.gone(g):  # (out of the run: its record says it did nothing)
+                    raise GroupDead(f"group {g} is out of the run")
+                events += self.send(g, c.Step(g)).result(WAIT_S)
+            except Exception as e:  # noqa: BLE001 - its engine failed: recovered by step()
+                if self.hosts[g] != self.me and not self.recovery.gone(g):
+                    raise
+                t = self.clock.now()
+                idle = GroupTick(g, self.books.versions[g], "idle", 0, 0, 0, 0, 0.0, t, t)
+                events.append(GroupEvent(g, span=idle))
+                if self.hosts[g] == self.me:
+                    events.append(GroupEvent(g, error=error_text(e)))
+        if self.turns is not None:
+            self._take_outcomes(wait=True)
+        for i, e in enumerate(events):
+            if e.span is not None and e.span.activity in ("transfer", "migrate"):
+                self._account(e.span)
+                events[i] = replace(e, span=None)
+        return events
+
+    def _reports(self) -> list[GroupEvent]:
+        """What the workers reported since the last round, after applying the environment's
+        answers that have come. A group out of the run on another process that has gone: only
+        the requests it finished before its host's handover paused it count (the rest are
+        recovered)."""
+        if self.turns is not None:
+            self._take_outcomes(wait=False)
+        if self.cluster is not None:
+            self.cluster.flush()  # this round's calls to other processes, one message each
+        events, self._held = self._held + self._pull(0 if self._held else self.WAIT_S), []
+        out = []
+        for e in events:
+            if self.hosts[e.group] != self.me and self.recovery.gone(e.group):
+                self._ended += self.recovery.finished_before_leaving(e)
+            else:
+                out.append(e)
+        return out
+
     def pause(self, timeout: float = 600.0) -> None:
         """Wall clock: stop every worker once it has carried out every call made so far (moves
-        included; their reports wait for the next :meth:`step`). A no-op on the logical clock."""
-        if not self.wall:
-            return
+        included; their reports wait for the next :meth:`step`). Groups on the caller's thread
+        (the logical clock) are still between two calls already."""
         self._paused = [self.send(g, c.Pause(g)) for g in range(len(self.handles))]
         if self.cluster is not None:
             self.cluster.flush()
@@ -522,15 +541,14 @@ class EngineBackend:
 
     def paused(self) -> bool:
         """Whether every group has applied the last :meth:`pause` (and steps no more)."""
-        return not self.wall or all(f.done() for f in self._paused)
+        return all(f.done() for f in self._paused)
 
     def resume(self) -> None:
-        if self.wall:
-            self._paused = []
-            for g in range(len(self.handles)):
-                self.send(g, c.Resume(g))
-            if self.cluster is not None:
-                self.cluster.flush()
+        self._paused = []
+        for g in range(len(self.handles)):
+            self.send(g, c.Resume(g))
+        if self.cluster is not None:
+            self.cluster.flush()
 
     def close(self) -> None:
         """Stop the worker threads (wall clock) and the other processes' groups; the backend is
@@ -546,7 +564,7 @@ class EngineBackend:
     def state_dict(self) -> dict[str, Any]:
         """Everything in flight as plain data plus engine snapshots (KV of running requests as
         host arrays). Only at a tick boundary (logical) or while paused (wall)."""
-        if self.wall and not (self._paused and self.paused()):
+        if not self.transport.sync and not (self._paused and self.paused()):
             raise BackendError("state_dict needs the groups paused (call pause() first)")
         return {
             "published": self.published,

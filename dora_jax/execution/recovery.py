@@ -26,7 +26,6 @@ from dora_jax.execution import commands as c
 from dora_jax.execution.books import Books
 from dora_jax.execution.group import Place
 from dora_jax.execution.payloads import PromptPayload
-from dora_jax.execution.transport import done
 from dora_jax.orchestrator.backend import (
     HOST_LEAVING,
     BackendError,
@@ -50,7 +49,6 @@ class Groups(Protocol):
     loads: list[Future]  # each group's latest weight load
     me: int  # this process
     cluster: Any  # multi-process runs: the link to the other processes (else None)
-    wall: bool  # groups on worker threads (a pause must be sent and waited for)
     place: Place  # where moves hand their KV over
     published: int
     trainer_params: Callable[[int], Any]
@@ -247,9 +245,9 @@ class GroupRecovery:
         for g in mine:
             self.host_leaves[g] += 1
             self._set_state(g, "dead", f"process {host} {HOST_LEAVING}{why}): handing over")
-        paused = [self.groups.send(g, c.Pause(g)) for g in mine] if self.groups.wall else []
+        paused = [self.groups.send(g, c.Pause(g)) for g in mine]  # (at once on one thread)
         self.groups.cluster.flush()
-        for g, fut in zip(mine, paused or [done()] * len(mine), strict=True):
+        for g, fut in zip(mine, paused, strict=True):
             kv: dict[int, ExportedRequests] = {}
             tokens: dict[int, Request] = {}
             try:

@@ -42,7 +42,9 @@ class GroupDead(RuntimeError):
 
 
 class Inline:
-    def __init__(self, worker: GroupWorker):
+    sync = True  # a command is carried out before send returns
+
+    def __init__(self, worker: GroupWorker, post: Callable[[Any], None] | None = None):
         self.worker = worker
 
     @property
@@ -58,6 +60,7 @@ class Inline:
 
 class Threaded(Inline):
     POLL_S = 0.05  # how long an idle worker waits for a command before looking again
+    sync = False
 
     def __init__(self, worker: GroupWorker, post: Callable[[Any], None]):
         super().__init__(worker)
@@ -127,3 +130,9 @@ class Threaded(Inline):
                 for cmd in self.unapplied():  # (their futures fail now; kept for the loop)
                     self._q.put((cmd, _failed()))
             self.post(GroupEvent(w.group, error=error_text(e)))
+
+
+def transport_for(clock: Any) -> type[Inline]:
+    """The transport of a group on ``clock``: a worker thread per group where the groups run
+    beside the control loop (the wall clock), else the caller's thread."""
+    return Threaded if clock.concurrent else Inline  # (kept: the clock's choice of transport)

@@ -38,7 +38,7 @@ from dora_jax.model.tokenizer import (
     eos_ids,
     load_tokenizer,
 )
-from dora_jax.orchestrator.clock import Bus, LogicalClock, WallClock
+from dora_jax.orchestrator.clock import Bus, make_clock
 from dora_jax.orchestrator.modes import mode_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.conversations import EnvRun, env_demonstrations, teacher_kwargs
@@ -279,8 +279,7 @@ def build(
         encode_chat, tokenizer, system_prompt=d.system_prompt, template=d.prompt_template
     )
     source, reward_fn, example, long_skipped = task_parts(cfg, encode)
-    wall = cfg.orchestrator.clock == "wall"
-    clock, bus = (WallClock() if wall else LogicalClock()), Bus()
+    clock, bus = make_clock(cfg.orchestrator.clock), Bus()
     reward, eval_reward = scorers(cfg, reward_fn, clock.now)
     stops = eos_ids(tokenizer)
     env = env_run(cfg, tokenizer, clock.now)
@@ -365,7 +364,8 @@ def build(
             skip=skip,
         )
     )
-    runner = ThreadedTrainer(grpo, clock.now, bus.post) if wall else grpo
+    # (kept: where groups run beside the control loop, so does the trainer, on its own thread)
+    runner = ThreadedTrainer(grpo, clock.now, bus.post) if clock.concurrent else grpo
     runtime = Runtime(cfg.orchestrator, cfg.train.group_size, backend, runner, prompts, clock=clock)
     return Experiment(
         cfg,
@@ -462,7 +462,7 @@ def _cluster(
         return staging[0]
 
     cluster.connect(bus.post, clock.now, stage_shardings, processes(meshes.trainer))
-    cluster.start_hosts(to_dict(cfg), list(stops), cfg.seed, cfg.orchestrator.clock == "wall")
+    cluster.start_hosts(to_dict(cfg), list(stops), cfg.seed, cfg.orchestrator.clock)
     return cluster
 
 
