@@ -21,11 +21,12 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from itertools import chain
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 import numpy as np
@@ -36,6 +37,7 @@ from matplotlib.patches import Patch
 from dora_jax.health_marks import draw_health
 from dora_jax.metrics import json_safe
 from dora_jax.orchestrator.backend import ACTIVITIES
+from dora_jax.orchestrator.clock import CLOCKS
 from dora_jax.orchestrator.records import (
     Records,
     Summary,
@@ -159,6 +161,64 @@ def _span_image(records: Records, end: float, ncols: int, start: float = 0.0) ->
     return np.clip(img, 0.0, 1.0)
 
 
+class _Layout(NamedTuple):
+    """What a timeline draws: lanes, the x range, the lanes' image, where a record's time sits
+    on the x axis, the versions shown, whether x is seconds, and where the health marks end."""
+
+    ngroups: int
+    nticks: int
+    x0: float
+    x1: float
+    img: np.ndarray | None
+    x_at: Callable[[float], float]
+    versions: set[int]
+    seconds: bool
+    health_end: float
+
+
+def _span_layout(
+    records: Records, span: tuple[float, float] | None, max_cols: int, tick_seconds: Any
+) -> _Layout:
+    """Wall-clock records: x is seconds; each group's spans where they happened."""
+    x0, x1 = 0.0, max(records.horizon(), max((s.end for s in records.steps), default=0.0))
+    x1 = x1 or 1.0
+    if span is not None:
+        x0, x1 = float(span[0]), float(span[1])
+    img = _span_image(records, x1, max_cols, x0) if records.spans else None
+    versions = {g.version for g in records.spans if g.activity != "idle"}
+    ngroups, nticks = records.num_groups, len(records.cluster)
+    return _Layout(ngroups, nticks, x0, x1, img, float, versions, True, x1)
+
+
+def _tick_layout(
+    records: Records,
+    span: tuple[float, float] | None,
+    max_cols: int,
+    tick_seconds: list[float] | None,
+) -> _Layout:
+    """Logical-clock records: one column per tick, or seconds when ``tick_seconds`` is given."""
+    version, act, active = _grid(records)
+    ngroups, last = version.shape
+    edges = _time_edges(last, tick_seconds)
+    a, b = (0, last) if span is None else (max(0, int(span[0])), min(last, int(span[1])))
+    shown = max(0, b - a)
+    x0, x1 = (float(edges[a]), float(edges[b])) if shown else (0.0, 1.0)
+    ncols = max(1, min(shown, max_cols) if tick_seconds is None else max_cols)
+    img = None
+    if shown:
+        img = _image(version[:, a:b], act[:, a:b], active[:, a:b], edges[a : b + 1], ncols)
+
+    def x_at(tick: float) -> float:
+        return float(edges[min(max(int(tick), 0), last)]) if last else 0.0
+
+    seen = act[:, a:b] != _IDLE
+    versions = set(int(v) for v in np.unique(version[:, a:b][seen])) if shown else set()
+    return _Layout(ngroups, shown, x0, x1, img, x_at, versions, tick_seconds is not None, last)
+
+
+_TIMELINES = {"logical": _tick_layout, "wall": _span_layout}  # by Records.clock
+
+
 def plot_timeline(
     records: Records,
     path: str | Path,
@@ -182,38 +242,8 @@ def plot_timeline(
     groups render as one image. ``span``: draw only ``[start, end)`` (ticks or seconds).
     """
     path = Path(path)
-    wall = records.clock == "wall"
-    if wall:
-        ngroups = records.num_groups
-        x0, x1 = 0.0, max(records.horizon(), max((s.end for s in records.steps), default=0.0))
-        x1 = x1 or 1.0
-        if span is not None:
-            x0, x1 = float(span[0]), float(span[1])
-        nticks = len(records.cluster)
-        img = _span_image(records, x1, max_cols, x0) if records.spans else None
-        x_at = float  # seconds are the x axis
-        versions = {g.version for g in records.spans if g.activity != "idle"}
-    else:
-        version, act, active = _grid(records)
-        ngroups, nticks = version.shape
-        edges = _time_edges(nticks, tick_seconds)
-        a, b = (0, nticks) if span is None else (max(0, int(span[0])), min(nticks, int(span[1])))
-        shown = max(0, b - a)
-        x0, x1 = (float(edges[a]), float(edges[b])) if shown else (0.0, 1.0)
-        ncols = max(1, min(shown, max_cols) if tick_seconds is None else max_cols)
-        img = None
-        if shown:
-            cut = (version[:, a:b], act[:, a:b], active[:, a:b])
-            img = _image(*cut, edges[a : b + 1], ncols)
-        last = nticks
-        nticks = shown
-
-        def x_at(tick: int) -> float:
-            return float(edges[min(max(int(tick), 0), last)]) if last else 0.0
-
-        seen = act[:, a:b] != _IDLE
-        versions = set(int(v) for v in np.unique(version[:, a:b][seen])) if shown else set()
-
+    lay = _TIMELINES[records.clock](records, span, max_cols, tick_seconds)
+    ngroups, nticks, x0, x1, img, x_at, versions = lay[:7]
     lanes_in = float(np.clip(0.2 * ngroups, 1.6, 16.0))  # inches for the group lanes
     fig = Figure(figsize=(14, lanes_in + 1.9), dpi=110, layout="constrained")
     top, ax = fig.subplots(2, 1, sharex=True, height_ratios=[0.6, lanes_in])
@@ -261,16 +291,16 @@ def plot_timeline(
 
     step = max(1, math.ceil(ngroups / 32))
     gticks = list(range(0, ngroups, step))
-    xlabel = "time (s)" if wall or tick_seconds is not None else "tick"
+    xlabel = "time (s)" if lay.seconds else "tick"
     ax.set(yticks=gticks, yticklabels=[f"g{g}" for g in gticks], ylim=(ngroups - 0.5, -0.5))
     ax.set(xlim=(x0, x1), xlabel=xlabel, ylabel="rollout group")
     ax.tick_params(axis="y", labelsize=7 if ngroups > 16 else 8)
     head = title or f"{records.mode}: rollout groups by policy version"
-    extent = f"{x1 - x0:.1f} s" if wall or tick_seconds is not None else f"{nticks} ticks"
+    extent = f"{x1 - x0:.1f} s" if lay.seconds else f"{nticks} ticks"
     top.set_title(f"{head}  ({ngroups} groups, {extent}, {len(records.steps)} steps)")
 
     handles = _legend(sorted(versions))
-    handles += draw_health(ax, records.health, x1 if wall else last, x_at)  # groups out of the run
+    handles += draw_health(ax, records.health, lay.health_end, x_at)  # groups out of the run
     ncol = 1 if len(handles) * 0.15 < lanes_in + 0.6 else 2
     fig.legend(handles=handles, loc="outside right upper", fontsize=7, frameon=False, ncol=ncol)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -308,26 +338,20 @@ def phase_fractions(
     records: Records, end: int | None = None, tick_seconds: list[float] | None = None
 ) -> dict[str, float]:
     """Shares of ``rollout_only``, ``overlap``, ``train_only`` and ``neither`` over the ticks
-    ``[0, end)`` (all recorded ticks if None); see the module doc. Weighted by ``tick_seconds``
-    (one per recorded tick) when given."""
-    keys = ("rollout_only", "overlap", "train_only", "neither")
-    if records.clock == "wall":  # seconds, from the spans and the steps' spans
-        h = records.horizon() if end is None else end
-        roll = merge_intervals(
-            [
-                (g.t0, min(g.t1, h))
-                for g in records.spans
-                if g.activity in ("prefill", "decode") and g.t0 < h
-            ]
-        )
-        train = merge_intervals([(s.start, min(s.end, h)) for s in records.steps if s.start < h])
-        both = intersection_length(roll, train)
-        r, t = sum(b - a for a, b in roll), sum(b - a for a, b in train)
-        parts = (r - both, both, t - both, max(h - r - t + both, 0.0))
-        return {k: v / h if h > 0 else 0.0 for k, v in zip(keys, parts, strict=True)}
+    ``[0, end)`` (all recorded ticks if None; seconds on the wall clock); see the module doc.
+    Weighted by ``tick_seconds`` (one per recorded tick) when given."""
+    return _PHASES[records.clock](records, end, tick_seconds)
+
+
+PHASE_NAMES = ("rollout_only", "overlap", "train_only", "neither")
+
+
+def _tick_phases(
+    records: Records, end: int | None, tick_seconds: list[float] | None
+) -> dict[str, float]:
     n = len(records.groups) if end is None else min(end, len(records.groups))
     if n == 0:
-        return dict.fromkeys(keys, 0.0)
+        return dict.fromkeys(PHASE_NAMES, 0.0)
     _, act, active = _grid(records, n)
     rolling = ((act == _PREFILL) | (act == _DECODE) | (active > 0)).any(axis=0)
     training = np.zeros(n, dtype=bool)
@@ -336,12 +360,32 @@ def phase_fractions(
     w = np.diff(_time_edges(len(records.groups), tick_seconds))[:n]
     total = w.sum() or 1.0
     parts = (rolling & ~training, rolling & training, ~rolling & training, ~rolling & ~training)
-    return {k: float(w[m].sum() / total) for k, m in zip(keys, parts, strict=True)}
+    return {k: float(w[m].sum() / total) for k, m in zip(PHASE_NAMES, parts, strict=True)}
+
+
+def _span_phases(records: Records, end: float | None, tick_seconds: Any) -> dict[str, float]:
+    """Wall-clock records: seconds, from the groups' spans and the steps' spans."""
+    h = records.horizon() if end is None else end
+    roll = merge_intervals(
+        [
+            (g.t0, min(g.t1, h))
+            for g in records.spans
+            if g.activity in ("prefill", "decode") and g.t0 < h
+        ]
+    )
+    train = merge_intervals([(s.start, min(s.end, h)) for s in records.steps if s.start < h])
+    both = intersection_length(roll, train)
+    r, t = sum(b - a for a, b in roll), sum(b - a for a, b in train)
+    parts = (r - both, both, t - both, max(h - r - t + both, 0.0))
+    return {k: v / h if h > 0 else 0.0 for k, v in zip(PHASE_NAMES, parts, strict=True)}
+
+
+_PHASES = {"logical": _tick_phases, "wall": _span_phases}  # by Records.clock
 
 
 def _horizon(summary: Summary) -> float:
     """The summary's horizon: seconds on the wall clock, else ticks."""
-    return summary.seconds if summary.clock == "wall" else summary.ticks
+    return CLOCKS[summary.clock].horizon(summary)
 
 
 def consumed_in(records: Records, summary: Summary) -> list[ConsumedRecord]:
@@ -409,8 +453,8 @@ def write_summary(
         "throughput": {
             "trajectories": summary.trajectories,
             "tokens": summary.tokens,
-            "traj_per_tick": summary.traj_per_tick if summary.clock == "logical" else None,
-            "tokens_per_tick": summary.tokens_per_tick if summary.clock == "logical" else None,
+            "traj_per_tick": CLOCKS[summary.clock].per_tick(summary.traj_per_tick),
+            "tokens_per_tick": CLOCKS[summary.clock].per_tick(summary.tokens_per_tick),
             "traj_per_s": summary.trajectories / per_s,
             "tokens_per_s": summary.tokens / per_s,
         },
@@ -462,11 +506,7 @@ def _short(v: Any) -> str:
 
 def _markdown(d: dict, s: Summary, oh_frac: dict[str, float]) -> str:
     th, ph, rw = d["throughput"], d["phases"], d["reward"]
-    horizon = (
-        f"{_f(s.seconds)} s of run time ({s.ticks} control rounds)"
-        if s.clock == "wall"
-        else f"{s.ticks} ticks"
-    )
+    horizon = CLOCKS[s.clock].describe(s)
     rows = [
         ("mode / clock", f"{s.mode} / {s.clock}"),
         ("horizon / train steps / wall time", f"{horizon} / {s.steps} / {_f(d['wall_s'])} s"),
@@ -581,12 +621,11 @@ def window(records: Records, t0: float, t1: float) -> Records:
 def head(records: Records, ticks: float) -> Records:
     """The first ``ticks`` ticks (seconds, on the wall clock) of ``records`` (for a readable
     close-up of a long run)."""
-    wall = records.clock == "wall"
     return replace(
         records,
         groups=records.groups[: int(ticks)],
         spans=[g for g in records.spans if g.t0 < ticks],
-        cluster=[c for c in records.cluster if (c.time if wall else c.tick) < ticks],
+        cluster=[c for c in records.cluster if c.time < ticks],  # (logical: time is the tick)
         steps=[s for s in records.steps if s.start < ticks],
         plans=[p for p in records.plans if p.tick < ticks],
         transfers=[t for t in records.transfers if t[0] < ticks],

@@ -47,6 +47,30 @@ class LogicalClock:
         progress, counts as stalled (None: it does not): a bound on rounds."""
         return f"{max_ticks} ticks" if rounds >= max_ticks else None
 
+    # -- a run's figures in this clock's unit (its summary, reports) -------------------------------
+    @staticmethod
+    def horizon(summary: Any) -> float:
+        """A run summary's horizon: ticks."""
+        return summary.ticks
+
+    @staticmethod
+    def per_tick(value: float) -> float | None:
+        """A rate per tick, as it is."""
+        return value
+
+    @staticmethod
+    def amount(x: float) -> str:
+        return f"{x} ticks"
+
+    @staticmethod
+    def describe(summary: Any) -> str:
+        return f"{summary.ticks} ticks"
+
+    @staticmethod
+    def close_up(horizon: float) -> float:
+        """How much of a run a close-up timeline shows: its first 300 ticks."""
+        return 300
+
 
 class WallClock:
     """Seconds since :meth:`start` (``time.perf_counter``); shared by every worker of a run,
@@ -76,6 +100,29 @@ class WallClock:
     def stall(self, rounds: int, idle_s: float, max_ticks: int, stall_s: float) -> str | None:
         """As :meth:`LogicalClock.stall`: a bound on seconds without progress."""
         return f"{stall_s:.0f} s without progress" if idle_s > stall_s else None
+
+    @staticmethod
+    def horizon(summary: Any) -> float:
+        """A run summary's horizon: seconds."""
+        return summary.seconds
+
+    @staticmethod
+    def per_tick(value: float) -> float | None:
+        """None: a round is no unit of time here."""
+        return None
+
+    @staticmethod
+    def amount(x: float) -> str:
+        return f"{x:.1f} s"
+
+    @staticmethod
+    def describe(summary: Any) -> str:
+        return f"{summary.seconds:.4g} s of run time ({summary.ticks} control rounds)"
+
+    @staticmethod
+    def close_up(horizon: float) -> float:
+        """How much of a run a close-up timeline shows: its first tenth."""
+        return horizon / 10
 
 
 CLOCKS = {c.kind: c for c in (LogicalClock, WallClock)}

@@ -262,23 +262,13 @@ class Records:
     # -- recording -------------------------------------------------------------------------------
 
     def add_tick(self, events: StepEvents, cluster: ClusterTick) -> None:
-        if self.clock == "wall":
-            self.spans.extend(events.groups)
-            self.cluster.append(cluster)
-            return
-        expected = self.ticks_flushed + len(self.groups)
-        if events.tick != expected or cluster.tick != events.tick:
-            raise ValueError(f"tick {events.tick} recorded out of order")
-        self.groups.append(events.groups)
-        self.cluster.append(cluster)
+        self._layout.add(self, events, cluster)
 
     def horizon(self, steps: int | None = None) -> float:
         """Ticks (seconds on the wall clock) until the ``steps``-th train step ended (all
         recorded time if None)."""
         if steps is None or steps > len(self.steps):
-            if self.clock == "wall":
-                return max((g.t1 for g in self.spans), default=0.0)
-            return len(self.groups)
+            return self._layout.horizon(self)
         return self.steps[steps - 1].end if steps > 0 else 0
 
     def summary(self, steps: int | None = None) -> Summary:
@@ -288,87 +278,12 @@ class Records:
             return full.summary(steps)
         end = self.horizon(steps)
         steps_in, common = self._common(end)
-        if self.clock == "wall":
-            return self._wall_summary(end, steps_in, common)
-        rows = self.groups[:end]
-        gt = max(1, end * self.num_groups)
-        idle = tokens = reprefill = 0
-        cat: Counter = Counter()  # group-ticks per activity, idle ones aside
-        max_live = 0
-        idle_by_group = [0] * self.num_groups
-        busy_ticks: list[tuple[float, float]] = []
-        for t, row in enumerate(rows):
-            live = set()
-            rolling = False
-            for g in row:
-                # (a group waiting on its conversations' environment idles as well)
-                if (g.activity == "idle" and g.active == 0) or g.activity == "env_wait":
-                    idle += 1
-                    idle_by_group[g.group] += 1
-                else:
-                    cat[g.activity] += 1
-                if g.active:
-                    live.add(g.version)
-                rolling = rolling or g.activity in ("prefill", "decode")
-                tokens += g.tokens
-                reprefill += g.reprefill_tokens
-            max_live = max(max_live, len(live))
-            if rolling:
-                busy_ticks.append((t, t + 1.0))
-        return Summary(
-            ticks=end,
-            traj_per_tick=common["trajectories"] / end if end else 0.0,
-            tokens_per_tick=common["tokens"] / end if end else 0.0,
-            bubble=idle / gt,
-            utilisation=tokens / (gt * self.max_slots * self.tokens_per_slot_tick),
-            prefill_frac=cat["prefill"] / gt,
-            weight_transfer_frac=cat["transfer"] / gt,
-            migration_frac=cat["migrate"] / gt,
-            reprefill_tokens=reprefill,
-            max_live_versions=max_live,
-            overlap=_overlap(self.steps, end, busy_ticks),
-            group_idle=tuple(n / max(end, 1) for n in idle_by_group),
-            **common,
-        )
+        return self._layout.summary(self, end, steps_in, common)
 
-    def _wall_summary(self, end: float, steps_in: list[StepRecord], common: dict) -> Summary:
-        spans = [g for g in self.spans if g.t0 < end]
-        span = max(end, 1e-12)
-        busy = [0.0] * self.num_groups
-        cat = dict.fromkeys(("prefill", "transfer", "migrate"), 0.0)
-        tokens = reprefill = engine_steps = 0
-        for g in spans:
-            dt = min(g.t1, end) - g.t0
-            if g.activity not in ("idle", "env_wait"):
-                busy[g.group] += dt
-            if g.activity in cat:
-                cat[g.activity] += dt
-            if g.activity in ("prefill", "decode"):
-                engine_steps += 1
-            tokens += g.tokens
-            reprefill += g.reprefill_tokens
-        group_idle = tuple(max(0.0, 1.0 - b / span) for b in busy)
-        rolling = [(g.t0, min(g.t1, end)) for g in spans if g.activity in ("prefill", "decode")]
-        gs = span * self.num_groups
-        return Summary(
-            ticks=len(self.cluster),
-            traj_per_tick=0.0,
-            tokens_per_tick=0.0,
-            bubble=sum(group_idle) / max(self.num_groups, 1),
-            utilisation=tokens / max(engine_steps * self.max_slots * self.tokens_per_slot_tick, 1),
-            prefill_frac=cat["prefill"] / gs,
-            weight_transfer_frac=cat["transfer"] / gs,
-            migration_frac=cat["migrate"] / gs,
-            reprefill_tokens=reprefill,
-            max_live_versions=_max_live(spans, self.num_groups),
-            clock="wall",
-            seconds=end,
-            traj_per_s=common["trajectories"] / span,
-            tokens_per_s=common["tokens"] / span,
-            overlap=_overlap(steps_in, end, rolling),
-            group_idle=group_idle,
-            **common,
-        )
+    @property
+    def _layout(self) -> type[_TickRows] | type[_Spans]:
+        """How the groups' time is kept: a row per tick, or spans (the wall clock)."""
+        return _LAYOUTS[self.clock]
 
     def _common(self, end: float) -> tuple[list[StepRecord], dict]:
         """The steps that ended by ``end``, and the summary fields both clocks count the same
@@ -422,6 +337,121 @@ class Records:
                     chars.append({"prefill": "^", "transfer": "~"}.get(x.activity, "."))
             lines.append(f"g{g:<3d}" + "".join(chars))
         return lines
+
+
+class _TickRows:
+    """Logical-clock records: one row of group records per tick."""
+
+    @staticmethod
+    def add(r: Records, events: StepEvents, cluster: ClusterTick) -> None:
+        expected = r.ticks_flushed + len(r.groups)
+        if events.tick != expected or cluster.tick != events.tick:
+            raise ValueError(f"tick {events.tick} recorded out of order")
+        r.groups.append(events.groups)
+        r.cluster.append(cluster)
+
+    @staticmethod
+    def horizon(r: Records) -> float:
+        return len(r.groups)
+
+    @staticmethod
+    def summary(r: Records, end: int, steps_in: list[StepRecord], common: dict) -> Summary:
+        rows = r.groups[:end]
+        gt = max(1, end * r.num_groups)
+        idle = tokens = reprefill = 0
+        cat: Counter = Counter()  # group-ticks per activity, idle ones aside
+        max_live = 0
+        idle_by_group = [0] * r.num_groups
+        busy_ticks: list[tuple[float, float]] = []
+        for t, row in enumerate(rows):
+            live = set()
+            rolling = False
+            for g in row:
+                # (a group waiting on its conversations' environment idles as well)
+                if (g.activity == "idle" and g.active == 0) or g.activity == "env_wait":
+                    idle += 1
+                    idle_by_group[g.group] += 1
+                else:
+                    cat[g.activity] += 1
+                if g.active:
+                    live.add(g.version)
+                rolling = rolling or g.activity in ("prefill", "decode")
+                tokens += g.tokens
+                reprefill += g.reprefill_tokens
+            max_live = max(max_live, len(live))
+            if rolling:
+                busy_ticks.append((t, t + 1.0))
+        return Summary(
+            ticks=end,
+            traj_per_tick=common["trajectories"] / end if end else 0.0,
+            tokens_per_tick=common["tokens"] / end if end else 0.0,
+            bubble=idle / gt,
+            utilisation=tokens / (gt * r.max_slots * r.tokens_per_slot_tick),
+            prefill_frac=cat["prefill"] / gt,
+            weight_transfer_frac=cat["transfer"] / gt,
+            migration_frac=cat["migrate"] / gt,
+            reprefill_tokens=reprefill,
+            max_live_versions=max_live,
+            overlap=_overlap(r.steps, end, busy_ticks),
+            group_idle=tuple(n / max(end, 1) for n in idle_by_group),
+            **common,
+        )
+
+
+class _Spans:
+    """Wall-clock records: every engine step, weight load and KV move of a group as a span."""
+
+    @staticmethod
+    def add(r: Records, events: StepEvents, cluster: ClusterTick) -> None:
+        r.spans.extend(events.groups)
+        r.cluster.append(cluster)
+
+    @staticmethod
+    def horizon(r: Records) -> float:
+        return max((g.t1 for g in r.spans), default=0.0)
+
+    @staticmethod
+    def summary(r: Records, end: float, steps_in: list[StepRecord], common: dict) -> Summary:
+        spans = [g for g in r.spans if g.t0 < end]
+        span = max(end, 1e-12)
+        busy = [0.0] * r.num_groups
+        cat = dict.fromkeys(("prefill", "transfer", "migrate"), 0.0)
+        tokens = reprefill = engine_steps = 0
+        for g in spans:
+            dt = min(g.t1, end) - g.t0
+            if g.activity not in ("idle", "env_wait"):
+                busy[g.group] += dt
+            if g.activity in cat:
+                cat[g.activity] += dt
+            if g.activity in ("prefill", "decode"):
+                engine_steps += 1
+            tokens += g.tokens
+            reprefill += g.reprefill_tokens
+        group_idle = tuple(max(0.0, 1.0 - b / span) for b in busy)
+        rolling = [(g.t0, min(g.t1, end)) for g in spans if g.activity in ("prefill", "decode")]
+        gs = span * r.num_groups
+        return Summary(
+            ticks=len(r.cluster),
+            traj_per_tick=0.0,
+            tokens_per_tick=0.0,
+            bubble=sum(group_idle) / max(r.num_groups, 1),
+            utilisation=tokens / max(engine_steps * r.max_slots * r.tokens_per_slot_tick, 1),
+            prefill_frac=cat["prefill"] / gs,
+            weight_transfer_frac=cat["transfer"] / gs,
+            migration_frac=cat["migrate"] / gs,
+            reprefill_tokens=reprefill,
+            max_live_versions=_max_live(spans, r.num_groups),
+            clock="wall",
+            seconds=end,
+            traj_per_s=common["trajectories"] / span,
+            tokens_per_s=common["tokens"] / span,
+            overlap=_overlap(steps_in, end, rolling),
+            group_idle=group_idle,
+            **common,
+        )
+
+
+_LAYOUTS = {"logical": _TickRows, "wall": _Spans}  # by Records.clock
 
 
 def _encode(kind: str, items: list) -> list:

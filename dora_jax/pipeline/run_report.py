@@ -12,13 +12,12 @@ from pathlib import Path
 from dora_jax.curves import reward_curve_plot
 from dora_jax.execution.commands import HOST_GONE
 from dora_jax.metrics import METRICS_FILE, binomial_se, read_metrics
+from dora_jax.orchestrator.clock import CLOCKS
 from dora_jax.orchestrator.runtime import RunResult
 from dora_jax.pipeline.experiment import Experiment
 from dora_jax.pipeline.grpo import FAILURE_FIGURES
 from dora_jax.pipeline.observers import HeldOutEval, step_reward, step_solved
 from dora_jax.report import head, plot_timeline, reward_stats, write_summary
-
-CLOSE_UP_TICKS = 300  # the close-up timeline's extent (ticks; on the wall clock, a tenth of it)
 
 
 def write_run_report(
@@ -38,11 +37,11 @@ def write_run_report(
     solved = [(m["step"], m["solved"]) for m in rows]
     trainer = trainer_figures(rows)
     rec = result.records
-    wall = rec.clock == "wall"
+    units = CLOCKS[rec.clock]
     title = f"{o.mode}: rollout groups over time, coloured by policy version"
     plot_timeline(rec, run_dir / "timeline.png", title=title)
-    close_up = rec.horizon() / 10 if wall else CLOSE_UP_TICKS
-    what = f"the first {close_up:.1f} s" if wall else f"the first {CLOSE_UP_TICKS} ticks"
+    close_up = units.close_up(rec.horizon())
+    what = f"the first {units.amount(close_up)}"
     plot_timeline(head(rec, close_up), run_dir / "timeline_start.png", title=f"{o.mode}: {what}")
     reward_curve_plot(
         {"reward": rewards, "solved (exact answer)": solved},
@@ -97,10 +96,10 @@ def write_run_report(
             f"{run_dir / 'checkpoints'}; continue with: {resume_hint(cfg.run_dir)}"
         )
     s = result.summary
-    overlap = f", trainer busy with rollout decoding {s.overlap:.0%}" if wall else ""
     print(
         f"done in {wall_s:.0f} s: {s.steps} steps, {s.trajectories} trajectories, "
-        f"bubble {s.bubble:.1%}{overlap}, staleness mean {s.staleness_mean:.2f} max "
+        f"bubble {s.bubble:.1%}, trainer busy with rollout decoding {s.overlap:.0%}, "
+        f"staleness mean {s.staleness_mean:.2f} max "
         f"{s.staleness_max}, {s.migrated} migrated, {s.reprefill_tokens} re-prefill tokens"
     )
     if s.k_chosen:
