@@ -174,7 +174,7 @@ def throughput(ks: list[str], tasks: list[str], work: Path) -> dict:
         preset = ROOT / "configs" / "sim" / "cpu_default_task.yaml"
         per = {}
         for k in ks:
-            over = [f"orchestration.staleness_k={k}"]
+            over = [f"orchestration.staleness_k={k}", "run.modes=[dora]"]  # auto: dora's alone
             run = simulate(load_sim_config(preset, overrides=over), "dora")
             per[k] = {
                 "tokens_per_s": run.metrics.tokens_per_s,

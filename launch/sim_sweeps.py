@@ -88,7 +88,9 @@ def _overrides(sweep: str, v: float, base: list[str], cfg_path: str) -> list[str
 
 def _job(args: tuple) -> dict:
     sweep, v, mode, placement, overrides, cfg_path = args
-    cfg = resolve(load_sim_config(cfg_path, overrides))
+    # only this run's mode is checked (K = 0 is no config for one_step, say)
+    only = [f"run.modes=[{mode}]", f"run.colocated=[{mode if placement == CO else ''}]"]
+    cfg = resolve(load_sim_config(cfg_path, [*overrides, *only]))
     m = simulate(cfg, mode, placement).metrics.to_dict()
     m.update(sweep=sweep, value=v, trainer_gpus=cfg.cluster.trainer_gpus)
     return m

@@ -243,17 +243,18 @@ def test_the_simulator_models_drift_and_auto_k_reacts():
     from dora_jax.sim.config import load_sim_config
     from dora_jax.sim.run import simulate
 
-    over = ["orchestration.staleness_k=auto", "run.steps=30"]
-    over += ["drift.stress_start=10", "drift.stress_steps=8", "drift.stress_factor=10"]
-    cfg = load_sim_config(ROOT / "configs" / "sim" / "tiny_qwen7b_h100.yaml", overrides=over)
+    # auto is for dora alone (as in a real run): the config runs only dora
+    over = ["orchestration.staleness_k=auto", "run.modes=[dora]", "run.colocated=[]"]
+    over += ["run.steps=30"]
+    stress = ["drift.stress_start=10", "drift.stress_steps=8", "drift.stress_factor=10"]
+    preset = ROOT / "configs" / "sim" / "tiny_qwen7b_h100.yaml"
+    cfg = load_sim_config(preset, overrides=over + stress)
     rows = simulate(cfg, "dora").runtime.records.k_log
     k = {r[1]: r[2] for r in rows}  # version published -> K from then on
     assert max(k[v] for v in range(1, 11)) == 4  # grew to k_max before the stress
     assert k[11] == 1 and rows[10][3] == "drift"  # step 10 publishes v11: down at once
     assert all(k[v] == 1 for v in range(11, 19))  # held through it
     assert max(k[v] for v in range(19, 31)) == 4  # back up after
-    calm = load_sim_config(
-        ROOT / "configs" / "sim" / "tiny_qwen7b_h100.yaml", overrides=over[:2]
-    )  # the same without the stress: it never drops
+    calm = load_sim_config(preset, overrides=over)  # the same without the stress: it never drops
     rows = simulate(calm, "dora").runtime.records.k_log
     assert all(r[3] != "drift" for r in rows) and rows[-1][2] == 4

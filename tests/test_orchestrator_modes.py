@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dora_jax.config.schema import ConfigError, OrchestratorConfig
-from dora_jax.orchestrator import FakeBackendConfig, mode_for, run_fake
+from dora_jax.orchestrator import FakeBackendConfig, run_fake
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,8 +69,8 @@ def test_one_step_overlaps_one_version_per_batch():
     assert _decoding_while_training(rec) > 0
     assert s.staleness_max == 1 and s.max_live_versions == 1
     assert all(len(vs) == 1 for vs in _versions_per_step(rec).values())
-    with pytest.raises(ValueError, match="staleness_k >= 1"):
-        mode_for(OrchestratorConfig(mode="one_step", staleness_k=0))
+    with pytest.raises(ConfigError, match="^staleness_k: one_step mode .* needs staleness_k >= 1"):
+        OrchestratorConfig(mode="one_step", staleness_k=0)
 
 
 def test_partial_reprefills_and_spans_versions():

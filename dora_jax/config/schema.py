@@ -235,6 +235,25 @@ Clock = Literal["logical", "wall"]
 Admission = Literal["spread", "fill"]
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """The dora planner's switches (``orchestrator/planner.py``), each on by default (off, one at
+    a time: the simulator's ablation). The planner's ``PlanPolicy`` is this class plus what the
+    mode gives it: a field added here is a config key of real and simulated runs alike."""
+
+    kv_aware: bool = True  # releases and moves budget KV pages (off: slot counts only)
+    consolidate: bool = True  # older versions' tails packed onto as few groups as their KV needs
+    spread: bool = True  # spare groups take over part of the gate version's load
+    prewarm: bool = True  # idle groups of versions without work load the newest version
+    # legacy fill only at versions that stay consumable for at least this many more train steps
+    # (v - oldest): a request started one step before its deadline holds the window up
+    legacy_fill_margin: int = 2
+
+    def __post_init__(self):
+        check_bool(self, "kv_aware", "consolidate", "spread", "prewarm")
+        check_positive(self, "legacy_fill_margin")
+
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
     """The control plane: mode, staleness window K, batch sizes and planner triggers."""
@@ -266,6 +285,7 @@ class OrchestratorConfig:
     # older version's weights come from a holder on the receiver's host first (off: the same
     # choices as one process would make, host ignored)
     prefer_local_moves: bool = True
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # dora's planner switches
     # staleness_k: auto (beyond the paper): K re-chosen after every train step within [k_min,
     # k_max] from the measured drift (the importance weights' ESS by lag) and from how long the
     # trainer waited for the window's oldest version (orchestrator/staleness.py). ess_min: the
@@ -316,6 +336,12 @@ class OrchestratorConfig:
             self.staleness_k != "auto" or self.mode == "dora",
             "staleness_k",
             f"auto is for mode dora (the others fix K), got mode {self.mode!r}",
+        )
+        _check(
+            self.mode != "one_step" or self.staleness_k >= 1,
+            "staleness_k",
+            "one_step mode trains on the previous version (K = 1 whatever staleness_k says): "
+            f"needs staleness_k >= 1, got {self.staleness_k}",
         )
         check_positive(
             self, "stall_s", "no_groups_wait_s", "train_batch_prompts", "plan_period_ticks"

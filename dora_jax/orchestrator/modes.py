@@ -9,6 +9,7 @@ to the newest version once no request of theirs waits, and the newest version is
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -109,14 +110,13 @@ class Sync(Mode):
 
 class OneStep(Sync):
     """One-step off-policy (K = 1): the next batch is generated under the previous version while
-    the trainer runs; in-flight requests finish under their version (one version per batch)."""
+    the trainer runs; in-flight requests finish under their version (one version per batch). The
+    config refuses it a ``staleness_k`` of 0."""
 
     name = "one_step"
 
     def __init__(self, cfg: OrchestratorConfig):
         super().__init__(cfg)
-        if cfg.staleness_k < 1:
-            raise ValueError("one_step mode trains on the previous version: needs staleness_k >= 1")
         self.k = 1
 
 
@@ -169,6 +169,7 @@ class Dora(Mode):
             kv_pressure_threshold=cfg.kv_pressure_threshold,
             legacy_fill=cfg.legacy_fill,
             prefer_local=cfg.prefer_local_moves,
+            **dataclasses.asdict(cfg.planner),
         )
         self.last_plan: float | None = None
         self.new_version = True  # the initial version counts as new: plan at the first round
@@ -272,5 +273,5 @@ MODES = tuple(_FACTORIES)  # the built-in modes
 
 def mode_for(cfg: OrchestratorConfig) -> Mode:
     """A new mode object for ``cfg.mode`` (the config checked the name); ValueError where the
-    mode refuses the config (``one_step`` needs ``staleness_k >= 1``)."""
+    mode refuses the config (a registered mode may check more than the config does)."""
     return _FACTORIES[cfg.mode](cfg)

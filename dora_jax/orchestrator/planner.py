@@ -58,6 +58,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from itertools import accumulate
 
+from dora_jax.config.schema import PlannerConfig
 from dora_jax.orchestrator.backend import TRAINER, GroupInfo, Source
 
 MUTABLE_TRIGGERS = ("kv_pressure", "idle")  # the others fire on events or on a clock
@@ -88,17 +89,13 @@ SPREAD_FILL = 0.15  # the gate version is spread until its groups hold this shar
 
 
 @dataclass(frozen=True)
-class PlanPolicy:
+class PlanPolicy(PlannerConfig):
+    """What ``plan`` follows: the config's switches (``orchestrator.planner``: ``kv_aware``,
+    ``consolidate``, ``spread``, ``prewarm``, ``legacy_fill_margin``, keyword-only) and these."""
+
     rollout_batch_prompts: int  # RBS
     kv_pressure_threshold: float = 0.9  # no move fills a destination past this share of its KV
     legacy_fill: bool = True
-    # legacy fill only at versions that stay consumable for at least this many more train steps
-    # (v - oldest): a request started one step before its deadline holds the window up
-    legacy_fill_margin: int = 2
-    prewarm: bool = True  # move idle groups of versions without work to the newest version
-    kv_aware: bool = True  # False: budget slots only (planner v1), KV pages ignored
-    consolidate: bool = True  # pack older versions' tails onto as few groups as their KV needs
-    spread: bool = True  # spare groups take over part of the gate version's load
     # several processes: moves within a host first (migration destinations, weight sources)
     prefer_local: bool = True
 

@@ -8,11 +8,12 @@ project's generic loader (:func:`dora_jax.config.loading.from_dict`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, get_args
 
 from dora_jax.config import schema
+from dora_jax.config.errors import ConfigError
 from dora_jax.config.errors import check as _check
 from dora_jax.config.loading import load_dataclass
 from dora_jax.orchestrator.modes import MODES
@@ -233,50 +234,48 @@ class PromptConfig:
         _check(self.max_tokens >= self.min_tokens, "max_tokens", "must be >= min_tokens")
 
 
-@dataclass(frozen=True)
-class OrchestrationConfig:
-    """Control-plane settings shared by every mode (``sync``/``oversample`` use K = 0 and
-    ``one_step`` K = 1 whatever ``staleness_k`` says), in modeled seconds where time is involved.
-    """
+# orchestrator fields the simulator sets for each run (OrchestrationConfig.for_run), and why
+_PER_RUN = {
+    "mode": "each run's mode is one of run.modes",
+    "clock": "the simulator runs on the logical clock",
+    "plan_period_ticks": "the simulator takes plan_period_s (modeled seconds)",
+}
 
-    staleness_k: int | Literal["auto"] = 2
+
+@dataclass(frozen=True)
+class OrchestrationConfig(schema.OrchestratorConfig):
+    """The orchestrator's own config (its fields, ``planner`` switches and checks), with the
+    simulator's defaults and the fields only a simulation has. A run's config is :meth:`for_run`
+    (``mode`` from ``run.modes``, ``plan_period_ticks`` from ``plan_period_s``), checked at load
+    for every mode run as a real run checks it: the simulator refuses what a real run refuses
+    (``sync``/``oversample`` run at K = 0 and ``one_step`` at K = 1 whatever ``staleness_k``
+    says; ``one_step`` needs it >= 1; ``auto`` is for ``dora`` alone)."""
+
+    clock: schema.Clock = "logical"
     train_batch_prompts: int = 512  # TBS (DAPO recipe train_prompt_bsz)
     rollout_batch_prompts: int = 768  # RBS
-    group_size: int = 16  # G (DAPO recipe n_resp_per_prompt)
-    plan_period_s: float = 30.0
     kv_pressure_threshold: float = 0.95
-    kv_admit_watermark: float = 0.85  # admit while the KV a group reserves stays under this share
-    kv_admit_reserve_tokens: int = 2048  # room to grow each request reserves at admission
-    legacy_fill: bool = True
-    plan_on_idle: bool = True
-    plan_hysteresis: bool = True  # mute a KV-pressure / idle trigger whose plan moved nothing
-    # planner v2 features (orchestrator.planner.PlanPolicy), switchable for ablations
-    kv_aware: bool = True  # releases and moves budget KV pages, not only slots
-    consolidate: bool = True  # older versions' tails packed onto the groups their KV needs
-    spread: bool = True  # spare groups take over part of the gate version's load
-    legacy_fill_margin: int = 2  # legacy fill only at versions >= window's oldest + this
-    # staleness_k: auto (dora only): K within [k_min, k_max] from the modeled drift (the drift
-    # section) and the trainer's waiting (orchestrator/staleness.py)
-    k_min: int = 1
-    k_max: int = 4
-    ess_min: float = 0.9
+    group_size: int = 16  # G (DAPO recipe n_resp_per_prompt)
+    plan_period_s: float = 30.0  # modeled seconds between periodic plans
+    # the engine's admission (SimBackend): admit while the KV a group reserves stays under this
+    # share of its capacity, each request reserving kv_admit_reserve_tokens of room to grow
+    kv_admit_watermark: float = 0.85
+    kv_admit_reserve_tokens: int = 2048
 
     def __post_init__(self):
-        if self.staleness_k != "auto":
-            _at_least(self, 0, "staleness_k")
-        _at_least(self, 0, "k_min")
-        _check(self.k_max >= self.k_min, "k_max", "must be >= k_min")
-        _check(0 < self.ess_min < 1, "ess_min", "must be in (0, 1)")
-        _at_least(self, 1, "legacy_fill_margin")
-        _positive(
-            self, "train_batch_prompts", "group_size", "plan_period_s", "kv_admit_reserve_tokens"
-        )
-        _check(
-            self.rollout_batch_prompts >= self.train_batch_prompts,
-            "rollout_batch_prompts",
-            f"must be >= train_batch_prompts ({self.train_batch_prompts})",
-        )
-        _fraction(self, "kv_pressure_threshold", "kv_admit_watermark")
+        super().__post_init__()
+        default = {f.name: f.default for f in fields(self)}
+        for name, why in _PER_RUN.items():
+            value = getattr(self, name)
+            _check(value == default[name], name, f"{why}: leave it out, got {value!r}")
+        _positive(self, "group_size", "plan_period_s", "kv_admit_reserve_tokens")
+        _fraction(self, "kv_admit_watermark")
+
+    def for_run(self, mode: str, tick_s: float) -> schema.OrchestratorConfig:
+        """The orchestrator config of one run of ``mode``, ``tick_s`` modeled seconds a tick."""
+        own = {f.name: getattr(self, f.name) for f in fields(schema.OrchestratorConfig)}
+        own.update(mode=mode, plan_period_ticks=max(1, round(self.plan_period_s / tick_s)))
+        return schema.OrchestratorConfig(**own)
 
 
 @dataclass(frozen=True)
@@ -375,6 +374,12 @@ class SimConfig:
             "calibration",
             "hardware 'cpu' needs the calibrate_cpu.json of benchmarks/calibrate_cpu.py",
         )
+        for mode in dict.fromkeys(m for m, _ in self.variants()):  # each run's config is checked
+            try:
+                self.orchestration.for_run(mode, self.run.tick_s)
+            except ConfigError as e:
+                where = f" (the {mode} run of run.modes / run.colocated)"
+                raise ConfigError(f"orchestration.{e.path}", e.reason + where) from None
 
     def calibration_path(self) -> Path | None:
         if not self.calibration:

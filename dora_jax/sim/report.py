@@ -221,21 +221,21 @@ def cost_summary(cfg) -> dict:
 # dora with one planner feature switched off at a time (overrides of the sim config)
 ABLATIONS = (
     ("planner v2", []),
-    ("- consolidation", ["orchestration.consolidate=false"]),
-    ("- KV-aware moves", ["orchestration.kv_aware=false"]),
-    ("- spread of the gate", ["orchestration.spread=false"]),
+    ("- consolidation", ["orchestration.planner.consolidate=false"]),
+    ("- KV-aware moves", ["orchestration.planner.kv_aware=false"]),
+    ("- spread of the gate", ["orchestration.planner.spread=false"]),
     ("- trigger hysteresis", ["orchestration.plan_hysteresis=false"]),
     ("- idle trigger", ["orchestration.plan_on_idle=false"]),
-    ("legacy fill at oldest+1 (v1)", ["orchestration.legacy_fill_margin=1"]),
+    ("legacy fill at oldest+1 (v1)", ["orchestration.planner.legacy_fill_margin=1"]),
     ("- legacy fill", ["orchestration.legacy_fill=false"]),
     (
         "every v2 feature off",
         [
-            "orchestration.consolidate=false",
-            "orchestration.kv_aware=false",
-            "orchestration.spread=false",
+            "orchestration.planner.consolidate=false",
+            "orchestration.planner.kv_aware=false",
+            "orchestration.planner.spread=false",
             "orchestration.plan_hysteresis=false",
-            "orchestration.legacy_fill_margin=1",
+            "orchestration.planner.legacy_fill_margin=1",
         ],
     ),
 )

@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from dora_jax.config.schema import OrchestratorConfig
 from dora_jax.orchestrator.records import plan_counts
 from dora_jax.orchestrator.runtime import RunResult, Runtime
 from dora_jax.orchestrator.staleness import DriftModel
@@ -108,32 +107,6 @@ def cost_model(cfg: SimConfig) -> CostModel | MeasuredCost:
         return MeasuredCost.from_file(cfg.calibration_path())
     return CostModel(
         get_model(cfg.model), get_hardware(c.hardware), c.rollout_tp, cfg.efficiency, c.mem_util
-    )
-
-
-def _k_for(k: int | str, mode: str, k_max: int) -> int | str:
-    """The K a mode runs with: ``one_step`` at least 1; ``auto`` is dora's alone (the other
-    modes take its largest, ``k_max``, as their bound)."""
-    if k == "auto":
-        return "auto" if mode == "dora" else (max(k_max, 1) if mode == "one_step" else k_max)
-    return max(k, 1) if mode == "one_step" else k
-
-
-def orchestrator_config(cfg: SimConfig, mode: str) -> OrchestratorConfig:
-    o = cfg.orchestration
-    return OrchestratorConfig(
-        mode=mode,
-        staleness_k=_k_for(o.staleness_k, mode, o.k_max),
-        train_batch_prompts=o.train_batch_prompts,
-        rollout_batch_prompts=o.rollout_batch_prompts,
-        plan_period_ticks=max(1, round(o.plan_period_s / cfg.run.tick_s)),
-        kv_pressure_threshold=o.kv_pressure_threshold,
-        legacy_fill=o.legacy_fill,
-        plan_on_idle=o.plan_on_idle,
-        plan_hysteresis=o.plan_hysteresis,
-        k_min=o.k_min,
-        k_max=o.k_max,
-        ess_min=o.ess_min,
     )
 
 
@@ -226,16 +199,7 @@ def build(
         cost, devices, r.tick_s, colocated_with=colocated, clock=backend, drift=drift
     )
     prompts = SimPrompts(cfg.prompt, r.seed)
-    runtime = Runtime(orchestrator_config(cfg, mode), o.group_size, backend, trainer, prompts)
-    planning = getattr(runtime.mode, "plan_policy", None)  # a mode that plans (dora)
-    if planning is not None:
-        runtime.mode.plan_policy = replace(
-            planning,
-            kv_aware=o.kv_aware,
-            consolidate=o.consolidate,
-            spread=o.spread,
-            legacy_fill_margin=o.legacy_fill_margin,
-        )
+    runtime = Runtime(o.for_run(mode, r.tick_s), o.group_size, backend, trainer, prompts)
     return runtime, backend, trainer
 
 
