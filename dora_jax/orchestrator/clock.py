@@ -47,6 +47,11 @@ class LogicalClock:
         progress, counts as stalled (None: it does not): a bound on rounds."""
         return f"{max_ticks} ticks" if rounds >= max_ticks else None
 
+    @staticmethod
+    def plan_time(rounds: int, steps_per_group: float) -> float:
+        """What the planner's period counts: rounds (every group steps once a round)."""
+        return rounds
+
     # -- a run's figures in this clock's unit (its summary, reports) -------------------------------
     @staticmethod
     def horizon(summary: Any) -> float:
@@ -100,6 +105,12 @@ class WallClock:
     def stall(self, rounds: int, idle_s: float, max_ticks: int, stall_s: float) -> str | None:
         """As :meth:`LogicalClock.stall`: a bound on seconds without progress."""
         return f"{stall_s:.0f} s without progress" if idle_s > stall_s else None
+
+    @staticmethod
+    def plan_time(rounds: int, steps_per_group: float) -> float:
+        """What the planner's period counts: engine steps per group (groups step at their own
+        pace, so rounds would count faster with more groups)."""
+        return steps_per_group
 
     @staticmethod
     def horizon(summary: Any) -> float:

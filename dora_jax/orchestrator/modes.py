@@ -186,10 +186,10 @@ class Dora(Mode):
         self.new_version = True
 
     def route(self, rt: RuntimeView, t: float, infos: list[GroupInfo]) -> list[GroupInfo]:
-        cfg, kv, logical = self.cfg, self.cfg.kv_pressure_threshold, rt.clock.kind == "logical"
+        cfg, kv = self.cfg, self.cfg.kv_pressure_threshold
         # plan_period_ticks counts ticks, or on the wall clock engine steps per group (groups
         # step at their own pace, so rounds would count faster with more groups)
-        now = rt.tick_index if logical else rt.engine_steps / max(1, rt.records.num_groups)
+        now = rt.clock.plan_time(rt.tick_index, rt.engine_steps / max(1, rt.records.num_groups))
         since = now - self.last_plan if self.last_plan is not None else now + 1
         waiting = rt.manager.pending_by_version()
         trigger = planner.plan_trigger(

@@ -38,7 +38,7 @@ from dora_jax.model.tokenizer import (
     eos_ids,
     load_tokenizer,
 )
-from dora_jax.orchestrator.clock import Bus, make_clock
+from dora_jax.orchestrator.clock import CLOCKS, Bus, make_clock
 from dora_jax.orchestrator.modes import mode_for
 from dora_jax.orchestrator.runtime import Observer, RunResult, Runtime
 from dora_jax.pipeline.conversations import EnvRun, env_demonstrations, teacher_kwargs
@@ -397,7 +397,8 @@ def _compiles_ahead(cfg: ExperimentConfig, spanning: bool) -> bool:
             "(this trainer mesh spans several); use 'auto' or 'inline'",
         )
     if mode == "auto":
-        return cfg.orchestrator.clock == "wall" and not spanning
+        # (kept: compiling in the background pays where the trainer runs beside the rollout)
+        return CLOCKS[cfg.orchestrator.clock].concurrent and not spanning
     return mode == "background"
 
 

@@ -52,6 +52,7 @@ from dora_jax.config import ExperimentConfig
 from dora_jax.config.schema import replace as config_replace
 from dora_jax.mesh import Meshes, build_meshes, make_mesh, processes
 from dora_jax.model.params import abstract_params, dtype_of, param_axes
+from dora_jax.orchestrator.clock import CLOCKS
 from dora_jax.rollout.attention import resolve_impl
 from dora_jax.rollout.steps import kv_cache_dtype, lower_steps
 from dora_jax.sharding import rollout_rules, trainer_rules, tree_shardings
@@ -435,8 +436,8 @@ def plan_memory(cfg: ExperimentConfig, meshes: Meshes | None = None) -> MemoryPl
         )
 
     # rollout step temporaries: one engine at a time per device, or (wall clock) every engine of
-    # the device at once, each stepping on its own worker thread
-    concurrent = o.clock == "wall"
+    # the device at once, each stepping on its own worker thread (kept: the plan sums them then)
+    concurrent = CLOCKS[o.clock].concurrent
     with warnings.catch_warnings():  # the engine warns when it is built
         warnings.simplefilter("ignore")
         impl, interpret = resolve_impl(r.attention_impl, None)
