@@ -291,14 +291,15 @@ class GroupHost:
         transport = transport_for(clock)
         self.transports = {g: transport(w, self.bus.post) for g, w in workers.items()}
         self._applied = dict.fromkeys(engines, 0)
-        if not transport.sync:  # the workers' events go to process 0 as they come
-            threading.Thread(target=self._forward, name="forward", daemon=True).start()
+        # the workers' events go to process 0 as they come (a sync transport posts none)
+        threading.Thread(target=self._forward, name="forward", daemon=True).start()
 
     def _groups(self) -> dict:
         return {g: (t.status, self._applied[g]) for g, t in self.transports.items()}
 
     def _forward(self) -> None:
-        """Wall clock: send the groups' events (and how many commands each has applied)."""
+        """Send the groups' events as they come (and how many commands each has applied); a
+        sync transport (the logical clock) posts none: its events go with each reply."""
         while not self.stopped.is_set():
             items = self.bus.collect(0.05)
             if items:

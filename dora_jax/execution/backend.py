@@ -163,6 +163,7 @@ class EngineBackend:
         # one's last turn-end record; environment turns (and ends) that came while a request was
         # interrupted, applied when it is resubmitted; conversations ended, for the next step()
         self.turns = turns
+        # (kept: a waiting step() wakes when an answer comes; with sync transports nobody waits)
         if turns is not None and not self.transport.sync and hasattr(turns, "on_answer"):
             turns.on_answer = lambda: self.bus.post(None)  # step() stops waiting for reports
         self._waiting: set[int] = set()
@@ -564,6 +565,7 @@ class EngineBackend:
     def state_dict(self) -> dict[str, Any]:
         """Everything in flight as plain data plus engine snapshots (KV of running requests as
         host arrays). Only at a tick boundary (logical) or while paused (wall)."""
+        # (kept: worker threads must be paused; sync groups are still between two calls)
         if not self.transport.sync and not (self._paused and self.paused()):
             raise BackendError("state_dict needs the groups paused (call pause() first)")
         return {
