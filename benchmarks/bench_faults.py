@@ -162,7 +162,7 @@ def simulated(path: str, stress_mtbf: float, mtbfs: list[float], seeds: int) -> 
     for seed in range(seeds):
         over = [f"failures.gpu_mtbf_hours={stress_mtbf}", f"failures.seed={seed}"]
         run = simulate(load_sim_config(path, overrides=over), "dora")
-        stressed.append((run.metrics, run.backend.failed, run))
+        stressed.append((run.metrics, run.backend.failures.failed, run))
     cfg = stressed[0][2].cfg
     c = cfg.cluster
     window_s = base.step_s * base.steps

@@ -389,11 +389,11 @@ def _window_figures(run) -> dict:
     span = (t1 - t0) * cfg.run.tick_s
     secs = dict(zip(CATEGORIES, np.sum(be.seconds[t0:t1], axis=0).tolist(), strict=True))
     out = {"rollout_core_load": sum(secs[k] for k in BUSY) / span if span else 0.0}
-    if be.env_workers:
+    if be.waiting.workers:
         a, b = t0 * cfg.run.tick_s * US, t1 * cfg.run.tick_s * US
-        calls = [(s, e, q) for _, s, e, q in be.env_calls if a <= s < b]
+        calls = [(s, e, q) for _, s, e, q in be.waiting.env_calls if a <= s < b]
         busy = sum(min(e, b) - s for s, e, _ in calls)
-        out["env_worker_load"] = busy / (be.env_workers * (b - a)) if b > a else 0.0
+        out["env_worker_load"] = busy / (be.waiting.workers * (b - a)) if b > a else 0.0
         out["env_queue_s_mean"] = float(np.mean([q for *_, q in calls]) / US) if calls else 0.0
         out["env_calls"] = len(calls)
     return out

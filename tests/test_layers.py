@@ -258,11 +258,8 @@ def import_cycles(sources: dict[str, str]) -> list[list[str]]:
     return sorted(found)
 
 
-# Cycles not yet taken apart; the list may only shrink. The simulator's backend is split over
-# mixins reading its arrays.
-KNOWN_CYCLES = [
-    ["dora_jax.sim.backend", "dora_jax.sim.failures", "dora_jax.sim.shared_device"],
-]
+# Cycles not yet taken apart; the list may only shrink.
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def test_no_import_cycle_but_the_known_ones():

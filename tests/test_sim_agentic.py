@@ -39,6 +39,7 @@ from dora_jax.sim.conversations import (
 from dora_jax.sim.cost_model import CostModel
 from dora_jax.sim.hardware import get_hardware
 from dora_jax.sim.models import ModelSpec, get_model
+from dora_jax.sim.requests import FIELDS
 from dora_jax.sim.run import build, simulate
 from dora_jax.sim.trainer import SimTrainer
 from dora_jax.sim.workload import ResponseLengths, SimPrompts
@@ -78,7 +79,7 @@ def consumed_plan(run):
     conv = run.backend.conversations
     pg = np.array([c.prompt_group for c in rec.consumed])
     rid = np.array([c.request_id for c in rec.consumed])
-    log = run.backend.conversation_log()
+    log = run.backend.waiting.conversation_log()
     rows = np.searchsorted(log["rid"], rid)
     assert np.array_equal(log["rid"][rows], rid)
     return conv.plan(pg, rid % conv.group_size), {k: v[rows] for k, v in log.items()}
@@ -234,21 +235,23 @@ def step_until(b: SimBackend, cond, limit=2000):
 
 def test_env_wait_frees_the_slot_keeps_the_kv_and_prefills_only_the_observation():
     b = conv_backend(slots=1)
+    q = b.requests
     b.submit(0, [spec(0)])
     assert b.groups()[0].free_slots == 0
-    ev = step_until(b, lambda: b.wake[0, 0] > 0)  # turn 0 ends: A waits on its environment
+    ev = step_until(b, lambda: q.wake_us[0, 0] > 0)  # turn 0 ends: A waits on its environment
     ended = len(ev) - 1
     info = b.groups()[0]
     assert info.requests == (0,) and info.free_slots == 1  # its slot is free, it is still held
     assert info.kv_pages_used == math.ceil((64 + 40) / 16)  # its KV stays counted
-    assert b.wake[0, 0] == pytest.approx((ended * 0.1 + 2.0) * US, abs=0.1 * US)
+    assert q.wake_us[0, 0] == pytest.approx((ended * 0.1 + 2.0) * US, abs=0.1 * US)
     b.submit(0, [spec(1)])  # B takes the slot and decodes while A waits
-    *during, woke = step_until(b, lambda: b.wake[0, 0] == 0)
-    assert sum(e.groups[0].tokens for e in during) > 0 and b.gen[0, 1] > 0
-    assert b.gen[0, 0] >= 40 + 24 and b.otok[0, 0] == 24  # the observation joined A's context
+    *during, woke = step_until(b, lambda: q.wake_us[0, 0] == 0)
+    assert sum(e.groups[0].tokens for e in during) > 0 and q.generated[0, 1] > 0
+    assert q.generated[0, 0] >= 40 + 24  # the observation joined A's context
+    assert q.observation_tokens[0, 0] == 24
     assert woke.groups[0].prefill_tokens == 24  # and only it was prefilled
-    assert b.waiting_requests[ended][0] == 1 and b.waiting_kv[ended][0] == 64 + 40
-    assert all(w[0] >= 1 for w in b.waiting_requests[ended : ended + len(during)])
+    assert b.waiting.waiting_requests[ended][0] == 1 and b.waiting.waiting_kv[ended][0] == 64 + 40
+    assert all(w[0] >= 1 for w in b.waiting.waiting_requests[ended : ended + len(during)])
     waited = (len(during) + 1) * 0.1
     assert abs(waited - 2.0) <= 0.2
     rest = [woke, *step_until(b, lambda: not b.live_requests())]
@@ -257,21 +260,22 @@ def test_env_wait_frees_the_slot_keeps_the_kv_and_prefills_only_the_observation(
     assert sum(e.groups[0].reprefill_tokens for e in ev + during + rest) == 0
     done = {f.request_id: f for e in ev + during + rest for f in e.finished}
     assert done[0].response_len == 40 + 24 + 40 and done[0].versions == (0,)
-    log = b.conversation_log()
+    log = b.waiting.conversation_log()
     assert log["turns"].tolist() == [2, 2] and log["observation_tokens"].tolist() == [24, 24]
     assert log["model_tokens"].tolist() == [80, 80] and log["env_us"].tolist() == [2 * US] * 2
 
 
 def test_a_group_decodes_at_most_max_slots_and_wakes_the_oldest_first():
     b = conv_backend(slots=1, latency_s=0.3)
+    q = b.requests
     b.submit(0, [spec(0)])
-    step_until(b, lambda: b.wake[0, 0] > 0)
+    step_until(b, lambda: q.wake_us[0, 0] > 0)
     b.submit(0, [spec(1)])
-    step_until(b, lambda: b.wake[0, 0] == 0)  # A is back: 2 held, 1 slot
+    step_until(b, lambda: q.wake_us[0, 0] == 0)  # A is back: 2 held, 1 slot
     assert b.groups()[0].free_slots == 0
-    g1 = int(b.gen[0, 1])
+    g1 = int(q.generated[0, 1])
     b.step()
-    assert int(b.gen[0, 1]) == g1  # the newer one waits for the slot (A prefills, decodes)
+    assert int(q.generated[0, 1]) == g1  # the newer one waits for the slot (A prefills, decodes)
 
 
 def test_environment_workers_take_one_call_at_a_time_in_turn_order():
@@ -284,7 +288,7 @@ def test_environment_workers_take_one_call_at_a_time_in_turn_order():
         return b, done
 
     free, done0 = calls(0)
-    assert free.env_calls == [] and free.env_workers == 0
+    assert free.waiting.env_calls == [] and free.waiting.workers == 0
     one, done1 = calls(1)
     two, done2 = calls(2)
     # the same conversations whatever the workers: tokens, turns, environment seconds
@@ -292,22 +296,23 @@ def test_environment_workers_take_one_call_at_a_time_in_turn_order():
         r: f.response_len for r, f in done0.items()
     }
     for b in (one, two):
-        log = b.conversation_log()
+        log = b.waiting.conversation_log()
         assert log["turns"].tolist() == [3] * 3 and log["env_us"].tolist() == [2 * US] * 3
     # three conversations end each turn in the same tick: one worker runs their calls back to
     # back (in request order on ties), two workers hold 2 + 1 conversations (fewest first)
-    assert [w for w, *_ in one.env_calls] == [0] * 6
-    assert [w for w, *_ in two.env_calls[:3]] == [0, 1, 0]
+    assert [w for w, *_ in one.waiting.env_calls] == [0] * 6
+    assert [w for w, *_ in two.waiting.env_calls[:3]] == [0, 1, 0]
     for b in (one, two):
-        for w in range(b.env_workers):
-            mine = [(s, e) for x, s, e, _ in b.env_calls if x == w]
+        for w in range(b.waiting.workers):
+            mine = [(s, e) for x, s, e, _ in b.waiting.env_calls if x == w]
             assert all(e - s == US for s, e in mine)  # a call's own second
             assert all(s2 >= e1 for (_, e1), (s2, _) in pairwise(mine))  # one at a time
-    q1 = [q for *_, q in one.env_calls[:3]]
+    q1 = [q for *_, q in one.waiting.env_calls[:3]]
     assert q1[0] < q1[1] < q1[2] and q1[2] - q1[0] == 2 * US
-    assert [q for *_, q in two.env_calls[:3]] == [0, 0, US]
+    assert [q for *_, q in two.waiting.env_calls[:3]] == [0, 0, US]
     assert one.tick > two.tick > free.tick
-    assert (one._env_live == 0).all() and (two._env_live == 0).all() and not two._env_of
+    assert (one.waiting.live == 0).all() and (two.waiting.live == 0).all()
+    assert not two.waiting.worker_of
 
 
 def test_a_run_with_environment_workers_keeps_the_workload(runs):
@@ -318,9 +323,9 @@ def test_a_run_with_environment_workers_keeps_the_workload(runs):
         assert np.array_equal(plan.turns, log["turns"])
         assert np.array_equal(np.rint(plan.env_s * US).astype(np.int64), log["env_us"])
         for w in range(4):  # each worker runs one call at a time
-            mine = [(s, e) for x, s, e, _ in run.backend.env_calls if x == w]
+            mine = [(s, e) for x, s, e, _ in run.backend.waiting.env_calls if x == w]
             assert mine and all(s2 >= e1 for (_, e1), (s2, _) in pairwise(mine))
-        assert sum(q for *_, q in run.backend.env_calls) > 0
+        assert sum(q for *_, q in run.backend.waiting.env_calls) > 0
         m0 = runs[mode].metrics.conversations.model_tokens_per_s
         assert run.metrics.conversations.model_tokens_per_s < m0
 
@@ -328,19 +333,20 @@ def test_a_run_with_environment_workers_keeps_the_workload(runs):
 def test_a_waiting_request_migrates_with_its_turn_state():
     def run(migrate: bool):
         b = conv_backend(groups=2, slots=2)
+        q = b.requests
         b.submit(0, [spec(0), spec(1)])
-        step_until(b, lambda: b.wake[0, 0] > 0 and b.wake[0, 1] > 0)
+        step_until(b, lambda: q.wake_us[0, 0] > 0 and q.wake_us[0, 1] > 0)
         if migrate:
-            before = b._data[:, 0, 0].copy()
+            before = [int(getattr(q, f)[0, 0]) for f in FIELDS]
             b.migrate([0], 0, 1)
-            assert np.array_equal(b._data[:, 1, 0], before)  # turn, wake, obs, target, ...
+            assert [int(getattr(q, f)[1, 0]) for f in FIELDS] == before  # turn, wake_us, ...
             assert b.mig[1] == pytest.approx(COST.kv_transfer_s(64 + 40))
             assert b.groups()[1].requests == (0,) and b.groups()[0].requests == (1,)
         out = {}
         while b.live_requests():
             for f in b.step().finished:
                 out[f.request_id] = (f.response_len, f.versions)
-        return out, b.conversation_log()
+        return out, b.waiting.conversation_log()
 
     (moved, log_m), (stay, log_s) = run(True), run(False)
     assert moved == stay
@@ -349,15 +355,16 @@ def test_a_waiting_request_migrates_with_its_turn_state():
 
 def test_a_waiting_request_interrupted_reprefills_its_conversation_and_keeps_its_turns():
     b = conv_backend(slots=2, latency_s=1.0)
+    q = b.requests
     b.submit(0, [spec(0)])
-    step_until(b, lambda: b.wake[0, 0] > 0)
-    wake = int(b.wake[0, 0])
+    step_until(b, lambda: q.wake_us[0, 0] > 0)
+    wake = int(q.wake_us[0, 0])
     (p,) = b.interrupt([0])
     assert p.generated == 40 and p.versions == (0,)
     b.publish(1)
     b.set_version(0, 1, TRAINER)
     b.submit(0, [spec(0, version=1, resume=p)])
-    assert b.wake[0, 0] == wake and b.turn[0, 0] == 1  # still waiting on the same call
+    assert q.wake_us[0, 0] == wake and q.turn[0, 0] == 1  # still waiting on the same call
     reprefill = prefill = 0
     done = {}
     while b.live_requests():
@@ -414,7 +421,7 @@ def test_figures_and_timeline(runs, tmp_path):
         assert 0 < c.waiting_kv_tokens_mean <= c.waiting_kv_tokens_max
         assert 0 < c.waiting_kv_frac_mean < 1 and 0 <= c.env_wait_frac <= run.metrics.bubble
         assert 0 < c.model_tokens_per_s < run.metrics.tokens_per_s
-        assert sum(np.sum(x) for x in run.backend.env_wait_s) > 0, mode
+        assert sum(np.sum(x) for x in run.backend.waiting.env_wait_s) > 0, mode
     text = report.conversation_table([r.metrics for r in runs.values()])
     assert "dora/dis" in text and "model tok/s" in text
     png = report.timeline_png(runs["dora"], tmp_path / "t.png")
@@ -422,7 +429,7 @@ def test_figures_and_timeline(runs, tmp_path):
     from dora_jax.sim.timeline import ENV_WAIT_RGB, _cells
 
     rec, b = runs["sync"].result.records, runs["sync"].backend
-    cells = _cells(rec.groups, np.asarray(b.env_wait_s), 0.5)
+    cells = _cells(rec.groups, np.asarray(b.waiting.env_wait_s), 0.5)
     assert np.any(np.all(np.isclose(cells, ENV_WAIT_RGB), axis=-1))  # gold where only waits
 
 
@@ -433,8 +440,8 @@ def test_dora_migrates_waiting_conversations_and_they_keep_their_turns():
     inner = backend.migrate
 
     def migrate(ids, src, dst):
-        rows = backend._rows(src, ids)
-        moved.append(int((backend.wake[src, rows] > 0).sum()))
+        rows = backend.requests.rows(src, ids)
+        moved.append(int((backend.requests.wake_us[src, rows] > 0).sum()))
         inner(ids, src, dst)
 
     backend.migrate = migrate
@@ -543,7 +550,7 @@ def test_invariants_hold_with_conversations_in_every_mode(w):
     # prefill = every admitted prompt and every observation once, plus what was re-prefilled
     # (partial: a request interrupted again before its re-prefill ended counts only what it had
     # cached then as re-prefill, as single-turn requests always have: hence >=)
-    log = backend.conversation_log()
+    log = backend.waiting.conversation_log()
     prefill = sum(g.prefill_tokens for row in rec.groups for g in row)
     reprefill = sum(g.reprefill_tokens for row in rec.groups for g in row)
     once = sum(c.prompt_len for c in rec.consumed) + int(log["observation_tokens"].sum())
@@ -587,7 +594,7 @@ def test_without_turns_the_runs_are_those_of_before():
         run = simulate(cfg, mode, placement)
         assert run.metrics.conversations is None and run.backend.conversations is None
         assert (run.metrics.tokens_per_s, run.metrics.ticks, digest(run)) == (tps, ticks, dig)
-        assert run.backend.waiting_requests == []
+        assert run.backend.waiting.waiting_requests == []
 
 
 def test_one_turn_conversations_run_exactly_as_single_turn_requests():

@@ -69,7 +69,7 @@ def test_contract_errors_change_nothing():
         b.interrupt([7])
     with pytest.raises(BackendError, match="not interrupted"):
         b.submit(1, [spec(0, resume=PartialRequest(0, 0, 64, 0, ()))])
-    assert b.live_requests() == 1 and b.n.tolist() == [1, 0]
+    assert b.live_requests() == 1 and b.requests.count.tolist() == [1, 0]
     b.publish(1)
     b.set_version(1, 1, TRAINER)
     with pytest.raises(BackendError, match="holds v0"):
@@ -98,7 +98,7 @@ def test_batched_decode_rate_and_time_conservation():
     tokens = [ev.groups[0].tokens]
     for _ in range(3):
         tokens.append(b.step().groups[0].tokens)
-    ctx = float((b.plen[0, :64] + b.gen[0, :64]).sum())
+    ctx = float(b.requests.context(64)[0].sum())
     rate = 64 / float(COST.decode_step_s(64, ctx))
     assert tokens[-1] == pytest.approx(rate, rel=0.05)
     spent = np.sum(b.seconds, axis=0).sum()
@@ -115,7 +115,8 @@ def test_weight_transfer_takes_its_time_and_requests_wait():
     b.submit(1, [spec(0, version=1)])
     for _ in range(need - 1):
         assert b.step().groups[1].activity == "transfer"
-        assert b.gen[1, 0] == 0 and b.pf[1, 0] == 64  # the request waits
+        q = b.requests
+        assert q.generated[1, 0] == 0 and q.prefill_left[1, 0] == 64  # the request waits
     b.step()
     assert b.busy[1] == 0
     b.set_version(0, 1, 1)  # from a peer: after its own transfer ends
@@ -127,12 +128,13 @@ def test_migration_keeps_progress_and_charges_the_destination():
     b.submit(0, [spec(i) for i in range(4)])
     for _ in range(3):
         b.step()
-    gen = {int(r): int(g) for r, g in zip(b.rid[0, :4], b.gen[0, :4], strict=True)}
-    cached = int((b.plen[0, :2] + b.gen[0, :2]).sum())
-    ids = [int(b.rid[0, 0]), int(b.rid[0, 1])]
+    q = b.requests
+    gen = dict(zip(q.ids(0), q.generated[0, :4].tolist(), strict=True))
+    cached = int(q.context(2)[0].sum())
+    ids = q.ids(0)[:2]
     b.migrate(ids, 0, 1)
-    assert b.n.tolist() == [2, 2] and b.rid[1, :2].tolist() == ids
-    assert [int(x) for x in b.gen[1, :2]] == [gen[i] for i in ids]
+    assert q.count.tolist() == [2, 2] and q.ids(1) == ids
+    assert q.generated[1, :2].tolist() == [gen[i] for i in ids]
     assert b.mig[1] == pytest.approx(COST.kv_transfer_s(cached))
     assert b.migrated_requests == 2 and b.migrated_tokens == cached
     done = run_until_done(b)
@@ -169,7 +171,7 @@ def test_kv_overflow_parks_the_newest_and_admission_uses_the_watermark():
         b.step()
     info = b.groups()[0]
     assert info.kv_pages_used > info.kv_pages_total  # held pages include parked ones
-    assert b.gen[0, 0] > b.gen[0, 2]  # the newest waits
+    assert b.requests.generated[0, 0] > b.requests.generated[0, 2]  # the newest waits
     assert info.free_slots == 0
     done = run_until_done(b)
     assert sorted(done) == [5, 6, 7]
@@ -179,14 +181,15 @@ def test_freeze_stops_rollout_and_counts_training():
     b = backend(tick_s=0.5)
     b.submit(0, [spec(3)])
     b.step()
-    g0 = int(b.gen[0, 0])
+    q = b.requests
+    g0 = int(q.generated[0, 0])
     b.freeze(b.tick + 3)
     for _ in range(3):
         ev = b.step()
-    assert int(b.gen[0, 0]) == g0 and ev.groups[0].tokens == 0
+    assert int(q.generated[0, 0]) == g0 and ev.groups[0].tokens == 0
     assert np.sum(b.seconds, axis=0)[CATEGORIES.index("train")] == pytest.approx(3 * 2 * 0.5)
     b.step()
-    assert int(b.gen[0, 0]) > g0
+    assert int(q.generated[0, 0]) > g0
     assert np.sum(b.seconds, axis=0)[IDLE] > 0  # group 1 idled when not frozen
 
 
@@ -319,7 +322,8 @@ def test_a_weight_trip_waits_without_holding_the_shared_device():
     for _ in range(4):  # ceil(0.035 / 0.01) ticks of the trip
         ev = b.step()
         assert ev.groups[1].activity == "transfer" and ev.groups[1].time_s == pytest.approx(0.01)
-        assert b.gen[1, 0] == 0 and b.busy[1] == pytest.approx(0.002)  # the load's work waits
+        assert b.requests.generated[1, 0] == 0  # the load's work waits
+        assert b.busy[1] == pytest.approx(0.002)
         tokens += ev.groups[0].tokens
     assert b.trip[1] == 0
     b.step()

@@ -25,12 +25,12 @@ def test_failed_groups_recover_in_place(seed):
     ]
     run = simulate(load_sim_config(TINY, overrides=over), "dora")
     b, rec = run.backend, run.result.records
-    assert b.failed >= 2 and b.recovered_requests > 0
+    assert b.failures.failed >= 2 and b.failures.recovered_requests > 0
     assert len(rec.steps) >= run.cfg.run.steps  # the run finished its steps
     ids = [c.request_id for c in rec.consumed]
     assert len(ids) == len(set(ids))  # nothing consumed twice
     assert all(c.version_span == 1 for c in rec.consumed)  # one version per trajectory
-    assert [src for _, _, src in rec.recoveries] == ["prompt"] * b.recovered_requests
+    assert [src for _, _, src in rec.recoveries] == ["prompt"] * b.failures.recovered_requests
     recovered = {r for _, r, _ in rec.recoveries}  # (one may fail again on another group)
     assert recovered & set(ids)  # recovered requests finish and are consumed
     for g in {h[1] for h in rec.health}:

@@ -41,9 +41,10 @@ the tick boundary nearest its time, so waits are not biased by the tick. A waiti
 one of the group's requests for the control plane (it pins the group's version, it can migrate
 with its KV and its turn state, ``interrupt`` returns it with both) but takes no slot: a group
 may hold more requests than slots, and decodes (and prefills) at most ``max_slots`` at a time,
-oldest first. ``waiting_requests``, ``waiting_kv`` and ``env_wait_s`` record, per tick and group,
-the requests waiting on their environment, the KV tokens they hold, and the seconds the group
-idled while they waited (its ``env_wait`` activity on the simulator's timeline).
+oldest first. Its :class:`~dora_jax.sim.waiting.WaitingRequests` (``waiting``) records, per
+tick and group, the requests waiting on their environment, the KV tokens they hold, and the
+seconds the group idled while they waited (its ``env_wait`` activity on the simulator's
+timeline).
 
 Response lengths come from :class:`~dora_jax.sim.workload.ResponseLengths`, a pure function of
 ``(seed, prompt group, request id mod G)``, so every mode gets the same workload.
@@ -71,6 +72,7 @@ from dora_jax.sim.config import FailureConfig
 from dora_jax.sim.conversations import US, Conversations
 from dora_jax.sim.cost_model import CostModel
 from dora_jax.sim.failures import GroupFailures
+from dora_jax.sim.requests import RequestTable
 from dora_jax.sim.shared_device import device_shares
 from dora_jax.sim.waiting import WaitingRequests
 from dora_jax.sim.workload import ResponseLengths
@@ -79,27 +81,13 @@ from dora_jax.sim.workload import ResponseLengths
 CATEGORIES = ("transfer", "migrate", "prefill", "reprefill", "decode", "idle", "train")
 TRANSFER, MIGRATE, PREFILL, REPREFILL, DECODE, IDLE, TRAIN = range(len(CATEGORIES))
 _ACTIVITY = ("idle", "prefill", "decode", "transfer", "migrate")
-_FIELDS = (
-    "rid",
-    "pg",
-    "plen",
-    "target",
-    "gen",
-    "pf",
-    "rp",
-    "vflag",
-    "turn",
-    "wake",
-    "obs",
-    "otok",
-    "envus",
-)
-_GEN, _PF, _RP, _VFLAG = (_FIELDS.index(f) for f in ("gen", "pf", "rp", "vflag"))
 
 
-class SimBackend(WaitingRequests, GroupFailures):
+class SimBackend:
     """Simulated rollout groups; see the module docstring for the time and memory model. Its
-    clock is logical (ticks of ``tick_s``), so :meth:`pause` and :meth:`resume` do nothing."""
+    clock is logical (ticks of ``tick_s``), so :meth:`pause` and :meth:`resume` do nothing.
+    ``requests`` holds the groups' requests (:class:`~dora_jax.sim.requests.RequestTable`);
+    ``waiting`` runs conversations' turn boundaries and ``failures`` the groups' failures."""
 
     tokens_per_slot_tick = 1
 
@@ -134,12 +122,7 @@ class SimBackend(WaitingRequests, GroupFailures):
         self.admit_reserve = admit_reserve_tokens
         self.conversations = conversations
         self.shared_device = bool(shared_device)
-        # one int64 array per request field, rows in admission order, packed so that moving
-        # requests between rows or groups is one fancy-index per call (rows grow past
-        # max_slots only when requests waiting on their environment hold no slot)
-        self._data = np.zeros((len(_FIELDS), num_groups, max_slots), np.int64)
-        self._bind()
-        self.n = np.zeros(num_groups, np.int64)
+        self.requests = RequestTable(num_groups, max_slots)
         self.version = np.zeros(num_groups, np.int64)
         self.busy = np.zeros(num_groups)  # seconds of weight transfer left
         self.trip = np.zeros(num_groups)  # seconds a load from the trainer still waits
@@ -150,51 +133,14 @@ class SimBackend(WaitingRequests, GroupFailures):
         self._tick = 0
         self._where: dict[int, int] = {}
         self._seen: set[int] = set()
-        self._interrupted: dict[int, np.ndarray] = {}  # id -> its row (rp: tokens cached)
         self._base_versions: dict[int, tuple[int, ...]] = {}
         self._payload: dict[int, object] = {}
         self.seconds: list[np.ndarray] = []  # per tick: group-seconds by CATEGORIES
         self.weight_transfers = 0
         self.migrated_requests = 0
         self.migrated_tokens = 0
-        # conversations: per tick and group, requests waiting on their environment, the KV
-        # tokens they hold, and seconds idle while they wait; per finished conversation, its
-        # (request id, model turns, model tokens, observation tokens, environment microseconds)
-        self.waiting_requests: list[np.ndarray] = []
-        self.waiting_kv: list[np.ndarray] = []
-        self.env_wait_s: list[np.ndarray] = []
-        self._done_conversations: list[tuple[int, int, int, int, int]] = []
-        self._init_env_workers()
-        self._init_failures(failures, rollout_tp)  # (sim/failures.py; None: groups never fail)
-
-    def _bind(self) -> None:
-        """Name the rows of ``_data`` (after it was allocated or grown)."""
-        (
-            self.rid,
-            self.pg,
-            self.plen,
-            self.target,  # response tokens at the end of the current model turn
-            self.gen,  # response tokens so far (observations included)
-            self.pf,  # context tokens still to prefill
-            self.rp,  # of which computed before an interrupt (re-prefill)
-            self.vflag,  # 1: sampled a token under the group's version
-            self.turn,  # conversations: index of the current model turn
-            self.wake,  # microseconds of modeled time its observation arrives (0: not waiting)
-            self.obs,  # observation tokens it is waiting for
-            self.otok,  # observation tokens among gen
-            self.envus,  # environment microseconds so far
-        ) = self._data
-        self._col = np.arange(self._data.shape[2])
-
-    def _grow(self, rows: int) -> None:
-        """Room for ``rows`` requests in every group."""
-        have = self._data.shape[2]
-        if rows <= have:
-            return
-        data = np.zeros((len(_FIELDS), self.num_groups, max(rows, 2 * have)), np.int64)
-        data[:, :, :have] = self._data
-        self._data = data
-        self._bind()
+        self.waiting = WaitingRequests(self.requests, conversations, max_slots, self.tick_s)
+        self.failures = GroupFailures(failures, self.requests, rollout_tp, self.tick_s)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -215,37 +161,39 @@ class SimBackend(WaitingRequests, GroupFailures):
         """KV tokens each held request counts for admission: its context, and at least its
         prompt plus ``admit_reserve_tokens`` (room to grow)."""
         cols = slice(None, k)
-        plen, gen = self.plen[g, cols], self.gen[g, cols]
+        plen, gen = self.requests.prompt_len[g, cols], self.requests.generated[g, cols]
         return np.maximum(plen + gen, plen + self.admit_reserve)
 
     def _free(self, reserved: np.ndarray, held: np.ndarray) -> np.ndarray:
         """Requests each group may admit now: free slots, and room under the watermark for
         ``admit_reserve_tokens`` each (an empty group may always admit one)."""
         by_kv = np.floor((self.admit_limit - reserved) / self.admit_reserve).astype(np.int64)
-        by_kv = np.maximum(by_kv, (self.n == 0).astype(np.int64))
+        by_kv = np.maximum(by_kv, (self.requests.count == 0).astype(np.int64))
         return np.maximum(0, np.minimum(self.max_slots - held, by_kv))
 
     def _free_one(self, g: int) -> int:
-        k = int(self.n[g])
+        q = self.requests
+        k = int(q.count[g])
         reserved = float(self._reserved(g, k).sum())
         by_kv = max(int(np.floor((self.admit_limit - reserved) / self.admit_reserve)), int(k == 0))
-        held = k if self.conversations is None else k - int((self.wake[g, :k] > 0).sum())
+        held = k if self.conversations is None else k - int((q.wake_us[g, :k] > 0).sum())
         return max(0, min(self.max_slots - held, by_kv))
 
     def groups(self) -> list[GroupInfo]:
-        w = int(self.n.max())
-        valid = self._col[None, :w] < self.n[:, None]
-        full = np.where(valid, self.plen[:, :w] + self.gen[:, :w], 0)
+        q = self.requests
+        w = q.width()
+        valid = q.held(w)
+        full = np.where(valid, q.context(w), 0)
         pages = -(-full // self.page_size)
         used = pages.sum(axis=1)
         reserved = np.where(valid, self._reserved(slice(None), w), 0).sum(axis=1)
-        free = self._free(reserved, self._slots_held(w))
+        free = self._free(reserved, self.waiting.slots_held(w))
         total = self.capacity // self.page_size
         busy = np.ceil((self.trip + self.busy) / self.tick_s - 1e-9).astype(np.int64)
-        out, down = [], self._down()
+        out, down = [], self.failures.down(self._tick)
         for g in np.flatnonzero(~down).tolist():  # (a failed group is out until it is back)
-            k, v, b = int(self.n[g]), int(self.version[g]), int(busy[g])
-            ids, pg = tuple(self.rid[g, :k].tolist()), tuple(pages[g, :k].tolist())
+            k, v, b = int(q.count[g]), int(self.version[g]), int(busy[g])
+            ids, pg = tuple(q.request_id[g, :k].tolist()), tuple(pages[g, :k].tolist())
             info = GroupInfo(g, v, b, self.max_slots, int(free[g]), int(used[g]), total, ids, pg)
             out.append(info)
         return out
@@ -270,63 +218,58 @@ class SimBackend(WaitingRequests, GroupFailures):
         g = self._group(group)
         if source != TRAINER:
             self._group(int(source))
-        held, version_of = int(self.n[g]), lambda i: int(self.version[i])
-        sendable = self.sendable_versions()
+        held, version_of = int(self.requests.count[g]), lambda i: int(self.version[i])
+        sendable = self.failures.sendable_versions(self.version, self._published, self._tick)
         if not check_set_version(g, version, source, held, self._published, version_of, sendable):
             return
+        self._load(g, version, source)
+
+    def _load(self, g: int, version: int, source: Source) -> None:
+        """Group ``g`` loads ``version`` from ``source`` (from a group: after that one's own
+        load)."""
         self.version[g] = version
         wait = 0.0 if source == TRAINER else float(self.trip[source] + self.busy[source])
         self.trip[g] = self.cost.weight_trip_s() if source == TRAINER else 0.0
         self.busy[g] = wait + self.cost.weight_transfer_s()
         self.weight_transfers += 1
 
+    # (what the failures ask of their groups: :class:`~dora_jax.sim.failures.FailingGroups`)
+
+    def load_newest(self, group: int) -> int:
+        """Group ``group`` loads the newest published version from the trainer; returns it."""
+        self._load(group, self._published, TRAINER)
+        return self._published
+
+    def loading(self, group: int) -> bool:
+        """Whether group ``group`` still waits for weights it loads."""
+        return bool(self.trip[group] > 0 or self.busy[group] > 0)
+
+    def halt(self, group: int) -> None:
+        """Group ``group`` drops its work in flight: weight loads, incoming KV, carried time."""
+        self.trip[group] = self.busy[group] = self.mig[group] = self.carry[group] = 0.0
+
     def submit(self, group: int, requests: list[RequestSpec]) -> None:
         g = self._group(group)
         if not requests:
             return
+        q = self.requests
         free, v = self._free_one(g), int(self.version[g])
-        check_submit(group, requests, free, v, self.max_prompt_len, self._seen, self._interrupted)
+        check_submit(group, requests, free, v, self.max_prompt_len, self._seen, q.parked)
         if len({s.request_id for s in requests}) < len(requests):
             raise BackendError("submit: duplicate request ids")
-        rows = np.zeros((len(_FIELDS), len(requests)), np.int64)
-        rid, pg, plen, target = rows[:4]
-        rid[:] = [s.request_id for s in requests]
-        pg[:] = [s.prompt_group for s in requests]
-        plen[:] = [s.prompt_len for s in requests]
-        members = rid % self.lengths.group_size
+        pg = np.array([s.prompt_group for s in requests], np.int64)
+        members = np.array([s.request_id for s in requests], np.int64) % self.lengths.group_size
         conv = self.conversations
-        target[:] = (conv.first_target if conv else self.lengths.lengths)(pg, members)
-        for i, spec in enumerate(requests):
-            if spec.resume is not None:  # its row as interrupted: progress and turn state
-                rows[3:, i] = self._interrupted.pop(spec.request_id)[3:]
-                rows[_GEN, i] = spec.resume.generated
-                rows[_VFLAG, i] = 0
+        target = (conv.first_target if conv else self.lengths.lengths)(pg, members)
+        for spec in requests:
+            if spec.resume is not None:
                 self._base_versions[spec.request_id] = tuple(spec.resume.versions)
             if spec.payload is not None:
                 self._payload[spec.request_id] = spec.payload
             self._seen.add(spec.request_id)
             self._where[spec.request_id] = g
-        rows[_PF] = plen + rows[_GEN]  # a resumed request prefills its whole context again
-        self._env_assign([s.request_id for s in requests if s.resume is None])
-        a, b = int(self.n[g]), int(self.n[g]) + len(requests)
-        self._grow(b)
-        self._data[:, g, a:b] = rows
-        self.n[g] = b
-
-    def _rows(self, g: int, ids: list[int]) -> np.ndarray:
-        """Row indices of ``ids`` in group ``g`` (all must be there)."""
-        k = int(self.n[g])
-        order = np.argsort(self.rid[g, :k], kind="stable")
-        pos = np.searchsorted(self.rid[g, :k], ids, sorter=order)
-        return order[pos]
-
-    def _remove(self, g: int, rows: np.ndarray) -> None:
-        k = int(self.n[g])
-        keep = np.ones(k, bool)
-        keep[rows] = False
-        idx = np.nonzero(keep)[0]
-        self._data[:, g, : len(idx)] = self._data[:, g, idx]
-        self.n[g] = len(idx)
+        self.waiting.assign([s.request_id for s in requests if s.resume is None])
+        q.append(g, requests, target)
 
     def _versions(self, rid: int, g: int, sampled: bool) -> tuple[int, ...]:
         base = self._base_versions.pop(rid, ())
@@ -336,22 +279,19 @@ class SimBackend(WaitingRequests, GroupFailures):
     def migrate(self, request_ids: list[int], src: int, dst: int) -> None:
         s, d = self._group(src), self._group(dst)
         check_migrate(request_ids, s, d, lambda i: int(self.version[i]), self._where.get, None)
-        room, need = self.max_slots - int(self.n[d]), len(request_ids)
+        q = self.requests
+        room, need = self.max_slots - int(q.count[d]), len(request_ids)
         if self.conversations is not None and request_ids:  # waiting requests take no slot
-            w = int(self.n.max())
-            room = self.max_slots - int(self._slots_held(w)[d])
-            need -= int((self.wake[s, self._rows(s, request_ids)] > 0).sum())
+            room = self.max_slots - int(self.waiting.slots_held(q.width())[d])
+            need -= int((q.wake_us[s, q.rows(s, request_ids)] > 0).sum())
         if need > room:
             raise BackendError(f"migrate: group {dst} has {room} free slots")
         if not request_ids:
             return
-        rows = self._rows(s, request_ids)
-        a, b = int(self.n[d]), int(self.n[d]) + len(rows)
-        self._grow(b)
-        self._data[:, d, a:b] = self._data[:, s, rows]
-        self.n[d] = b
-        cached = int((self.plen[s, rows] + self.gen[s, rows] - self.pf[s, rows]).sum())
-        self._remove(s, rows)
+        rows = q.rows(s, request_ids)
+        full = q.prompt_len[s, rows] + q.generated[s, rows]
+        cached = int((full - q.prefill_left[s, rows]).sum())
+        q.move(s, rows, d)
         for r in request_ids:
             self._where[r] = d
         self.mig[d] += self.cost.kv_transfer_s(cached)
@@ -368,20 +308,18 @@ class SimBackend(WaitingRequests, GroupFailures):
         for r in request_ids:
             by_group.setdefault(self._where[r], []).append(r)
         out: dict[int, PartialRequest] = {}
+        q = self.requests
         for g, ids in by_group.items():
-            rows = self._rows(g, ids)
+            rows = q.rows(g, ids)
             for r, i in zip(ids, rows.tolist(), strict=True):
-                gen, plen = int(self.gen[g, i]), int(self.plen[g, i])
-                row = self._data[:, g, i].copy()
-                row[_RP] = plen + gen - int(self.pf[g, i])  # cached: re-prefilled on resume
-                self._interrupted[r] = row
-                versions = self._versions(r, g, bool(self.vflag[g, i]))
+                gen, plen = int(q.generated[g, i]), int(q.prompt_len[g, i])
+                versions = self._versions(r, g, bool(q.sampled[g, i]))
                 payload = self._payload.pop(r, None)
-                out[r] = PartialRequest(r, int(self.pg[g, i]), plen, gen, versions, payload)
+                out[r] = PartialRequest(r, int(q.prompt_group[g, i]), plen, gen, versions, payload)
                 del self._where[r]
-            self._remove(g, rows)
+            q.park(g, rows)  # (its cached context: re-prefilled on resume)
         if discard:  # never resubmitted: its conversation ends here
-            self._env_release(list(request_ids))
+            self.waiting.release(list(request_ids))
         return [out[r] for r in request_ids]
 
     # -- the tick --------------------------------------------------------------------------------
@@ -402,16 +340,16 @@ class SimBackend(WaitingRequests, GroupFailures):
         device): a group whose rest of the budget cannot pay for that chunk (a measured cost
         charges a whole call for any chunk) prefills nothing more this tick and banks the rest
         in ``bank``, its budget set to 0 (its engine step waits for its share to add up)."""
-        G = self.num_groups
-        todo = (self.pf[:, :w] > 0) & (self._col[None, :w] < self.n[:, None])
+        G, q = self.num_groups, self.requests
+        todo = (q.prefill_left[:, :w] > 0) & q.held(w)
         if sched is not None:
             todo &= sched
         todo &= (budget > 0)[:, None]
         gi, ri = np.nonzero(todo)  # group-major: admission order within each group
         if not len(gi):
             return
-        left = self.pf[gi, ri]
-        start = self.plen[gi, ri] + self.gen[gi, ri] - left
+        left = q.prefill_left[gi, ri]
+        start = q.prompt_len[gi, ri] + q.generated[gi, ri] - left
         pairs = self.cost.causal_pairs(start, start + left)
         cnt = np.bincount(gi, minlength=G)
         first = np.concatenate(([0], np.cumsum(cnt)[:-1]))
@@ -443,9 +381,9 @@ class SimBackend(WaitingRequests, GroupFailures):
                 done[p[short]] = 0
                 banked[cut[short]] = True
             spent[cut] = np.where(banked[cut], spent[cut], budget[cut])
-        re = np.minimum(done, self.rp[gi, ri])
-        self.pf[gi, ri] -= done
-        self.rp[gi, ri] -= re
+        re = np.minimum(done, q.reprefill_left[gi, ri])
+        q.prefill_left[gi, ri] -= done
+        q.reprefill_left[gi, ri] -= re
         tot = np.bincount(gi, weights=done, minlength=G)
         tot_re = np.bincount(gi, weights=re, minlength=G)
         counts[:, 0] += tot.astype(np.int64)
@@ -460,14 +398,14 @@ class SimBackend(WaitingRequests, GroupFailures):
             budget[banked] = 0.0
 
     def step(self) -> StepEvents:
-        self._fail_due()
+        self.failures.due(self._tick, self)
         t, G, dt = self._tick, self.num_groups, self.tick_s
         secs = np.zeros((G, len(CATEGORIES)))
         counts = np.zeros((G, 2), np.int64)  # prefill tokens, re-prefill tokens
         tokens = np.zeros(G, np.int64)
-        held = self.n.copy()
+        held = self.requests.count.copy()
         finished: list[FinishedRequest] = []
-        sched = self._wake_up() if self.conversations is not None else None
+        sched = self.waiting.wake_up(t) if self.conversations is not None else None
         if t < self._frozen_until:  # colocated: the devices train; the carry waits
             secs[:, TRAIN] = dt
         else:
@@ -476,10 +414,12 @@ class SimBackend(WaitingRequests, GroupFailures):
             trip = self.trip > 0
             self.trip = np.maximum(self.trip - dt, 0.0)
             self.carry[trip] = 0.0
-            down = self._down()
+            down = self.failures.down(t)
             budget = np.where(trip | down, 0.0, dt + self.carry)
             if self.shared_device:  # each group's share of the device's tick, and its own carry
-                share, working = device_shares(self, sched, trip)
+                share, working = device_shares(
+                    self.requests, self.cost, dt, sched, trip, self.busy + self.mig, self.carry
+                )
                 budget = share + self.carry
             for c, arr in ((TRANSFER, self.busy), (MIGRATE, self.mig)):
                 use = np.minimum(arr, np.maximum(budget, 0.0))
@@ -487,14 +427,14 @@ class SimBackend(WaitingRequests, GroupFailures):
                 budget -= use
                 secs[:, c] = use
             secs[:, TRANSFER] += np.where(trip, dt, 0.0)
-            w = int(self.n.max())
+            w = self.requests.width()
             bank = np.zeros(G) if self.shared_device else None
             self._prefill(w, budget, secs, counts, sched, bank)
             tokens, finished = self._decode(w, budget, secs, sched)
             if bank is not None:
                 self.carry += bank
-        if self.failure_cfg is not None:
-            secs[self._down(), IDLE] = dt  # a failed group, out of the run: idle
+        if self.failures.cfg is not None:
+            secs[self.failures.down(t), IDLE] = dt  # a failed group, out of the run: idle
         idle_own = secs[:, IDLE].copy()  # idle with nothing to do (not waiting for the device)
         if self.shared_device and t >= self._frozen_until:
             away = np.where(trip, 0.0, dt - share)  # the device runs the other groups meanwhile
@@ -502,7 +442,7 @@ class SimBackend(WaitingRequests, GroupFailures):
             idle_own += np.where(working, 0.0, away)
         self.seconds.append(secs.sum(axis=0))
         if self.conversations is not None:
-            self._record_waits(idle_own)
+            self.waiting.record(idle_own)
         busy = secs[:, TRANSFER] + secs[:, MIGRATE]
         fill = secs[:, PREFILL] + secs[:, REPREFILL]
         dec = secs[:, DECODE]
@@ -515,7 +455,7 @@ class SimBackend(WaitingRequests, GroupFailures):
         rows = zip(range(G), *(c.tolist() for c in cols), strict=True)
         ticks = tuple(GroupTick(g, v, _ACTIVITY[a], *rest) for g, v, a, *rest in rows)
         self._tick += 1
-        recovered, health = self._take_failure_events()
+        recovered, health = self.failures.take_events()
         return StepEvents(t, tuple(finished), ticks, recovered, health)
 
     def _decode(
@@ -525,16 +465,17 @@ class SimBackend(WaitingRequests, GroupFailures):
         more); returns tokens per group and the requests that finished (conversations: the
         others that reached their turn's end start waiting on their environment). ``sched``:
         only these rows decode."""
-        valid = self._col[None, :w] < self.n[:, None]
-        gen, target = self.gen[:, :w], self.target[:, :w]
-        full = self.plen[:, :w] + gen
-        runnable = valid & (self.pf[:, :w] == 0)
+        q = self.requests
+        valid = q.held(w)
+        gen, target = q.generated[:, :w], q.target[:, :w]
+        full = q.context(w)
+        runnable = valid & (q.prefill_left[:, :w] == 0)
         if sched is not None:
             runnable &= sched
         over = np.nonzero(np.where(valid, full, 0).sum(axis=1) > self.capacity)[0]
         if len(over):  # park the newest requests of groups whose KV overflows
             cum = np.cumsum(np.where(valid[over], full[over], 0), axis=1)
-            runnable[over] &= (cum <= self.capacity) | (self._col[None, :w] == 0)
+            runnable[over] &= (cum <= self.capacity) | (np.arange(w) == 0)
         rem = np.where(runnable, target - gen, 0.0)
         ctx = np.where(runnable, full, 0.0)
         nr = runnable.sum(axis=1)
@@ -559,7 +500,7 @@ class SimBackend(WaitingRequests, GroupFailures):
         secs[:, IDLE] += np.maximum(idle, 0.0)
         m = np.minimum(rem, steps[:, None]).astype(np.int64)
         gen += m
-        self.vflag[:, :w] |= m > 0
+        q.sampled[:, :w] |= m > 0
         tokens = m.sum(axis=1)
         done = runnable & (gen >= target)
         gi, ri = np.nonzero(done)
@@ -567,18 +508,17 @@ class SimBackend(WaitingRequests, GroupFailures):
         if len(gi) and self.conversations is not None:  # turn ends: when its last token came
             into = np.clip(self.tick_s - b[gi] + m[gi, ri] * s[gi], 0.0, self.tick_s)
             at = np.rint((self._tick * self.tick_s + into) * US).astype(np.int64)
-            last = self._end_turns(gi, ri, at)
+            last = self.waiting.end_turns(gi, ri, at)
             gi, ri = gi[last], ri[last]
         if len(gi):
-            fields = self._data[:, gi, ri]
-            cols = zip(gi.tolist(), *fields[[0, 1, 2, 4]].tolist(), strict=True)
+            fields = (q.request_id, q.prompt_group, q.prompt_len, q.generated)
+            cols = zip(gi.tolist(), *(f[gi, ri].tolist() for f in fields), strict=True)
             if self.conversations is not None:
-                self._log_conversations(gi, ri)
-                self._env_release(self.rid[gi, ri].tolist())
+                self.waiting.finish(gi, ri)
             for g, r, p, pl, ng in cols:
                 versions, payload = self._versions(r, g, True), self._payload.pop(r, None)
                 finished.append(FinishedRequest(r, p, pl, ng, versions, payload))
                 del self._where[r]
             for g in np.unique(gi).tolist():
-                self._remove(g, ri[gi == g])
+                q.remove(g, ri[gi == g])
         return tokens, finished

@@ -279,17 +279,19 @@ def conversation_figures(backend, records, consumed, t0: int, t1: int, span_s: f
     """:class:`ConversationFigures` of the ``consumed`` trajectories (``ConsumedRecord``) and of
     ticks ``[t0, t1)`` of ``backend`` (a :class:`~dora_jax.sim.backend.SimBackend` with
     conversations) and its run's ``records``, ``span_s`` modeled seconds long."""
-    done = backend.conversation_log()
+    done = backend.waiting.conversation_log()
     ids = np.array([c.request_id for c in consumed], np.int64)
     rows = np.searchsorted(done["rid"], ids) if len(ids) else np.zeros(0, np.int64)
     if len(ids) and not np.array_equal(done["rid"][np.minimum(rows, len(done["rid"]) - 1)], ids):
         raise ValueError("a consumed trajectory has no conversation record")
     turns, model = done["turns"][rows], done["model_tokens"][rows]
     obs, env = done["observation_tokens"][rows], done["env_us"][rows] / US
-    waiting = np.asarray(backend.waiting_requests[t0:t1], np.int64).reshape(-1, backend.num_groups)
-    kv = np.asarray(backend.waiting_kv[t0:t1], np.int64).reshape(-1, backend.num_groups)
+    waiting = np.asarray(backend.waiting.waiting_requests[t0:t1], np.int64).reshape(
+        -1, backend.num_groups
+    )
+    kv = np.asarray(backend.waiting.waiting_kv[t0:t1], np.int64).reshape(-1, backend.num_groups)
     per_tick, kv_tick = waiting.sum(axis=1), kv.sum(axis=1)
-    env_idle = float(np.sum(backend.env_wait_s[t0:t1]))
+    env_idle = float(np.sum(backend.waiting.env_wait_s[t0:t1]))
     capacity = backend.capacity * backend.num_groups
 
     def stat(f, x, empty=0.0):

@@ -1,7 +1,7 @@
 """Rollout groups that fail, in the simulator (``SimConfig.failures``), and what stopping the
 whole job at every failure would cost instead.
 
-Recovery in place (:class:`GroupFailures`, mixed into :class:`~dora_jax.sim.backend.SimBackend`),
+Recovery in place (:class:`GroupFailures`, run by :class:`~dora_jax.sim.backend.SimBackend`),
 as the real backend does for a rollout host that dies: each group's failures are a Poisson
 process in modeled seconds (rate ``rollout_tp / gpu_mtbf``, drawn from ``failures.seed`` and the
 group); at a failure every request the group held goes back to the control plane as recovered
@@ -19,91 +19,103 @@ failures cost that under both policies (the trainer is one SPMD program).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from dora_jax.orchestrator.backend import HealthChange, PartialRequest
 from dora_jax.sim.config import FailureConfig
+from dora_jax.sim.requests import RequestTable
 
 HOUR = 3600.0
 
 
-class GroupFailures:
-    """Failure times per group and the failed groups' state (the backend's ``num_groups``,
-    ``tick_s``, ``version``, ``trip``, ``busy``, ``cost`` and request rows)."""
+class FailingGroups(Protocol):
+    """What :class:`GroupFailures` needs of the backend: each group's ``version``, to take
+    requests back, to make a group load the newest version (returned) from the trainer, whether
+    one still loads, and to make one drop its work in flight."""
 
-    def _init_failures(self, cfg: FailureConfig | None, rollout_tp: int) -> None:
-        self.failure_cfg = cfg
-        self.down_until = np.zeros(self.num_groups)  # modeled seconds; > now: out of the run
+    version: np.ndarray
+
+    def interrupt(self, request_ids: list[int], discard: bool = False) -> list[PartialRequest]: ...
+    def load_newest(self, group: int) -> int: ...
+    def loading(self, group: int) -> bool: ...
+    def halt(self, group: int) -> None: ...
+
+
+class GroupFailures:
+    """Failure times per group and the failed groups' state, for the groups whose requests are
+    in ``requests``, in ticks of ``tick_s`` (``cfg`` None: groups never fail)."""
+
+    def __init__(
+        self, cfg: FailureConfig | None, requests: RequestTable, rollout_tp: int, tick_s: float
+    ):
+        self.cfg, self.requests, self.tick_s = cfg, requests, tick_s
+        num_groups = len(requests.count)
+        self.down_until = np.zeros(num_groups)  # modeled seconds; > now: out of the run
         self.failed = 0  # group failures so far
         self.recovered_requests = 0
         self._stale: set[int] = set()
         self._health: list[HealthChange] = []
         self._recovered: list[PartialRequest] = []
-        self._next_failure = np.full(self.num_groups, np.inf)
+        self._next_failure = np.full(num_groups, np.inf)
         if cfg is not None:
             self._rate = rollout_tp / (cfg.gpu_mtbf_hours * HOUR)  # per group and second
             self._rng = np.random.default_rng([cfg.seed, 7919])
-            self._next_failure = self._rng.exponential(1.0 / self._rate, self.num_groups)
+            self._next_failure = self._rng.exponential(1.0 / self._rate, num_groups)
 
-    def _down(self) -> np.ndarray:
-        """Which groups are out of the run now."""
-        return self.down_until > self._tick * self.tick_s
+    def down(self, tick: int) -> np.ndarray:
+        """Which groups are out of the run at tick ``tick``."""
+        return self.down_until > tick * self.tick_s
 
-    def sendable_versions(self) -> frozenset[int]:
-        """Versions older than the newest that only groups out of the run hold: the trainer
-        sends them for those groups' recovered requests."""
-        down = self._down()
-        gone = {int(v) for v in self.version[down]}
-        live = {int(v) for v in self.version[~down]}
-        return frozenset(gone - live - {self._published})
+    def sendable_versions(self, version: np.ndarray, published: int, tick: int) -> frozenset[int]:
+        """Versions older than the newest (``published``) that only groups out of the run hold
+        (``version``: each group's): the trainer sends them for those groups' recovered
+        requests."""
+        down = self.down(tick)
+        gone = {int(v) for v in version[down]}
+        live = {int(v) for v in version[~down]}
+        return frozenset(gone - live - {published})
 
-    def _fail_due(self) -> None:
+    def due(self, tick: int, groups: FailingGroups) -> None:
         """Fail every group whose next failure time has come (before the tick's work), and bring
         back those whose restart is over."""
-        if self.failure_cfg is None:
+        if self.cfg is None:
             return
-        now = self._tick * self.tick_s
+        now = tick * self.tick_s
         for g in np.flatnonzero((self.down_until > 0) & (self.down_until <= now)).tolist():
             self.down_until[g] = 0.0  # back: it loads the newest version from the trainer
-            self.version[g] = self._published
-            self.trip[g] = self.cost.weight_trip_s()
-            self.busy[g] = self.cost.weight_transfer_s()
-            self.weight_transfers += 1
+            v = groups.load_newest(g)
             self._stale.add(g)
-            self._health.append(HealthChange(g, "stale", f"loading v{self._published}"))
+            self._health.append(HealthChange(g, "stale", f"loading v{v}"))
         for g in sorted(self._stale):
-            if self.trip[g] <= 0 and self.busy[g] <= 0:
+            if not groups.loading(g):
                 self._stale.discard(g)
-                self._health.append(HealthChange(g, "healthy", f"v{int(self.version[g])} loaded"))
+                self._health.append(HealthChange(g, "healthy", f"v{int(groups.version[g])} loaded"))
         for g in np.flatnonzero(self._next_failure <= now).tolist():
             self._next_failure[g] = now + self._rng.exponential(1.0 / self._rate)
             if self.down_until[g] > now:
                 continue  # (already out)
-            self._fail_group(g, now)
+            self._fail(g, now, groups)
 
-    def _fail_group(self, g: int, now: float) -> None:
+    def _fail(self, g: int, now: float, groups: FailingGroups) -> None:
         self.failed += 1
         self._stale.discard(g)
-        cfg = self.failure_cfg
         self._health.append(HealthChange(g, "dead", "simulated failure"))
-        from dora_jax.sim.backend import _GEN, _RP  # (the backend imports this module)
-
-        ids = self.rid[g, : int(self.n[g])].tolist()
-        v = int(self.version[g])
-        for p in self.interrupt(ids) if ids else []:
-            row = self._interrupted[p.request_id]
-            row[_GEN] = 0  # sampled again from the start
-            row[_RP] = p.prompt_len  # its prompt was prefilled once already
+        ids = self.requests.ids(g)
+        v = int(groups.version[g])
+        for p in groups.interrupt(ids) if ids else []:
+            self.requests.restart(p.request_id)  # sampled again from the start
             again = PartialRequest(
                 p.request_id, p.prompt_group, p.prompt_len, 0, (v,), p.payload, "prompt"
             )
             self._recovered.append(again)
         self.recovered_requests += len(ids)
-        self.down_until[g] = now + cfg.restart_s
-        self.trip[g] = self.busy[g] = self.mig[g] = self.carry[g] = 0.0
+        self.down_until[g] = now + self.cfg.restart_s
+        groups.halt(g)
 
-    def _take_failure_events(self) -> tuple[tuple, tuple]:
+    def take_events(self) -> tuple[tuple, tuple]:
+        """The requests recovered and the health changes since the last call."""
         recovered, health = tuple(self._recovered), tuple(self._health)
         self._recovered, self._health = [], []
         return recovered, health

@@ -9,43 +9,46 @@ as its environment wait.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from dora_jax.sim.backend import SimBackend
+from dora_jax.sim.cost_model import CostModel
+from dora_jax.sim.requests import RequestTable
 
 
 def device_shares(
-    sim: SimBackend, sched: np.ndarray | None, away: np.ndarray
+    requests: RequestTable,
+    cost: CostModel,
+    tick_s: float,
+    sched: np.ndarray | None,
+    away: np.ndarray,
+    moving_s: np.ndarray,
+    carry_s: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of this tick each group gets of the one device the groups share: ``tick_s``
-    water-filled by each group's work (the rest of its transfers and KV imports, its
-    pending prefill in one call, and decode steps until its furthest turn end at the cost
-    model's step time for its batch), less what it carried over; and which groups have
-    work. Groups ``away`` (waiting for their weights) take no share."""
-    w = int(sim.n.max())
-    valid = sim._col[None, :w] < sim.n[:, None]
+    water-filled by each group's work (``moving_s``, the rest of its transfers and KV imports;
+    its pending prefill in one call; and decode steps until its furthest turn end at the cost
+    model's step time for its batch), less what it carried over (``carry_s``); and which groups
+    have work. Only the rows ``sched`` (None: all held) count; groups ``away`` (waiting for
+    their weights) take no share."""
+    q, w = requests, requests.width()
+    valid = q.held(w)
     live = valid if sched is None else valid & sched
-    pf = np.where(live, sim.pf[:, :w], 0)
-    full = sim.plen[:, :w] + sim.gen[:, :w]
-    pairs = np.where(live, sim.cost.causal_pairs(full - pf, full), 0.0)
-    rem = np.where(live, sim.target[:, :w] - sim.gen[:, :w], 0)
+    pf = np.where(live, q.prefill_left[:, :w], 0)
+    full = q.context(w)
+    pairs = np.where(live, cost.causal_pairs(full - pf, full), 0.0)
+    rem = np.where(live, q.target[:, :w] - q.generated[:, :w], 0)
     nr = (live & (rem > 0)).sum(axis=1)
     ctx = np.where(live, full, 0).sum(axis=1)
-    step = sim.cost.decode_step_s(np.maximum(nr, 1), ctx)
-    need = (
-        sim.busy
-        + sim.mig
-        + np.where(pf.sum(axis=1) > 0, sim.cost.prefill_s(pf.sum(axis=1), pairs.sum(axis=1)), 0.0)
+    step = cost.decode_step_s(np.maximum(nr, 1), ctx)
+    need = moving_s + np.where(
+        pf.sum(axis=1) > 0, cost.prefill_s(pf.sum(axis=1), pairs.sum(axis=1)), 0.0
     )
     need = need + np.where(nr > 0, step * rem.max(axis=1, initial=0), 0.0)
     need = np.where(away, 0.0, need)
     working = need > 0
-    need = np.maximum(need - sim.carry, 0.0)
-    share = np.zeros(sim.num_groups)
-    left, todo = sim.tick_s, [int(g) for g in np.argsort(need, kind="stable") if need[g] > 0]
+    need = np.maximum(need - carry_s, 0.0)
+    share = np.zeros(len(need))
+    left, todo = tick_s, [int(g) for g in np.argsort(need, kind="stable") if need[g] > 0]
     for i, g in enumerate(todo):  # the smallest needs first, each up to an equal split
         share[g] = min(need[g], left / (len(todo) - i))
         left -= share[g]

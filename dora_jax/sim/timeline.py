@@ -1,7 +1,7 @@
 """The timeline of a simulated run with conversations: the real runs' picture (one lane per
 rollout group over modeled time, coloured by the version it holds; the trainer's steps on top),
 with the time a group spends idle while its requests wait on their environments drawn in its
-own colour (the ``env_wait`` activity; :attr:`~dora_jax.sim.backend.SimBackend.env_wait_s`).
+own colour (the ``env_wait`` activity; :attr:`~dora_jax.sim.waiting.WaitingRequests.env_wait_s`).
 
 The colours are those of :func:`dora_jax.report.plot_timeline`: full version colour decoding,
 light prefilling or holding requests that wait for something else, grey receiving weights,
@@ -66,7 +66,7 @@ def conversation_timeline_png(run, path: str | Path, span: tuple[int, int]) -> P
     a, b = int(max(0, span[0])), int(min(len(rec.groups), span[1]))
     if b <= a:
         raise ValueError(f"no ticks to draw in [{a}, {b})")
-    env = np.asarray(backend.env_wait_s[a:b]).reshape(b - a, backend.num_groups)
+    env = np.asarray(backend.waiting.env_wait_s[a:b]).reshape(b - a, backend.num_groups)
     img = _columns(_cells(rec.groups[a:b], env, dt), min(b - a, MAX_COLS))
     ngroups = backend.num_groups
     lanes_in = float(np.clip(0.2 * ngroups, 1.6, 16.0))
