@@ -274,3 +274,52 @@ def test_a_planted_cycle_is_found():
     assert len(cycles) == len(KNOWN_CYCLES) + 1
     (new,) = [c for c in cycles if c not in KNOWN_CYCLES]
     assert {"dora_jax.checkpoint", "dora_jax.pipeline.experiment"} <= set(new)
+
+
+def borrowed_privates(sources: dict[str, str]) -> list[str]:
+    """Classes of the package that extend a class of another module whose methods read private
+    attributes (``self._x``) it neither sets nor defines: a mixin working on its subclass's
+    state. One line each: the class, the base and the attributes."""
+    bases: dict[str, list[tuple[str, ast.ClassDef]]] = {}
+    trees = {p: ast.parse(s, p) for p, s in sources.items()}
+    for p, tree in trees.items():
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, []).append((p, node))
+    found = []
+    for p, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for b in node.bases:
+                name = b.id if isinstance(b, ast.Name) else getattr(b, "attr", None)
+                for where, base in bases.get(name, []):
+                    if where == p:
+                        continue
+                    own, read = set(), set()
+                    for n in ast.walk(base):
+                        if isinstance(n, ast.FunctionDef):
+                            own.add(n.name)
+                        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+                            if n.value.id == "self" and re.fullmatch(r"_[a-z]\w*", n.attr):
+                                (own if isinstance(n.ctx, ast.Store) else read).add(n.attr)
+                    if read - own:
+                        found.append(f"{p}: {node.name}({name} of {where}) {sorted(read - own)}")
+    return found
+
+
+def test_no_class_extends_a_base_that_reads_its_private_state():
+    assert borrowed_privates(package_sources()) == []
+
+
+def test_a_planted_mixin_is_found():
+    real = package_sources()
+    planted = real | {
+        "dora_jax/orchestrator/gadget_parts.py": "class Parts:\n    def f(self):\n"
+        "        return self._items\n",
+        "dora_jax/orchestrator/gadget.py": "from dora_jax.orchestrator.gadget_parts import Parts\n"
+        "\n\nclass Gadget(Parts):\n    def __init__(self):\n        self._items = []\n",
+    }
+    found = borrowed_privates(planted)
+    assert len(found) == 1 and "Gadget(Parts of dora_jax/orchestrator/gadget_parts.py)" in found[0]
+    assert "_items" in found[0]
