@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import flax.struct
@@ -74,28 +74,43 @@ class Trajectory:
     valid: bool = True
 
 
+def _per(axis: str, dtype: type) -> Any:
+    """A :class:`TrainBatch` field laid out per ``token`` (``[B, T]``) or per ``sample``
+    (``[S]``), of ``dtype``: what its shardings and abstract shapes are made from."""
+    return flax.struct.field(metadata={"per": axis, "dtype": dtype})
+
+
 @flax.struct.dataclass
 class TrainBatch:
     """One fixed-shape train batch of NumPy (or device) arrays; a pytree."""
 
-    tokens: Any  # int32[B, T]
-    positions: Any  # int32[B, T]
-    segment_ids: Any  # int32[B, T]   0 = padding
-    targets: Any  # int32[B, T]   next token
-    loss_mask: Any  # bool[B, T]    target is a response token
-    behavior_logprobs: Any  # float32[B, T] engine log-prob of the target (0 off the mask)
-    sample_index: Any  # int32[B, T]   sample of the slot, S for padding
-    rewards: Any  # float32[S]
-    sample_mask: Any  # bool[S]       false for batch padding
-    staleness: Any  # int32[S]      trainer version - trajectory version
-    response_lens: Any  # int32[S]
+    tokens: Any = _per("token", np.int32)
+    positions: Any = _per("token", np.int32)
+    segment_ids: Any = _per("token", np.int32)  # 0 = padding
+    targets: Any = _per("token", np.int32)  # next token
+    loss_mask: Any = _per("token", np.bool_)  # target is a response token
+    # the engine's log-prob of the target (0 off the mask)
+    behavior_logprobs: Any = _per("token", np.float32)
+    sample_index: Any = _per("token", np.int32)  # sample of the slot, S for padding
+    rewards: Any = _per("sample", np.float32)
+    sample_mask: Any = _per("sample", np.bool_)  # false for batch padding
+    staleness: Any = _per("sample", np.int32)  # trainer version - trajectory version
+    response_lens: Any = _per("sample", np.int32)
     routes: Any = None  # int16[B, T, L, k] MoE only: the engine's experts per token, -1 unknown
     # train.microbatch_tokens only: bool[M], the microbatches that hold samples (a prefix); the
     # step loops over those. Microbatch m is rows m, m + M, m + 2M, ...
     chunk_mask: Any = None
-    # bool[S]: false for a sample left out of its group's baseline and of the loss (a failed
-    # call under data.on_failure; batch padding); None: every sample of sample_mask counts
-    valid: Any = None
+    # false for a sample left out of its group's baseline and of the loss (a failed call under
+    # data.on_failure; batch padding); None: every sample of sample_mask counts
+    valid: Any = flax.struct.field(default=None, metadata={"per": "sample", "dtype": np.bool_})
+
+    @classmethod
+    def laid_out(cls, per_token: Any, per_sample: Any, **rest: Any) -> TrainBatch:
+        """A batch whose every per-token field is ``per_token(dtype)`` and every per-sample one
+        ``per_sample(dtype)`` (shardings, abstract shapes), the others as ``rest`` gives them."""
+        make = {"token": per_token, "sample": per_sample}
+        laid = {f.name: make[f.metadata["per"]](f.metadata["dtype"]) for f in _LAID_OUT}
+        return cls(**laid, **rest)
 
     @property
     def num_rows(self) -> int:
@@ -108,6 +123,9 @@ class TrainBatch:
     @property
     def num_samples(self) -> int:
         return self.rewards.shape[0]
+
+
+_LAID_OUT = tuple(f for f in fields(TrainBatch) if "per" in f.metadata)  # per token or sample
 
 
 def choose_bucket(length: int, buckets: Sequence[int]) -> int:

@@ -391,21 +391,11 @@ def batch_shardings(
     per-sample arrays (and the microbatch mask of ``train.microbatch_tokens``) replicated."""
     tok = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
     rep = NamedSharding(mesh, PartitionSpec())
-    return TrainBatch(
-        tokens=tok,
-        positions=tok,
-        segment_ids=tok,
-        targets=tok,
-        loss_mask=tok,
-        behavior_logprobs=tok,
-        sample_index=tok,
-        rewards=rep,
-        sample_mask=rep,
-        staleness=rep,
-        response_lens=rep,
+    return TrainBatch.laid_out(
+        lambda dtype: tok,
+        lambda dtype: rep,
         routes=tok if model_cfg.is_moe else None,
         chunk_mask=rep if train_cfg.microbatch_tokens else None,
-        valid=rep,
     )
 
 
@@ -423,23 +413,11 @@ def abstract_batch(
     compiles for."""
     routes = routes_shape(model_cfg)
     M = rows // chunk_rows(train_cfg, seq_len, multiple) if train_cfg.microbatch_tokens else None
-    tok = lambda dt: jax.ShapeDtypeStruct((rows, seq_len), dt)  # noqa: E731
-    smp = lambda dt: jax.ShapeDtypeStruct((num_samples,), dt)  # noqa: E731
-    return TrainBatch(
-        tokens=tok(jnp.int32),
-        positions=tok(jnp.int32),
-        segment_ids=tok(jnp.int32),
-        targets=tok(jnp.int32),
-        loss_mask=tok(jnp.bool_),
-        behavior_logprobs=tok(jnp.float32),
-        sample_index=tok(jnp.int32),
-        rewards=smp(jnp.float32),
-        sample_mask=smp(jnp.bool_),
-        staleness=smp(jnp.int32),
-        response_lens=smp(jnp.int32),
+    return TrainBatch.laid_out(
+        lambda dtype: jax.ShapeDtypeStruct((rows, seq_len), dtype),
+        lambda dtype: jax.ShapeDtypeStruct((num_samples,), dtype),
         routes=jax.ShapeDtypeStruct((rows, seq_len, *routes), jnp.int16) if routes else None,
         chunk_mask=None if M is None else jax.ShapeDtypeStruct((M,), jnp.bool_),
-        valid=smp(jnp.bool_),
     )
 
 
