@@ -66,6 +66,35 @@ def import_target(target: str, module_prefix: str) -> ModuleType:
     return module
 
 
+def load_named(
+    spec: str, field: str, expected: str, prefix: str, error: type[Exception], noun: str = ""
+) -> Any:
+    """What a ``file.py:name`` or ``package.module:name`` ``spec`` names. A malformed spec, a
+    missing file, a module that fails to import or a missing name raises ``error`` with one
+    line naming the config ``field`` (``expected``: the forms it takes; ``noun``: what the name
+    is, for the messages; ``prefix``: of a file's module name)."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise error(f"{field}: expected {expected}, got {spec!r}")
+    what = f"{noun} " if noun else ""
+    try:
+        module = import_target(target, prefix)
+    except FileNotFoundError as e:
+        looking = f" (looking for {what}{name!r})" if noun else ""
+        raise error(f"{field}: {e}: no such file{looking}") from None
+    except UserImportError as e:
+        raise error(f"{field}: {e}: {one_line(e.cause)}") from None
+    found = getattr(module, name, None)
+    if found is None:
+        raise error(f"{field}: {target} has no {what}{name!r}")
+    return found
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as ``Type: message`` on one line."""
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
 def invoke(fn: Any, *args: Any) -> Any:
     """``fn(*args)``; a coroutine is run to its end."""
     result = fn(*args)

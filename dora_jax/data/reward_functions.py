@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dora_jax.user_code import UserImportError, finite_real, import_target, invoke
+from dora_jax.user_code import finite_real, invoke, load_named
 from dora_jax.user_code import resolve_spec as resolve_spec
 
 BUILT_IN = (
@@ -43,22 +43,10 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
 
         built_in = {"final_number": final_number_reward}
         return {"exact": exact_reward, "boxed_math": boxed_math_reward, **built_in}[spec]
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise RewardSpecError(
-            f"data.reward: expected 'file.py:function' or 'package.module:function', got {spec!r}"
-        )
-    try:
-        module = import_target(target, "dora_jax_user_reward")
-    except FileNotFoundError as e:
-        raise RewardSpecError(f"data.reward: {e}: no such file") from None
-    except UserImportError as e:
-        raise RewardSpecError(f"data.reward: {e}: {type(e.cause).__name__}: {e.cause}") from None
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise RewardSpecError(f"data.reward: {target} has no {name!r}")
+    forms = "'file.py:function' or 'package.module:function'"
+    fn = load_named(spec, "data.reward", forms, "dora_jax_user_reward", RewardSpecError)
     if not callable(fn):
-        raise RewardSpecError(f"data.reward: {target}:{name} is not callable")
+        raise RewardSpecError(f"data.reward: {spec} is not callable")
     arity(fn)
     return fn
 

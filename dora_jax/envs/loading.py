@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dora_jax.envs.protocol import InvalidEnvReturn, stop_strings
-from dora_jax.user_code import UserImportError, import_target
+from dora_jax.user_code import load_named, one_line
 from dora_jax.user_code import resolve_spec as resolve_spec
 
 # built-in name -> module:Class (the two adapters need the ``envs`` extra)
@@ -27,34 +27,19 @@ class EnvSpecError(ValueError):
     """``env`` names no usable environment class (the one-line message says why)."""
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(f"{type(e).__name__}: {e}".split())
-
-
 def load_environment_class(spec: str) -> type:
     """The class ``spec`` names, checked to have callable ``reset`` and ``step``."""
     spec = BUILT_IN.get(spec, spec)
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise EnvSpecError(
-            f"env: expected a built-in ({', '.join(BUILT_IN)}), "
-            f"'path/to/file.py:ClassName' or 'package.module:ClassName', "
-            f"got {spec!r}"
-        )
-    try:
-        module = import_target(target, "dora_jax_user_env")
-    except FileNotFoundError as e:
-        raise EnvSpecError(f"env: {e}: no such file (looking for class {name!r})") from None
-    except UserImportError as e:
-        raise EnvSpecError(f"env: {e}: {_one_line(e.cause)}") from None
-    cls = getattr(module, name, None)
-    if cls is None:
-        raise EnvSpecError(f"env: {target} has no class {name!r}")
+    forms = (
+        f"a built-in ({', '.join(BUILT_IN)}), 'path/to/file.py:ClassName' or "
+        "'package.module:ClassName'"
+    )
+    cls = load_named(spec, "env", forms, "dora_jax_user_env", EnvSpecError, noun="class")
     if not isinstance(cls, type):
-        raise EnvSpecError(f"env: {target}:{name} is a {type(cls).__name__}, not a class")
+        raise EnvSpecError(f"env: {spec} is a {type(cls).__name__}, not a class")
     for method in ("reset", "step"):
         if not callable(getattr(cls, method, None)):
-            raise EnvSpecError(f"env: {target}:{name} has no {method}() method")
+            raise EnvSpecError(f"env: {spec} has no {method}() method")
     return cls
 
 
@@ -64,7 +49,7 @@ def make_environment(cls: type, kwargs: dict[str, Any] | None, where: str) -> An
     try:
         env = cls(**(kwargs or {}))
     except Exception as e:  # a user's constructor may raise anything
-        raise EnvSpecError(f"env: {where}({_kwargs_text(kwargs)}) raised {_one_line(e)}") from None
+        raise EnvSpecError(f"env: {where}({_kwargs_text(kwargs)}) raised {one_line(e)}") from None
     try:
         stop_strings(env)
     except InvalidEnvReturn as e:
