@@ -98,8 +98,10 @@ def _column_means(edges: np.ndarray, rgb: np.ndarray, cols: np.ndarray) -> np.nd
     return np.stack([np.diff(np.interp(cols, edges, area[:, c])) / width for c in range(3)], axis=1)
 
 
-def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
-    """``[groups, ncols, 3]`` RGB: each column the time-weighted mean colour of what it spans."""
+def _image(version, act, active, edges: np.ndarray, ncols: int, waits=None) -> np.ndarray:
+    """``[groups, ncols, 3]`` RGB: each column the time-weighted mean colour of what it spans;
+    ``waits`` (``[groups, ticks]``, shares of each tick): that much of a cell turns to the
+    environment-wait colour."""
     p = len(PALETTE)
     lut = np.concatenate(
         [
@@ -115,9 +117,13 @@ def _image(version, act, active, edges: np.ndarray, ncols: int) -> np.ndarray:
     idx = np.where(act == _ENV_WAIT, 3 + 2 * p, idx)
     idx = np.where(busy, 2 + version % p + p * (act != _DECODE), idx)
     cols = np.linspace(edges[0], edges[-1], ncols + 1)
+    rgb = lut[idx]
+    if waits is not None:
+        f = np.clip(waits, 0.0, 1.0)[:, :, None]
+        rgb = (1.0 - f) * rgb + f * ENV_WAIT_RGB
     img = np.empty((version.shape[0], ncols, 3))
     for g in range(version.shape[0]):
-        img[g] = _column_means(edges, lut[idx[g]], cols)
+        img[g] = _column_means(edges, rgb[g], cols)
     return np.clip(img, 0.0, 1.0)
 
 
@@ -177,7 +183,7 @@ class _Layout(NamedTuple):
 
 
 def _span_layout(
-    records: Records, span: tuple[float, float] | None, max_cols: int, tick_seconds: Any
+    records: Records, span: tuple[float, float] | None, max_cols: int, tick_seconds: Any, waits: Any
 ) -> _Layout:
     """Wall-clock records: x is seconds; each group's spans where they happened."""
     x0, x1 = 0.0, max(records.horizon(), max((s.end for s in records.steps), default=0.0))
@@ -195,8 +201,11 @@ def _tick_layout(
     span: tuple[float, float] | None,
     max_cols: int,
     tick_seconds: list[float] | None,
+    waits: np.ndarray | None,
 ) -> _Layout:
-    """Logical-clock records: one column per tick, or seconds when ``tick_seconds`` is given."""
+    """Logical-clock records: one column per tick, or seconds when ``tick_seconds`` is given;
+    ``waits`` (``[ticks, groups]``): each group's share of each tick spent waiting on its
+    conversations' environment (the simulator's), drawn in that colour."""
     version, act, active = _grid(records)
     ngroups, last = version.shape
     edges = _time_edges(last, tick_seconds)
@@ -206,7 +215,8 @@ def _tick_layout(
     ncols = max(1, min(shown, max_cols) if tick_seconds is None else max_cols)
     img = None
     if shown:
-        img = _image(version[:, a:b], act[:, a:b], active[:, a:b], edges[a : b + 1], ncols)
+        w = None if waits is None else np.asarray(waits)[a:b].T
+        img = _image(version[:, a:b], act[:, a:b], active[:, a:b], edges[a : b + 1], ncols, w)
 
     def x_at(tick: float) -> float:
         return float(edges[min(max(int(tick), 0), last)]) if last else 0.0
@@ -227,6 +237,7 @@ def plot_timeline(
     tick_seconds: list[float] | None = None,
     max_cols: int = MAX_COLS,
     span: tuple[float, float] | None = None,
+    waits: np.ndarray | None = None,
 ) -> Path:
     """Write a PNG: one lane per rollout group over time, coloured by the version it holds.
 
@@ -240,9 +251,11 @@ def plot_timeline(
     KV move (near-black) of its group where it happened). Runs longer than ``max_cols`` columns
     are area-averaged (a column's colour is the mean over the time it covers): 100k ticks x 128
     groups render as one image. ``span``: draw only ``[start, end)`` (ticks or seconds).
+    ``waits`` (logical records, ``[ticks, groups]``): the share of each tick a group idled while
+    its conversations waited on their environment (the simulator's), drawn in gold.
     """
     path = Path(path)
-    lay = _TIMELINES[records.clock](records, span, max_cols, tick_seconds)
+    lay = _TIMELINES[records.clock](records, span, max_cols, tick_seconds, waits)
     ngroups, nticks, x0, x1, img, x_at, versions = lay[:7]
     lanes_in = float(np.clip(0.2 * ngroups, 1.6, 16.0))  # inches for the group lanes
     fig = Figure(figsize=(14, lanes_in + 1.9), dpi=110, layout="constrained")

@@ -426,11 +426,14 @@ def test_figures_and_timeline(runs, tmp_path):
     assert "dora/dis" in text and "model tok/s" in text
     png = report.timeline_png(runs["dora"], tmp_path / "t.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
-    from dora_jax.sim.timeline import ENV_WAIT_RGB, _cells
+    from dora_jax.report import ENV_WAIT_RGB, _tick_layout
 
     rec, b = runs["sync"].result.records, runs["sync"].backend
-    cells = _cells(rec.groups, np.asarray(b.waiting.env_wait_s), 0.5)
-    assert np.any(np.all(np.isclose(cells, ENV_WAIT_RGB), axis=-1))  # gold where only waits
+    n = len(rec.groups)  # (a column per tick)
+    gold = _tick_layout(rec, None, n, None, np.asarray(b.waiting.env_wait_s) / 0.5).img
+    assert np.any(np.all(np.isclose(gold, ENV_WAIT_RGB), axis=-1))  # gold where only waits
+    plain = _tick_layout(rec, None, n, None, None).img
+    assert not np.any(np.all(np.isclose(plain, ENV_WAIT_RGB), axis=-1))
 
 
 def test_dora_migrates_waiting_conversations_and_they_keep_their_turns():

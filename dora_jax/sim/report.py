@@ -325,19 +325,18 @@ def write_json(
 def timeline_png(run: SimRun, path: Path) -> Path:
     """Groups x modeled time over ``timeline_steps`` train steps after the warm-up, drawn by
     :func:`dora_jax.report.plot_timeline` (the real runs' timeline; groups whose devices a
-    colocated trainer holds are light, holding requests), x in modeled seconds; a run with
-    conversations by :func:`dora_jax.sim.timeline.conversation_timeline_png` (the same picture,
-    with environment waits in their own colour)."""
+    colocated trainer holds are light, holding requests), x in modeled seconds; with
+    conversations, each group's share of a tick spent waiting on their environments in gold."""
     cfg, rec = run.cfg, run.result.records
     w, k = cfg.run.warmup_steps, cfg.run.timeline_steps
     t0 = rec.steps[w - 1].end if w else 0
     done = min(len(rec.steps), cfg.run.steps)  # the last record may be a step still running
     t1 = rec.steps[min(w + max(k, 1), done) - 1].end
-    if run.backend.conversations is not None:
-        from dora_jax.sim.timeline import conversation_timeline_png
-
-        return conversation_timeline_png(run, path, (t0, t1))
     m = run.metrics
     title = f"{cfg.name}: {m.mode} ({m.placement}), {m.groups} groups, modeled time"
     secs = [cfg.run.tick_s] * len(rec.groups)
-    return plot_timeline(rec, path, title=title, tick_seconds=secs, span=(t0, t1))
+    waits = None
+    if run.backend.conversations is not None:
+        waits = np.asarray(run.backend.waiting.env_wait_s[: len(rec.groups)]) / cfg.run.tick_s
+        title += ", conversations"
+    return plot_timeline(rec, path, title=title, tick_seconds=secs, span=(t0, t1), waits=waits)
