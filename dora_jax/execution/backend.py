@@ -33,7 +33,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from jax.sharding import Mesh
@@ -47,12 +47,7 @@ from dora_jax.execution.group import GroupWorker, Place, error_text
 from dora_jax.execution.payloads import Completion, PromptPayload
 from dora_jax.execution.recovery import GroupRecovery
 from dora_jax.execution.transport import GroupDead, done, transport_for
-from dora_jax.execution.turns import (
-    TurnDriver,
-    TurnOutcome,
-    conversations_state,
-    load_conversations_state,
-)
+from dora_jax.execution.turns import TurnDriver, TurnOutcome
 from dora_jax.model.params import Params
 from dora_jax.orchestrator.backend import (
     TRAINER,
@@ -583,7 +578,7 @@ class EngineBackend:
                 None if self.recovery.gone(g) else self.send(g, c.Snapshot(g)).result(WAIT_S)
                 for g in range(len(self.handles))
             ],
-            "conversations": conversations_state(self),
+            "conversations": self._conversations_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any], params_for: Callable[[int], Params]) -> None:
@@ -600,7 +595,7 @@ class EngineBackend:
         self.books.versions = list(state["versions"])
         self.recovery.orphaned = set(state.get("orphaned", ()))
         self.recovery.recovered = list(state.get("recovered", ()))
-        load_conversations_state(self, state.get("conversations"))
+        self._load_conversations_state(state.get("conversations"))
         for g, snap in enumerate(state["engines"]):
             if snap is None:  # out of the run when saved: back now, with the newest version
                 self.recovery.orphan(g)
@@ -616,6 +611,36 @@ class EngineBackend:
             source = self.trainer_source(g, snap.version, params_for(snap.version))
             self.send(g, c.Restore(g, snap, **source)).result(WAIT_S)  # on the group's thread
             self.loads[g] = done()
+
+    def _conversations_state(self) -> dict[str, Any] | None:
+        """The conversations part of the state (None without a driver): the driver's state, the
+        requests waiting on their environment, each one's last turn end, answers held for
+        interrupted requests, and conversations ended and not yet handed on."""
+        if self.turns is None:
+            return None
+        return {
+            "driver": self.turns.state_dict(),
+            "waiting": sorted(self._waiting),
+            "last_turn": dict(self._last_turn),
+            "held_turns": {r: [list(o) for o in obs] for r, obs in self._held_turns.items()},
+            "over": {rid: asdict(o) for rid, o in self._over.items()},
+            "ended": list(self._ended),
+        }
+
+    def _load_conversations_state(self, conv: dict[str, Any] | None) -> None:
+        if (conv is None) != (self.turns is None):
+            raise BackendError(
+                "the checkpoint's conversations and this run's env section disagree (a run "
+                "with multi-turn environments resumes with the same env.spec)"
+            )
+        if conv is None:
+            return
+        self.turns.load_state_dict(conv["driver"])
+        self._waiting = set(conv["waiting"])
+        self._last_turn = dict(conv["last_turn"])
+        self._held_turns = {r: [tuple(o) for o in obs] for r, obs in conv["held_turns"].items()}
+        self._over = {rid: TurnOutcome.from_state(o) for rid, o in conv["over"].items()}
+        self._ended = list(conv["ended"])
 
     # -- internals -------------------------------------------------------------------------------
     def _check_group(self, group) -> None:

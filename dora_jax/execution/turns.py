@@ -14,13 +14,11 @@ this protocol.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dora_jax.execution.payloads import PromptPayload
-from dora_jax.orchestrator.backend import BackendError
 
 
 @dataclass(frozen=True)
@@ -38,6 +36,12 @@ class TurnOutcome:
     reward: float = 0.0
     loss_mask: tuple[bool, ...] = ()
     figures: dict[str, Any] | None = None
+
+    @classmethod
+    def from_state(cls, d: dict[str, Any]) -> TurnOutcome:
+        """An outcome as ``dataclasses.asdict`` wrote it (a checkpoint)."""
+        obs = None if d["observation"] is None else tuple(d["observation"])
+        return cls(d["request_id"], obs, float(d["reward"]), tuple(d["loss_mask"]), d["figures"])
 
     @property
     def over(self) -> bool:
@@ -80,46 +84,3 @@ class TurnDriver(Protocol):
         be started again on restore)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-# -- a backend's conversations in its checkpoints --------------------------------------------------
-
-
-def conversations_state(b: Any) -> dict[str, Any] | None:
-    """The conversations part of backend ``b``'s state (None without a driver): the driver's
-    state, the requests waiting on their environment, each one's last turn end, answers held for
-    interrupted requests, and conversations ended and not yet handed on."""
-    if b.turns is None:
-        return None
-    return {
-        "driver": b.turns.state_dict(),
-        "waiting": sorted(b._waiting),
-        "last_turn": dict(b._last_turn),
-        "held_turns": {rid: [list(o) for o in obs] for rid, obs in b._held_turns.items()},
-        "over": {rid: dataclasses.asdict(o) for rid, o in b._over.items()},
-        "ended": list(b._ended),
-    }
-
-
-def load_conversations_state(b: Any, conv: dict[str, Any] | None) -> None:
-    """Put :func:`conversations_state`'s ``conv`` back into backend ``b``."""
-    if (conv is None) != (b.turns is None):
-        raise BackendError(
-            "the checkpoint's conversations and this run's env section disagree (a run "
-            "with multi-turn environments resumes with the same env.spec)"
-        )
-    if conv is None:
-        return
-    b.turns.load_state_dict(conv["driver"])
-    b._waiting = set(conv["waiting"])
-    b._last_turn = dict(conv["last_turn"])
-    b._held_turns = {rid: [tuple(o) for o in obs] for rid, obs in conv["held_turns"].items()}
-    b._over = {rid: _outcome(o) for rid, o in conv["over"].items()}
-    b._ended = list(conv["ended"])
-
-
-def _outcome(d: dict) -> TurnOutcome:
-    obs = None if d["observation"] is None else tuple(d["observation"])
-    return TurnOutcome(
-        d["request_id"], obs, float(d["reward"]), tuple(d["loss_mask"]), d["figures"]
-    )
