@@ -363,13 +363,10 @@ class EngineBackend:
             by_group.setdefault(self.books.where[rid], []).append(rid)
         out = []
         for g, ids in by_group.items():
-            for rid in ids:
-                self.books.leave(
-                    rid
-                )  # those not returned below finished meanwhile: their event comes
-            if self.recovery.gone(
-                g
-            ):  # (its process died: they come back with the next step's recovered)
+            for rid in ids:  # those not returned below finished meanwhile: their event comes
+                self.books.leave(rid)
+            # (its process died: they come back with the next step's recovered)
+            if self.recovery.gone(g):
                 for r in ids:
                     self.recovery.restart(r, self.books.versions[g])
                 continue

@@ -23,7 +23,6 @@ class LogicalClock:
     between two rounds, so there is nothing to hold still (``concurrent`` is false)."""
 
     kind = "logical"
-    unit = "tick"
     concurrent = False
 
     def __init__(self) -> None:
@@ -82,7 +81,6 @@ class WallClock:
     which runs beside the control loop (``concurrent``)."""
 
     kind = "wall"
-    unit = "s"
     concurrent = True
 
     def __init__(self) -> None:
